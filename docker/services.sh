@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Every service jobfold's tests and demo need, started natively (no Docker engine needed):
+# PostgreSQL, Apache Kafka, the schema registry.
+#
+#   docker/services.sh start|stop|status
+#
+# start reuses what already runs and writes the addresses to $JOBFOLD_STATE_DIR/services.env
+# (source it to point the binaries at these services).
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+HERE="$JOBFOLD_ROOT/docker"
+
+case "${1:-}" in
+    start)
+        # Kafka's JVM warms up while Postgres starts; the registry comes last, as it may build.
+        "$HERE/kafka.sh" start &
+        kafka=$!
+        "$HERE/postgres.sh" start
+        wait "$kafka" || die "kafka did not start"
+        "$HERE/registry.sh" start
+        cat >"$JOBFOLD_STATE_DIR/services.env" <<ENV
+export JOBFOLD_DATABASE_URL=postgres://jobfold:jobfold@127.0.0.1:$JOBFOLD_PG_PORT/jobfold
+export JOBFOLD_KAFKA_BROKERS=127.0.0.1:$JOBFOLD_KAFKA_PORT
+export JOBFOLD_SCHEMA_REGISTRY_URL=http://127.0.0.1:$JOBFOLD_REGISTRY_PORT/apis/ccompat/v7
+ENV
+        say "services: ready; addresses in $JOBFOLD_STATE_DIR/services.env"
+        ;;
+    stop)
+        "$HERE/registry.sh" stop
+        "$HERE/kafka.sh" stop
+        "$HERE/postgres.sh" stop
+        ;;
+    status)
+        rc=0
+        for s in postgres kafka registry; do "$HERE/$s.sh" status || rc=1; done
+        exit $rc
+        ;;
+    *) die "usage: $0 start|stop|status" ;;
+esac

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# The test command: everything the tests need, then every check CI runs.
+#
+#   docker/test.sh [nextest arguments...]
+#
+# 1. installs cargo-nextest when it is missing (from crates.io);
+# 2. starts PostgreSQL, Kafka and the schema registry natively (reusing running ones);
+# 3. runs cargo fmt --check, cargo clippy -D warnings, and every test with cargo nextest;
+# 4. stops the services it started (and only those).
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+cd "$JOBFOLD_ROOT"
+
+step() { printf '\n==> %s\n' "$*"; }
+
+if ! cargo nextest --version >/dev/null 2>&1; then
+    step "installing cargo-nextest"
+    cargo install --locked cargo-nextest
+fi
+
+started=()
+cleanup() {
+    local rc=$?
+    for ((i = ${#started[@]} - 1; i >= 0; i--)); do
+        "docker/${started[i]}.sh" stop || true
+    done
+    exit "$rc"
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+step "starting services"
+for service in postgres kafka registry; do
+    "docker/$service.sh" status >/dev/null 2>&1 || started+=("$service")
+done
+docker/services.sh start
+# shellcheck source=/dev/null
+source "$JOBFOLD_STATE_DIR/services.env"
+
+step "cargo fmt --check"
+cargo fmt --all --check
+
+step "cargo clippy"
+cargo clippy --workspace --all-targets --locked -- -D warnings
+
+step "cargo nextest run"
+cargo nextest run --workspace --locked --no-fail-fast "$@"

@@ -1,0 +1,15 @@
+//! Shared helpers for jobfold's end-to-end tests, and the stand-in schema registry.
+//!
+//! Tests talk to real services started natively by `docker/services.sh start` (the README's
+//! test command starts them): PostgreSQL, Apache Kafka and a schema registry. Where a service
+//! is not reachable a test fails with a message naming that command; it never passes silently.
+//!
+//! # Layout
+//! - [`services`]: where the services listen (from `JOBFOLD_*` variables or the scripts'
+//!   defaults) and checks that they answer.
+//! - [`kafka`]: per-test topics and clients.
+//! - [`registry_standin`]: the stand-in Confluent-compatible registry server.
+
+pub mod kafka;
+pub mod registry_standin;
+pub mod services;
