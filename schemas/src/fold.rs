@@ -1,0 +1,484 @@
+//! The job state machine: [`fold`] and [`JobState::apply`], pure functions of the event log.
+//!
+//! This is the one definition of what a job's events mean. The processor appends only events
+//! that `apply` accepts, replay folds the log with it, and the property tests check its
+//! invariants. Nothing here panics on bad input: an event that cannot follow the state is an
+//! [`FoldError`] naming both.
+//!
+//! ```text
+//! queued ──JobLeased──▶ leased ──JobSucceeded──▶ succeeded
+//!   ▲                     │ ├─JobFailed + JobRetryScheduled──▶ retry_wait ──JobLeased──▶ leased
+//!   │                     │ ├─JobFailed + JobQuarantined────▶ quarantined
+//!   │                     │ └─JobLeased (lease expired: generation + 1)──▶ leased
+//!   └──ReplayRequested───── quarantined
+//! queued | leased | retry_wait | quarantined ──JobSuperseded──▶ superseded
+//! queued | leased | retry_wait | quarantined ──JobCancelled───▶ cancelled
+//! queued | retry_wait ──JobQuarantined (budget spent before a lease)──▶ quarantined
+//! RetryDue: a dispatch marker in queued, leased or retry_wait; it changes no state.
+//! ```
+//!
+//! Invariants the tests check: the generation never decreases; a job never leaves
+//! `succeeded`; the attempt never passes `max_attempts`; folding a prefix and then the rest
+//! equals folding the whole log.
+
+use std::fmt;
+
+use chrono::{DateTime, Utc};
+use uuid::Uuid;
+
+use crate::event::{ErrorClass, JobEvent, Payload};
+
+/// Where a job stands; the `job_state` enum of the `jobs` table.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Status {
+    Queued,
+    Leased,
+    RetryWait,
+    Succeeded,
+    Quarantined,
+    Superseded,
+    Cancelled,
+}
+
+impl Status {
+    /// Every status, in the `job_state` enum's order.
+    pub const ALL: [Status; 7] = [
+        Self::Queued,
+        Self::Leased,
+        Self::RetryWait,
+        Self::Succeeded,
+        Self::Quarantined,
+        Self::Superseded,
+        Self::Cancelled,
+    ];
+
+    /// The `job_state` label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Queued => "queued",
+            Self::Leased => "leased",
+            Self::RetryWait => "retry_wait",
+            Self::Succeeded => "succeeded",
+            Self::Quarantined => "quarantined",
+            Self::Superseded => "superseded",
+            Self::Cancelled => "cancelled",
+        }
+    }
+
+    /// Final states: no event follows them (quarantine is not final: it can be replayed).
+    pub fn is_final(self) -> bool {
+        matches!(self, Self::Succeeded | Self::Superseded | Self::Cancelled)
+    }
+}
+
+impl fmt::Display for Status {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// The lease a worker holds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Lease {
+    pub owner: String,
+    pub until: DateTime<Utc>,
+    /// The dispatching event the lease serves.
+    pub dispatch_event_id: Uuid,
+}
+
+/// The last failure recorded for the job.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Failure {
+    pub generation: i64,
+    pub attempt: i32,
+    pub class: ErrorClass,
+    pub message: String,
+}
+
+/// Why a job is quarantined and who must act.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Quarantine {
+    pub reason: String,
+    pub class: ErrorClass,
+    pub owner: String,
+    pub at: DateTime<Utc>,
+}
+
+/// A job as its events define it: the `jobs` projection row, and a little more.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct JobState {
+    pub job_id: Uuid,
+    pub document_id: String,
+    pub job_kind: String,
+    /// The input version the job runs with (a replay may raise it).
+    pub input_version: i64,
+    /// The input as JSON text.
+    pub input: String,
+    pub idempotency_key: Option<String>,
+    pub status: Status,
+    /// Attempts started (leases taken) in the current budget.
+    pub attempt: i32,
+    pub max_attempts: i32,
+    pub deadline: Option<DateTime<Utc>>,
+    /// Lease generation: raised by every lease, never lowered.
+    pub generation: i64,
+    /// Present exactly while `status` is `Leased`.
+    pub lease: Option<Lease>,
+    /// When the next attempt is due, while `status` is `RetryWait`.
+    pub next_attempt_at: Option<DateTime<Utc>>,
+    pub accepted_at: DateTime<Utc>,
+    /// When a final state or quarantine was reached.
+    pub finished_at: Option<DateTime<Utc>>,
+    /// The stream version of the last event applied.
+    pub stream_version: i32,
+    pub last_failure: Option<Failure>,
+    pub quarantine: Option<Quarantine>,
+    /// The result JSON, once succeeded.
+    pub result: Option<String>,
+    /// For `Superseded`: the newer input version that won.
+    pub superseded_by: Option<i64>,
+}
+
+/// An event that cannot be applied.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum FoldError {
+    /// There was no event at all.
+    #[error("no events to fold")]
+    Empty,
+    /// The first event of a stream must be `JobRequested` with stream version 1.
+    #[error(
+        "job {job_id}: the stream starts with {event} at stream version {stream_version}, not JobRequested at 1"
+    )]
+    BadStart { job_id: Uuid, event: &'static str, stream_version: i32 },
+    /// The event belongs to another job.
+    #[error("job {job_id}: event {event_id} belongs to job {other}")]
+    WrongJob { job_id: Uuid, event_id: Uuid, other: Uuid },
+    /// Stream versions must be gap-free: the next event has the next version.
+    #[error("job {job_id}: expected stream version {expected}, event {event_id} has {found}")]
+    StreamVersion { job_id: Uuid, event_id: Uuid, expected: i32, found: i32 },
+    /// The event is not allowed in the job's state.
+    #[error("job {job_id}: {event} cannot follow state {state}: {why}")]
+    IllegalTransition { job_id: Uuid, state: Status, event: &'static str, why: String },
+}
+
+/// Folds a job's events, in stream order, into its state.
+///
+/// # Errors
+/// [`FoldError`] for an empty log, a bad first event, or an event that cannot follow the
+/// state reached before it.
+pub fn fold<'a>(events: impl IntoIterator<Item = &'a JobEvent>) -> Result<JobState, FoldError> {
+    let mut events = events.into_iter();
+    let first = events.next().ok_or(FoldError::Empty)?;
+    let mut state = JobState::start(first)?;
+    for event in events {
+        state.apply(event)?;
+    }
+    Ok(state)
+}
+
+impl JobState {
+    /// The state a `JobRequested` event creates.
+    ///
+    /// # Errors
+    /// [`FoldError::BadStart`] if `event` is not `JobRequested` at stream version 1.
+    pub fn start(event: &JobEvent) -> Result<Self, FoldError> {
+        let Payload::JobRequested(requested) = &event.payload else {
+            return Err(FoldError::BadStart {
+                job_id: event.job_id,
+                event: event.payload.kind(),
+                stream_version: event.stream_version,
+            });
+        };
+        if event.stream_version != 1 {
+            return Err(FoldError::BadStart {
+                job_id: event.job_id,
+                event: "JobRequested",
+                stream_version: event.stream_version,
+            });
+        }
+        Ok(Self {
+            job_id: event.job_id,
+            document_id: event.document_id.clone(),
+            job_kind: event.job_kind.clone(),
+            input_version: event.input_version,
+            input: requested.input.clone(),
+            idempotency_key: requested.idempotency_key.clone(),
+            status: Status::Queued,
+            attempt: 0,
+            max_attempts: requested.max_attempts,
+            deadline: requested.deadline,
+            generation: 0,
+            lease: None,
+            next_attempt_at: None,
+            accepted_at: event.occurred_at,
+            finished_at: None,
+            stream_version: 1,
+            last_failure: None,
+            quarantine: None,
+            result: None,
+            superseded_by: None,
+        })
+    }
+
+    /// Applies the next event of the stream.
+    ///
+    /// On error the state is unchanged.
+    ///
+    /// # Errors
+    /// [`FoldError`] if the event belongs to another job, skips or repeats a stream version,
+    /// or is not allowed in the current state.
+    pub fn apply(&mut self, event: &JobEvent) -> Result<(), FoldError> {
+        if event.job_id != self.job_id {
+            return Err(FoldError::WrongJob {
+                job_id: self.job_id,
+                event_id: event.event_id,
+                other: event.job_id,
+            });
+        }
+        if event.stream_version != self.stream_version + 1 {
+            return Err(FoldError::StreamVersion {
+                job_id: self.job_id,
+                event_id: event.event_id,
+                expected: self.stream_version + 1,
+                found: event.stream_version,
+            });
+        }
+        let mut next = self.clone();
+        next.transition(event)?;
+        if event.input_version != next.input_version {
+            return Err(self.illegal(
+                event,
+                format!(
+                    "the event is for input version {}, the job runs input version {}",
+                    event.input_version, next.input_version
+                ),
+            ));
+        }
+        next.stream_version = event.stream_version;
+        *self = next;
+        Ok(())
+    }
+
+    /// `apply` by value, for folds written as expressions.
+    ///
+    /// # Errors
+    /// As [`JobState::apply`].
+    pub fn applied(mut self, event: &JobEvent) -> Result<Self, FoldError> {
+        self.apply(event)?;
+        Ok(self)
+    }
+
+    fn illegal(&self, event: &JobEvent, why: impl Into<String>) -> FoldError {
+        FoldError::IllegalTransition {
+            job_id: self.job_id,
+            state: self.status,
+            event: event.payload.kind(),
+            why: why.into(),
+        }
+    }
+
+    /// Requires the current status to be one of `allowed`.
+    fn require(&self, event: &JobEvent, allowed: &[Status]) -> Result<(), FoldError> {
+        if allowed.contains(&self.status) {
+            Ok(())
+        } else {
+            let names: Vec<&str> = allowed.iter().map(|s| s.as_str()).collect();
+            Err(self.illegal(event, format!("allowed only in {}", names.join(", "))))
+        }
+    }
+
+    /// Requires `generation` to be the current lease's.
+    fn require_generation(&self, event: &JobEvent, generation: i64) -> Result<(), FoldError> {
+        if generation == self.generation {
+            Ok(())
+        } else {
+            Err(self.illegal(
+                event,
+                format!(
+                    "generation {generation} is not the current generation {}",
+                    self.generation
+                ),
+            ))
+        }
+    }
+
+    fn finish(&mut self, status: Status, at: DateTime<Utc>) {
+        self.status = status;
+        self.lease = None;
+        self.next_attempt_at = None;
+        self.finished_at = Some(at);
+    }
+
+    fn transition(&mut self, event: &JobEvent) -> Result<(), FoldError> {
+        use Status::{Cancelled, Leased, Quarantined, Queued, RetryWait, Succeeded, Superseded};
+        let at = event.occurred_at;
+        match &event.payload {
+            Payload::JobRequested(_) => {
+                return Err(self.illegal(event, "a job is requested once, at stream version 1"));
+            }
+            Payload::JobLeased(leased) => {
+                self.require(event, &[Queued, RetryWait, Leased])?;
+                if leased.generation != self.generation + 1 {
+                    return Err(self.illegal(
+                        event,
+                        format!(
+                            "generation {} does not follow generation {}",
+                            leased.generation, self.generation
+                        ),
+                    ));
+                }
+                if leased.attempt != self.attempt + 1 {
+                    return Err(self.illegal(
+                        event,
+                        format!(
+                            "attempt {} does not follow attempt {}",
+                            leased.attempt, self.attempt
+                        ),
+                    ));
+                }
+                if leased.attempt > self.max_attempts {
+                    return Err(self.illegal(
+                        event,
+                        format!(
+                            "attempt {} exceeds the budget of {} attempts",
+                            leased.attempt, self.max_attempts
+                        ),
+                    ));
+                }
+                self.status = Leased;
+                self.generation = leased.generation;
+                self.attempt = leased.attempt;
+                self.next_attempt_at = None;
+                self.lease = Some(Lease {
+                    owner: leased.lease_owner.clone(),
+                    until: leased.lease_until,
+                    dispatch_event_id: leased.dispatch_event_id,
+                });
+            }
+            Payload::JobSucceeded(succeeded) => {
+                self.require(event, &[Leased])?;
+                self.require_generation(event, succeeded.generation)?;
+                self.result = Some(succeeded.result.clone());
+                self.finish(Succeeded, at);
+            }
+            Payload::JobFailed(failed) => {
+                self.require(event, &[Leased])?;
+                self.require_generation(event, failed.generation)?;
+                if failed.attempt != self.attempt {
+                    return Err(self.illegal(
+                        event,
+                        format!(
+                            "attempt {} is not the current attempt {}",
+                            failed.attempt, self.attempt
+                        ),
+                    ));
+                }
+                // The lease stays until the decision (retry or quarantine) that follows.
+                self.last_failure = Some(Failure {
+                    generation: failed.generation,
+                    attempt: failed.attempt,
+                    class: failed.error_class,
+                    message: failed.message.clone(),
+                });
+            }
+            Payload::JobRetryScheduled(retry) => {
+                self.require(event, &[Leased])?;
+                let failed_now = self.last_failure.as_ref().is_some_and(|f| {
+                    f.generation == self.generation && f.class == ErrorClass::Retryable
+                });
+                if !failed_now {
+                    return Err(self.illegal(
+                        event,
+                        "a retry follows a retryable JobFailed of the current lease",
+                    ));
+                }
+                if retry.attempt != self.attempt {
+                    return Err(self.illegal(
+                        event,
+                        format!(
+                            "attempt {} is not the current attempt {}",
+                            retry.attempt, self.attempt
+                        ),
+                    ));
+                }
+                if self.attempt >= self.max_attempts {
+                    return Err(self.illegal(
+                        event,
+                        format!("the budget of {} attempts is spent", self.max_attempts),
+                    ));
+                }
+                self.status = RetryWait;
+                self.lease = None;
+                self.next_attempt_at = Some(retry.next_attempt_at);
+            }
+            Payload::RetryDue(_) => {
+                self.require(event, &[Queued, Leased, RetryWait])?;
+            }
+            Payload::JobQuarantined(quarantined) => {
+                self.require(event, &[Queued, Leased, RetryWait])?;
+                if self.status == Leased
+                    && self.last_failure.as_ref().is_none_or(|f| f.generation != self.generation)
+                {
+                    return Err(self.illegal(
+                        event,
+                        "a leased job is quarantined after a JobFailed of the current lease",
+                    ));
+                }
+                self.quarantine = Some(Quarantine {
+                    reason: quarantined.reason.clone(),
+                    class: quarantined.error_class,
+                    owner: quarantined.owner.clone(),
+                    at,
+                });
+                self.finish(Quarantined, at);
+            }
+            Payload::ReplayRequested(replay) => {
+                self.require(event, &[Quarantined])?;
+                if let Some(version) = replay.new_input_version {
+                    if version <= self.input_version {
+                        return Err(self.illegal(
+                            event,
+                            format!(
+                                "new input version {version} is not above the current {}",
+                                self.input_version
+                            ),
+                        ));
+                    }
+                    self.input_version = version;
+                    if let Some(input) = &replay.new_input {
+                        self.input = input.clone();
+                    }
+                } else if replay.new_input.is_some() {
+                    return Err(self.illegal(event, "a new input needs a new input version"));
+                }
+                // A fresh budget; the generation keeps counting so old leases stay fenced.
+                self.status = Queued;
+                self.attempt = 0;
+                self.max_attempts = replay.max_attempts;
+                self.deadline = replay.deadline;
+                self.finished_at = None;
+                self.quarantine = None;
+                self.last_failure = None;
+            }
+            Payload::JobSuperseded(superseded) => {
+                self.require(event, &[Queued, Leased, RetryWait, Quarantined])?;
+                if superseded.by_input_version <= self.input_version {
+                    return Err(self.illegal(
+                        event,
+                        format!(
+                            "input version {} does not supersede {}",
+                            superseded.by_input_version, self.input_version
+                        ),
+                    ));
+                }
+                self.superseded_by = Some(superseded.by_input_version);
+                self.finish(Superseded, at);
+            }
+            Payload::JobCancelled(_) => {
+                self.require(event, &[Queued, Leased, RetryWait, Quarantined])?;
+                self.finish(Cancelled, at);
+            }
+        }
+        Ok(())
+    }
+}
