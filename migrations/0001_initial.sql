@@ -70,10 +70,24 @@ CREATE TABLE outbox (
     CONSTRAINT outbox_pkey PRIMARY KEY (seq),
     CONSTRAINT outbox_seq_fkey FOREIGN KEY (seq) REFERENCES job_events (seq)
 );
--- What the relay scans: only unpublished rows, in log order.
-CREATE INDEX outbox_unpublished_idx ON outbox (available_at, seq) WHERE published_at IS NULL;
+-- What the relay claims: unpublished rows in log order (it skips the few not yet due).
+CREATE INDEX outbox_unpublished_idx ON outbox (seq) WHERE published_at IS NULL;
+-- When the next delayed row (a scheduled retry) becomes due.
+CREATE INDEX outbox_due_idx ON outbox (available_at) WHERE published_at IS NULL;
 -- What pruning scans.
 CREATE INDEX outbox_published_idx ON outbox (published_at) WHERE published_at IS NOT NULL;
+
+-- Wakes the relay when an outbox row commits (NOTIFY is delivered at commit, so a relay
+-- never hears of a row it cannot see yet). One notification per statement, and Postgres
+-- folds identical notifications of one transaction into one.
+CREATE FUNCTION outbox_notify() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM pg_notify('jobfold_outbox', '');
+    RETURN NULL;
+END;
+$$;
+CREATE TRIGGER outbox_notify AFTER INSERT ON outbox
+    FOR EACH STATEMENT EXECUTE FUNCTION outbox_notify();
 
 CREATE TABLE job_results (
     job_id        uuid        NOT NULL,

@@ -1,11 +1,22 @@
-//! What jobfold's binaries and tests share.
+//! What jobfold's binaries and upstream services share.
 //!
 //! # Layout
-//! - [`MIGRATOR`]: the schema in `migrations/`, embedded at build time. Services run it at
-//!   start; sqlx takes a Postgres advisory lock so concurrent starts apply it once.
+//! - [`config`]: the one typed configuration (defaults, file, `JOBFOLD_*` variables).
+//! - [`accept`]: accepting jobs — job row, `JobRequested` event and outbox row in one
+//!   transaction, inside the caller's transaction or a new one.
+//! - [`db`]: connecting to Postgres and running the embedded migrations ([`MIGRATOR`]).
+//! - [`kafka`]: creating jobfold's topics.
+//! - [`shutdown`]: the root cancellation token, cancelled by SIGINT/SIGTERM.
+//! - [`telemetry`], [`metrics`]: logs and Prometheus metrics.
+//! - [`failpoint`]: named crash points for fault-injection tests.
 
-/// Every migration under `migrations/`, embedded in the binary.
-///
-/// Run it with `MIGRATOR.run(&pool).await`: it is idempotent and serialised across
-/// processes by sqlx's migration lock.
-pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../migrations");
+pub mod accept;
+pub mod config;
+pub mod db;
+pub mod failpoint;
+pub mod kafka;
+pub mod metrics;
+pub mod shutdown;
+pub mod telemetry;
+
+pub use db::MIGRATOR;

@@ -1,4 +1,68 @@
-//! `jobfold-processor`: the consumer group that leases, runs and completes jobs.
+//! `jobfold-processor`: accepts jobs (HTTP API, intake topic) and runs them.
 //!
-//! Invariant: a Kafka offset is stored only after the Postgres transaction holding the
-//! result, the dedupe row and the partition offset row has committed.
+//! Invariant: a Kafka offset is stored only after the Postgres transaction holding what the
+//! message caused (an accepted job, a dead letter) has committed.
+//!
+//! # Layout
+//! - [`run`]: starts every part and stops them together.
+//! - [`http`]: the HTTP API (`POST /v1/jobs`, `GET /v1/jobs/{id}`, health).
+//! - [`intake`]: the consumer turning `jobfold.job-requests` messages into accepted jobs.
+//!
+//! Shutdown: the HTTP server stops accepting connections and finishes requests in flight;
+//! the intake finishes the message in flight and commits its stored offsets.
+
+pub mod http;
+pub mod intake;
+
+use anyhow::Context;
+use jobfold_common::accept::Acceptor;
+use jobfold_common::config::Config;
+use jobfold_common::{db, kafka, metrics as m};
+use jobfold_schemas::codec::registry_settings;
+use jobfold_schemas::{Codec, Decoder, JobEvent, JobRequest};
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+
+/// Request bodies may exceed the input limit by this much (the other fields).
+pub const BODY_OVERHEAD_BYTES: usize = 4096;
+
+/// Runs the processor until `shutdown` is cancelled or a part fails (which stops the rest).
+///
+/// # Errors
+/// Start-up failed, or a part failed.
+pub async fn run(config: Config, shutdown: CancellationToken) -> anyhow::Result<()> {
+    let pool = db::connect_and_migrate(&config, 16).await.context("connecting to Postgres")?;
+    kafka::ensure_topics(&config, &kafka::jobfold_topics(&config))
+        .await
+        .context("creating the topics")?;
+    m::describe();
+    let settings = registry_settings(&config.schema_registry_url)
+        .context("configuring the schema registry client")?;
+    let codec = Codec::<JobEvent>::connect(settings.clone(), &config.topics.events)
+        .await
+        .context("registering the job event schema")?;
+    let producer = format!("jobfold-processor/{}", std::process::id());
+    let acceptor = Acceptor::new(codec, config.accept.clone(), &config.topics.events, producer);
+
+    let mut parts = JoinSet::new();
+    let api = http::router(
+        http::ApiState { pool: pool.clone(), acceptor: acceptor.clone() },
+        config.accept.max_input_bytes + BODY_OVERHEAD_BYTES,
+    );
+    parts.spawn(http::serve(config.http_addr, api, shutdown.clone()));
+    if config.intake.enabled {
+        let intake =
+            intake::Intake::new(&config, Decoder::<JobRequest>::new(settings), acceptor, pool)?;
+        parts.spawn(intake.run(shutdown.clone()));
+    }
+    let mut result = Ok(());
+    while let Some(done) = parts.join_next().await {
+        let outcome = done.context("a processor task panicked").and_then(|r| r);
+        if let Err(e) = outcome {
+            tracing::error!(error = %format!("{e:#}"), "A processor part failed; stopping.");
+            shutdown.cancel();
+            result = Err(e);
+        }
+    }
+    result
+}

@@ -1,5 +1,219 @@
 //! `jobfold-relay`: moves committed outbox rows to Kafka.
 //!
-//! Invariant: an event reaches Kafka only after its transaction committed, at least once,
-//! keyed by document id, in per-document order; a row is marked published only after its
-//! delivery report arrived.
+//! Invariant: an event reaches Kafka only after its transaction committed (the relay reads
+//! committed rows only), at least once (a row is marked published only after its delivery
+//! report arrived; a crash in between publishes it again — a duplicate, never a loss),
+//! keyed by document id, in per-document order (rows go out in log order through an
+//! idempotent, gapless producer, and a batch is marked before the next is read).
+//!
+//! # Layout
+//! - [`run`]: stand by until this relay holds the active lock, then relay until shutdown.
+//! - [`outbox`]: the claim, mark, backlog and prune queries.
+//! - [`publish`]: producing a batch and collecting its delivery reports.
+//!
+//! One relay is active per lock key: a Postgres session advisory lock, held by the
+//! connection that also claims and marks rows. When the active relay dies its session ends,
+//! the lock is released, and a standby takes over within `relay.standby_retry`.
+//!
+//! Shutdown: the batch in flight is produced, its reports awaited and marked; then the
+//! relay exits.
+
+pub mod outbox;
+pub mod publish;
+
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use jobfold_common::config::Config;
+use jobfold_common::metrics as m;
+use jobfold_common::{db, failpoint, kafka};
+use rdkafka::producer::FutureProducer;
+use sqlx::postgres::{PgConnectOptions, PgListener};
+use sqlx::{Connection, PgConnection, PgPool};
+use tokio_util::sync::CancellationToken;
+
+/// The channel `outbox_notify()` signals on every outbox insert.
+pub const NOTIFY_CHANNEL: &str = "jobfold_outbox";
+
+/// How often the backlog gauges are refreshed.
+const GAUGE_INTERVAL: Duration = Duration::from_secs(2);
+/// Pause after a batch with delivery failures, before the rows are tried again.
+const FAILURE_BACKOFF: Duration = Duration::from_millis(500);
+/// Rows deleted per prune statement.
+const PRUNE_CHUNK: i64 = 10_000;
+
+/// Runs the relay until `shutdown` is cancelled.
+///
+/// # Errors
+/// Start-up failed: the database, the broker or the topics could not be set up. Later
+/// failures (a lost connection, a broker outage) are logged and retried.
+pub async fn run(config: Config, shutdown: CancellationToken) -> anyhow::Result<()> {
+    let pool = db::connect_and_migrate(&config, 2).await.context("connecting to Postgres")?;
+    kafka::ensure_topics(&config, &kafka::jobfold_topics(&config))
+        .await
+        .context("creating the topics")?;
+    m::describe();
+    metrics::gauge!(m::RELAY_ACTIVE).set(0.0);
+    let mut producer = publish::producer(&config).context("creating the producer")?;
+    while !shutdown.is_cancelled() {
+        let Some(lock) = stand_by(&config, &shutdown).await else { break };
+        tracing::info!(lock_key = config.relay.lock_key, "Active: relaying the outbox.");
+        metrics::gauge!(m::RELAY_ACTIVE).set(1.0);
+        let result = relay(&config, &pool, lock, &mut producer, &shutdown).await;
+        metrics::gauge!(m::RELAY_ACTIVE).set(0.0);
+        match result {
+            Ok(()) => break,
+            Err(e) => {
+                tracing::warn!(error = %format!("{e:#}"), "Relaying stopped; standing by again.");
+                tokio::time::sleep(config.relay.standby_retry).await;
+            }
+        }
+    }
+    publish::flush(&producer, config.relay.shutdown_timeout);
+    tracing::info!("Relay stopped.");
+    Ok(())
+}
+
+/// Waits until this process holds the active lock; `None` on shutdown.
+async fn stand_by(config: &Config, shutdown: &CancellationToken) -> Option<PgConnection> {
+    let mut announced = false;
+    loop {
+        match try_lock(config).await {
+            Ok(Some(conn)) => return Some(conn),
+            Ok(None) if !announced => {
+                tracing::info!("Another relay is active; standing by.");
+                announced = true;
+            }
+            Ok(None) => {}
+            Err(e) => tracing::warn!(error = %e, "Cannot reach Postgres to take the relay lock."),
+        }
+        tokio::select! {
+            biased;
+            _ = shutdown.cancelled() => return None,
+            _ = tokio::time::sleep(config.relay.standby_retry) => {}
+        }
+    }
+}
+
+/// A connection holding the advisory lock, or `None` if another session holds it.
+async fn try_lock(config: &Config) -> Result<Option<PgConnection>, sqlx::Error> {
+    let options: PgConnectOptions = config.database_url.expose().parse()?;
+    let mut conn = PgConnection::connect_with(&options.application_name("jobfold-relay")).await?;
+    let locked: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1)")
+        .bind(config.relay.lock_key)
+        .fetch_one(&mut conn)
+        .await?;
+    Ok(locked.then_some(conn))
+}
+
+/// Relays while holding the lock on `conn`. `Ok` on shutdown; `Err` when the lock's
+/// connection (or the listener) fails.
+async fn relay(
+    config: &Config,
+    pool: &PgPool,
+    mut conn: PgConnection,
+    producer: &mut FutureProducer,
+    shutdown: &CancellationToken,
+) -> anyhow::Result<()> {
+    let mut listener = PgListener::connect_with(pool).await?;
+    listener.listen(NOTIFY_CHANNEL).await?;
+    let mut gauges_at = Instant::now() - GAUGE_INTERVAL;
+    let mut prune_at = Instant::now();
+    loop {
+        let stop = drain(config, &mut conn, producer, shutdown).await?;
+        if stop {
+            return Ok(());
+        }
+        if gauges_at.elapsed() >= GAUGE_INTERVAL {
+            let (count, age) = outbox::backlog(&mut conn).await?;
+            metrics::gauge!(m::RELAY_BACKLOG).set(count as f64);
+            metrics::gauge!(m::RELAY_OLDEST_UNPUBLISHED_AGE_SECONDS).set(age);
+            gauges_at = Instant::now();
+        }
+        if prune_at.elapsed() >= config.relay.prune_interval {
+            prune(config, &mut conn).await?;
+            prune_at = Instant::now();
+        }
+        // Sleep until notified, the next delayed row is due, or the poll interval passes.
+        let mut wait = config.relay.poll_interval;
+        if let Some(due) = outbox::seconds_to_next_due(&mut conn).await? {
+            wait = wait.min(Duration::from_secs_f64(due.max(0.0)));
+        }
+        tokio::select! {
+            biased;
+            _ = shutdown.cancelled() => return Ok(()),
+            notification = listener.recv() => { notification?; }
+            _ = tokio::time::sleep(wait) => {}
+        }
+    }
+}
+
+/// Publishes due rows batch by batch until fewer than a full batch remain. Returns true if
+/// shutdown was requested (after finishing the batch in flight).
+async fn drain(
+    config: &Config,
+    conn: &mut PgConnection,
+    producer: &mut FutureProducer,
+    shutdown: &CancellationToken,
+) -> anyhow::Result<bool> {
+    loop {
+        let rows = outbox::claim(conn, config.relay.batch_size).await?;
+        if rows.is_empty() {
+            return Ok(shutdown.is_cancelled());
+        }
+        // A batch waits for its delivery reports, through broker outages; on shutdown it
+        // gets `shutdown_timeout` more, then is abandoned unmarked (published again later).
+        let give_up = async {
+            shutdown.cancelled().await;
+            tokio::time::sleep(config.relay.shutdown_timeout).await;
+        };
+        let outcome = tokio::select! {
+            outcome = publish::publish(producer, &rows) => outcome,
+            _ = give_up => {
+                tracing::warn!(rows = rows.len(), "Shutdown: abandoning a batch still waiting for delivery reports.");
+                return Ok(true);
+            }
+        };
+        failpoint::hit(failpoint::RELAY_AFTER_PRODUCE_BEFORE_MARK);
+        let seqs: Vec<i64> = outcome.delivered.iter().map(|(seq, _)| *seq).collect();
+        let marked = outbox::mark_published(conn, &seqs).await?;
+        metrics::counter!(m::RELAY_PUBLISHED_TOTAL).increment(marked);
+        let now = chrono::Utc::now();
+        let latency = metrics::histogram!(m::RELAY_PUBLISH_LATENCY_SECONDS);
+        for (_, available_at) in &outcome.delivered {
+            latency.record((now - *available_at).as_seconds_f64().max(0.0));
+        }
+        if !outcome.failed.is_empty() {
+            metrics::counter!(m::RELAY_DELIVERY_ERRORS_TOTAL)
+                .increment(outcome.failed.len() as u64);
+            let (seq, error) = &outcome.failed[0];
+            tracing::warn!(
+                failed = outcome.failed.len(),
+                held_back = outcome.held_back,
+                first_seq = seq,
+                error = %error,
+                "Some outbox rows were not delivered; they stay unpublished and are retried."
+            );
+            if publish::is_fatal(producer) {
+                tracing::warn!("The producer hit a fatal error; building a new one.");
+                *producer = publish::producer(config)?;
+            }
+            tokio::time::sleep(FAILURE_BACKOFF).await;
+            return Ok(shutdown.is_cancelled());
+        }
+        if shutdown.is_cancelled() || rows.len() < config.relay.batch_size as usize {
+            return Ok(shutdown.is_cancelled());
+        }
+    }
+}
+
+async fn prune(config: &Config, conn: &mut PgConnection) -> anyhow::Result<()> {
+    let older_than = config.relay.prune_after.as_secs_f64();
+    loop {
+        let pruned = outbox::prune(conn, older_than, PRUNE_CHUNK).await?;
+        metrics::counter!(m::RELAY_PRUNED_TOTAL).increment(pruned);
+        if pruned < PRUNE_CHUNK as u64 {
+            return Ok(());
+        }
+    }
+}

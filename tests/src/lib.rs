@@ -7,9 +7,12 @@
 //! # Layout
 //! - [`services`]: where the services listen (from `JOBFOLD_*` variables or the scripts'
 //!   defaults) and checks that they answer.
+//! - [`harness`]: a private jobfold installation per test (database, topics, groups) and
+//!   jobfold's binaries as child processes a test can kill.
 //! - [`kafka`]: per-test topics and clients.
 //! - [`registry_standin`]: the stand-in Confluent-compatible registry server.
 
+pub mod harness;
 pub mod kafka;
 pub mod registry_standin;
 pub mod services;

@@ -1,0 +1,259 @@
+//! Accepting jobs: the job row, its `JobRequested` event and the outbox row, in one
+//! transaction.
+//!
+//! Invariant: a job is accepted exactly when this transaction commits. Before the commit
+//! nothing exists — no row, no event, no message (the relay only sees committed outbox rows).
+//! After it the job cannot be lost: the relay publishes the outbox row at least once.
+//!
+//! Three ways in end here: [`Acceptor::accept_in`] inside the caller's own transaction
+//! (transactional enqueue), [`Acceptor::accept`] with a pool (HTTP), and the intake consumer.
+//!
+//! Idempotency: a request with an idempotency key that was already accepted returns the
+//! existing job (`created: false`) if it asks for the same thing, and
+//! [`AcceptError::Conflict`] if the same key comes with a different request.
+
+use chrono::{DateTime, Utc};
+use jobfold_schemas::event::{JobRequested, TraceContext};
+use jobfold_schemas::{Codec, JobEvent, Payload};
+use serde::{Deserialize, Serialize};
+use sqlx::{PgConnection, PgPool};
+use uuid::Uuid;
+
+use crate::config::Accept as AcceptPolicy;
+
+/// Largest `document_id`, `kind` and idempotency key, in bytes.
+pub const MAX_NAME_BYTES: usize = 512;
+
+/// A job to accept.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NewJob {
+    /// The document the job works on: the Kafka key.
+    pub document_id: String,
+    /// Which handler runs it.
+    pub kind: String,
+    /// Version of the input, increasing per document.
+    pub input_version: i64,
+    /// The handler's input, any JSON.
+    pub input: serde_json::Value,
+    /// Retries of the same request carry the same key.
+    #[serde(default)]
+    pub idempotency_key: Option<String>,
+    /// W3C trace context to continue.
+    #[serde(skip)]
+    pub trace: Option<TraceContext>,
+}
+
+/// The outcome of an accept.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct Accepted {
+    pub job_id: Uuid,
+    /// False when an earlier request with the same idempotency key created the job.
+    pub created: bool,
+}
+
+/// Why a job was not accepted.
+#[derive(Debug, thiserror::Error)]
+pub enum AcceptError {
+    /// A field breaks a rule; nothing was written.
+    #[error("invalid field `{field}`: {problem}")]
+    Invalid { field: &'static str, problem: String },
+    /// The idempotency key was used before for a different request.
+    #[error("idempotency key {key:?} was already used for a different request (job {job_id})")]
+    Conflict { key: String, job_id: Uuid },
+    /// The event could not be encoded (a bug: the schema and the types disagree).
+    #[error(transparent)]
+    Encode(#[from] jobfold_schemas::codec::EncodeError),
+    /// The database failed; nothing was accepted unless the caller's transaction commits.
+    #[error("database: {0}")]
+    Database(#[from] sqlx::Error),
+}
+
+/// Accepts jobs. Cheap to clone.
+#[derive(Debug, Clone)]
+pub struct Acceptor {
+    codec: Codec<JobEvent>,
+    policy: AcceptPolicy,
+    events_topic: String,
+    /// Written into each event's `producer` field.
+    producer: String,
+}
+
+/// What was stored for an idempotency key, to compare with a retried request.
+#[derive(Debug, sqlx::FromRow)]
+struct Existing {
+    job_id: Uuid,
+    document_id: String,
+    kind: String,
+    input_version: i64,
+    payload: serde_json::Value,
+}
+
+impl Acceptor {
+    pub fn new(
+        codec: Codec<JobEvent>,
+        policy: AcceptPolicy,
+        events_topic: impl Into<String>,
+        producer: impl Into<String>,
+    ) -> Self {
+        Self { codec, policy, events_topic: events_topic.into(), producer: producer.into() }
+    }
+
+    /// Checks a job against the rules; [`AcceptError::Invalid`] names the first bad field.
+    ///
+    /// # Errors
+    /// [`AcceptError::Invalid`].
+    pub fn validate(&self, job: &NewJob) -> Result<(), AcceptError> {
+        let invalid = |field, problem: String| Err(AcceptError::Invalid { field, problem });
+        let name = |field, value: &str| {
+            if value.trim().is_empty() {
+                invalid(field, "must not be empty".into())
+            } else if value.len() > MAX_NAME_BYTES {
+                invalid(field, format!("must be at most {MAX_NAME_BYTES} bytes"))
+            } else {
+                Ok(())
+            }
+        };
+        name("document_id", &job.document_id)?;
+        name("kind", &job.kind)?;
+        if let Some(key) = &job.idempotency_key {
+            name("idempotency_key", key)?;
+        }
+        if job.input_version < 1 {
+            return invalid("input_version", "must be at least 1".into());
+        }
+        let size = serde_json::to_vec(&job.input).map(|v| v.len()).unwrap_or(usize::MAX);
+        if size > self.policy.max_input_bytes {
+            return invalid(
+                "input",
+                format!("is {size} bytes, more than the limit of {}", self.policy.max_input_bytes),
+            );
+        }
+        Ok(())
+    }
+
+    /// Accepts `job` inside the caller's transaction: it is accepted if and only if the
+    /// caller commits. The relay is woken at that commit.
+    ///
+    /// # Errors
+    /// [`AcceptError`]; on any error the caller should roll back.
+    pub async fn accept_in(
+        &self,
+        tx: &mut PgConnection,
+        job: &NewJob,
+    ) -> Result<Accepted, AcceptError> {
+        self.validate(job)?;
+        // Millisecond precision, as events carry time: the row and the event agree.
+        let now = Utc::now();
+        let now = DateTime::from_timestamp_millis(now.timestamp_millis()).unwrap_or(now);
+        let job_id = Uuid::now_v7();
+        let event = self.requested_event(job_id, job, now);
+        let body = self.codec.encode(&event)?;
+        // language=PostgreSQL
+        let inserted: Option<Uuid> = sqlx::query_scalar(
+            r#"
+            WITH job AS (
+                INSERT INTO jobs (job_id, document_id, kind, payload, input_version,
+                                  idempotency_key, accepted_at, stream_version)
+                VALUES ($1, $2, $3, $4, $5, $6, $7, 1)
+                ON CONFLICT (idempotency_key) DO NOTHING
+                RETURNING job_id
+            ), event AS (
+                INSERT INTO job_events (event_id, job_id, stream_version, kind, body, occurred_at)
+                SELECT $8, job_id, 1, 'JobRequested', $9, $7 FROM job
+                RETURNING seq
+            ), outbox AS (
+                INSERT INTO outbox (seq, topic, key)
+                SELECT seq, $10, $2 FROM event
+            )
+            SELECT job_id FROM job
+            "#,
+        )
+        .bind(job_id)
+        .bind(&job.document_id)
+        .bind(&job.kind)
+        .bind(&job.input)
+        .bind(job.input_version)
+        .bind(&job.idempotency_key)
+        .bind(now)
+        .bind(event.event_id)
+        .bind(&body)
+        .bind(&self.events_topic)
+        .fetch_optional(&mut *tx)
+        .await?;
+        if let Some(job_id) = inserted {
+            metrics::counter!(crate::metrics::ACCEPTED_TOTAL).increment(1);
+            return Ok(Accepted { job_id, created: true });
+        }
+        // The key exists: the same request again returns its job.
+        let key = job.idempotency_key.clone().expect("only a keyed insert can conflict");
+        // language=PostgreSQL
+        let existing: Existing = sqlx::query_as(
+            "SELECT job_id, document_id, kind, input_version, payload \
+             FROM jobs WHERE idempotency_key = $1",
+        )
+        .bind(&key)
+        .fetch_one(&mut *tx)
+        .await?;
+        let same = existing.document_id == job.document_id
+            && existing.kind == job.kind
+            && existing.input_version == job.input_version
+            && existing.payload == job.input;
+        if same {
+            Ok(Accepted { job_id: existing.job_id, created: false })
+        } else {
+            Err(AcceptError::Conflict { key, job_id: existing.job_id })
+        }
+    }
+
+    /// Accepts `job` in a transaction of its own.
+    ///
+    /// # Errors
+    /// [`AcceptError`]; nothing was accepted.
+    pub async fn accept(&self, pool: &PgPool, job: &NewJob) -> Result<Accepted, AcceptError> {
+        let mut tx = pool.begin().await?;
+        let accepted = self.accept_in(&mut tx, job).await?;
+        tx.commit().await?;
+        Ok(accepted)
+    }
+
+    /// Accepts several jobs in one transaction: all or none.
+    ///
+    /// # Errors
+    /// [`AcceptError`] for the first job that fails; none was accepted.
+    pub async fn accept_batch(
+        &self,
+        pool: &PgPool,
+        jobs: &[NewJob],
+    ) -> Result<Vec<Accepted>, AcceptError> {
+        let mut tx = pool.begin().await?;
+        let mut accepted = Vec::with_capacity(jobs.len());
+        for job in jobs {
+            accepted.push(self.accept_in(&mut tx, job).await?);
+        }
+        tx.commit().await?;
+        Ok(accepted)
+    }
+
+    fn requested_event(&self, job_id: Uuid, job: &NewJob, now: DateTime<Utc>) -> JobEvent {
+        let (max_attempts, deadline) = self.policy.budget(&job.kind);
+        let deadline = deadline.and_then(|d| chrono::Duration::from_std(d).ok()).map(|d| now + d);
+        JobEvent {
+            event_id: Uuid::now_v7(),
+            job_id,
+            document_id: job.document_id.clone(),
+            job_kind: job.kind.clone(),
+            input_version: job.input_version,
+            stream_version: 1,
+            occurred_at: now,
+            trace: job.trace.clone(),
+            producer: self.producer.clone(),
+            payload: Payload::JobRequested(JobRequested {
+                input: job.input.to_string(),
+                idempotency_key: job.idempotency_key.clone(),
+                max_attempts,
+                deadline,
+            }),
+        }
+    }
+}

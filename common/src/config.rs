@@ -1,0 +1,325 @@
+//! One typed configuration for every jobfold binary.
+//!
+//! Sources, later ones winning: the defaults compiled in (`common/default.toml`), an optional
+//! TOML file (`--config`), then environment variables prefixed `JOBFOLD_`, with `__` between
+//! levels: `JOBFOLD_DATABASE_URL`, `JOBFOLD_RELAY__BATCH_SIZE`. librdkafka options go under
+//! `[kafka]` in the file, or as `JOBFOLD_KAFKA__LINGER_MS` (dots written as `_`).
+//!
+//! Invalid configuration is one [`ConfigError`] naming the key; binaries print it and exit
+//! with status 2.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::net::SocketAddr;
+use std::path::Path;
+use std::time::Duration;
+
+use figment::Figment;
+use figment::providers::{Env, Format, Serialized, Toml};
+use serde::{Deserialize, Serialize};
+
+/// Exit status for invalid configuration.
+pub const EXIT_CONFIG: i32 = 2;
+
+const DEFAULTS: &str = include_str!("../default.toml");
+
+/// A secret: shown as `*********` by `Debug`, `Display` and `Serialize`.
+#[derive(Clone, PartialEq, Eq, Deserialize)]
+#[serde(transparent)]
+pub struct Sensitive<T>(T);
+
+impl<T> Sensitive<T> {
+    pub fn new(value: T) -> Self {
+        Self(value)
+    }
+
+    /// The secret itself; call only where it is used, never to log it.
+    pub fn expose(&self) -> &T {
+        &self.0
+    }
+}
+
+impl<T> fmt::Debug for Sensitive<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("*********")
+    }
+}
+
+impl<T> fmt::Display for Sensitive<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("*********")
+    }
+}
+
+impl<T> Serialize for Sensitive<T> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str("*********")
+    }
+}
+
+/// The whole configuration. Each binary reads the sections it needs.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    /// `postgres://` URL of the jobfold database (contains the password: sensitive).
+    pub database_url: Sensitive<String>,
+    /// Kafka bootstrap servers, comma separated.
+    pub kafka_brokers: String,
+    /// Base URL of the Confluent-compatible schema registry API.
+    pub schema_registry_url: String,
+    /// Where the processor serves the HTTP API.
+    pub http_addr: SocketAddr,
+    /// Where Prometheus scrapes `/metrics`.
+    pub metrics_addr: SocketAddr,
+    /// Log as JSON lines instead of text.
+    pub log_json: bool,
+    pub topics: Topics,
+    pub relay: Relay,
+    pub accept: Accept,
+    pub intake: Intake,
+    /// librdkafka options passed to every client, e.g. `"security.protocol" = "SASL_SSL"`.
+    #[serde(default)]
+    pub kafka: BTreeMap<String, String>,
+}
+
+/// Topic names and how the relay creates them.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct Topics {
+    /// Relay → processors and analytics.
+    pub events: String,
+    /// Upstream producers → intake.
+    pub requests: String,
+    /// Partitions for topics the relay creates.
+    pub partitions: i32,
+    pub replication_factor: i32,
+    /// `retention.ms` of the events topic; `-1` keeps events forever.
+    pub events_retention_ms: i64,
+}
+
+/// The outbox relay.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct Relay {
+    /// Outbox rows claimed and produced per round trip.
+    pub batch_size: u32,
+    /// Fallback poll when no notification arrives.
+    #[serde(with = "humantime_serde")]
+    pub poll_interval: Duration,
+    /// How often a standby relay tries to become the active one.
+    #[serde(with = "humantime_serde")]
+    pub standby_retry: Duration,
+    /// Published outbox rows are deleted after this long (job_events is kept).
+    #[serde(with = "humantime_serde")]
+    pub prune_after: Duration,
+    #[serde(with = "humantime_serde")]
+    pub prune_interval: Duration,
+    /// Time to finish the batch in flight on shutdown.
+    #[serde(with = "humantime_serde")]
+    pub shutdown_timeout: Duration,
+    /// Advisory lock key of the active relay; relays sharing a key share one active slot.
+    pub lock_key: i64,
+}
+
+/// The intake consumer on the requests topic.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct Intake {
+    /// Run the intake consumer in the processor.
+    pub enabled: bool,
+    /// Its consumer group.
+    pub group: String,
+}
+
+/// Accepting jobs.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct Accept {
+    /// Largest accepted request body (HTTP) or input (all paths), in bytes.
+    pub max_input_bytes: usize,
+    /// Attempt budget of jobs whose kind has no `[accept.kinds.<kind>]` entry.
+    pub default_max_attempts: i32,
+    /// Elapsed-time budget from acceptance; none if absent.
+    #[serde(default, with = "humantime_serde")]
+    pub default_deadline: Option<Duration>,
+    /// Per job kind budgets and owners.
+    #[serde(default)]
+    pub kinds: BTreeMap<String, KindPolicy>,
+}
+
+/// Budgets and ownership of one job kind.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct KindPolicy {
+    pub max_attempts: i32,
+    #[serde(default, with = "humantime_serde")]
+    pub deadline: Option<Duration>,
+    /// Who must act on this kind's quarantined jobs.
+    #[serde(default)]
+    pub owner: Option<String>,
+}
+
+impl Accept {
+    /// The attempt budget and deadline for `kind`.
+    pub fn budget(&self, kind: &str) -> (i32, Option<Duration>) {
+        match self.kinds.get(kind) {
+            Some(policy) => (policy.max_attempts, policy.deadline.or(self.default_deadline)),
+            None => (self.default_max_attempts, self.default_deadline),
+        }
+    }
+}
+
+/// Invalid configuration, naming the key.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// A source could not be read, or a value does not fit its key.
+    #[error("invalid configuration: {}", describe(.0))]
+    Load(#[from] Box<figment::Error>),
+    /// A value fits its type but breaks a rule.
+    #[error("invalid configuration: key `{key}`: {problem}")]
+    Invalid { key: &'static str, problem: String },
+}
+
+/// Every error figment found, each as "key `a.b` (from source): problem".
+fn describe(error: &figment::Error) -> String {
+    error
+        .clone()
+        .into_iter()
+        .map(|e| {
+            let key = e.path.join(".").to_ascii_lowercase();
+            let source =
+                e.metadata.as_ref().map(|m| format!(" (from {})", m.name)).unwrap_or_default();
+            if key.is_empty() {
+                format!("{}{source}", e.kind)
+            } else {
+                format!("key `{key}`{source}: {}", e.kind)
+            }
+        })
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
+/// Top-level keys that `JOBFOLD_*` variables may set. Other `JOBFOLD_*` variables belong to
+/// the service scripts (`JOBFOLD_STATE_DIR`, ...) or to tests (`JOBFOLD_FAILPOINT`).
+const ENV_KEYS: [&str; 11] = [
+    "database_url",
+    "kafka_brokers",
+    "schema_registry_url",
+    "http_addr",
+    "metrics_addr",
+    "log_json",
+    "topics",
+    "relay",
+    "accept",
+    "intake",
+    "kafka",
+];
+
+impl Config {
+    /// Loads defaults, then `file` if given, then `JOBFOLD_*` environment variables.
+    ///
+    /// # Errors
+    /// [`ConfigError`] naming the offending key.
+    pub fn load(file: Option<&Path>) -> Result<Self, ConfigError> {
+        let mut figment = Figment::from(Toml::string(DEFAULTS));
+        if let Some(path) = file {
+            if !path.exists() {
+                return Err(ConfigError::Invalid {
+                    key: "--config",
+                    problem: format!("file {} does not exist", path.display()),
+                });
+            }
+            figment = figment.merge(Toml::file_exact(path));
+        }
+        let settings = Env::prefixed("JOBFOLD_")
+            .filter(|key| {
+                let top = key.as_str().split("__").next().unwrap_or_default().to_ascii_lowercase();
+                ENV_KEYS.contains(&top.as_str()) && top != "kafka"
+            })
+            .split("__");
+        // librdkafka option names contain dots: JOBFOLD_KAFKA__LINGER_MS is `linger.ms`,
+        // kept whole rather than split into nested tables.
+        let kafka: BTreeMap<String, String> = std::env::vars()
+            .filter_map(|(key, value)| {
+                let option = key.strip_prefix("JOBFOLD_KAFKA__")?;
+                Some((option.to_ascii_lowercase().replace('_', "."), value))
+            })
+            .collect();
+        let figment = figment.merge(settings).merge(Serialized::default("kafka", kafka));
+        let config: Config = figment.extract().map_err(Box::new)?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Rules across keys that types alone cannot express.
+    ///
+    /// # Errors
+    /// [`ConfigError::Invalid`] naming the first broken rule's key.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let invalid =
+            |key, problem: &str| Err(ConfigError::Invalid { key, problem: problem.into() });
+        if !self.database_url.expose().starts_with("postgres://")
+            && !self.database_url.expose().starts_with("postgresql://")
+        {
+            return invalid("database_url", "must be a postgres:// URL");
+        }
+        if self.kafka_brokers.trim().is_empty() {
+            return invalid("kafka_brokers", "must name at least one broker");
+        }
+        if !self.schema_registry_url.starts_with("http://")
+            && !self.schema_registry_url.starts_with("https://")
+        {
+            return invalid("schema_registry_url", "must be an http:// or https:// URL");
+        }
+        if self.topics.events.is_empty() || self.topics.requests.is_empty() {
+            return invalid("topics", "topic names must not be empty");
+        }
+        if self.topics.events == self.topics.requests {
+            return invalid("topics.requests", "must differ from topics.events");
+        }
+        if self.topics.partitions < 1 {
+            return invalid("topics.partitions", "must be at least 1");
+        }
+        if self.topics.replication_factor < 1 {
+            return invalid("topics.replication_factor", "must be at least 1");
+        }
+        if self.relay.batch_size == 0 || self.relay.batch_size > 100_000 {
+            return invalid("relay.batch_size", "must be between 1 and 100000");
+        }
+        if self.relay.poll_interval.is_zero() {
+            return invalid("relay.poll_interval", "must be above zero");
+        }
+        if self.intake.group.trim().is_empty() {
+            return invalid("intake.group", "must not be empty");
+        }
+        if self.accept.max_input_bytes < 2 {
+            return invalid("accept.max_input_bytes", "must be at least 2");
+        }
+        if self.accept.default_max_attempts < 1 {
+            return invalid("accept.default_max_attempts", "must be at least 1");
+        }
+        if self.accept.kinds.values().any(|k| k.max_attempts < 1) {
+            return invalid("accept.kinds.max_attempts", "must be at least 1");
+        }
+        Ok(())
+    }
+
+    /// librdkafka settings for a client: the brokers, then every `[kafka]` option.
+    pub fn kafka_client(&self) -> rdkafka::ClientConfig {
+        self.kafka_client_with(&[])
+    }
+
+    /// librdkafka settings: the brokers, then a component's `defaults`, then every `[kafka]`
+    /// option — so users can override any default.
+    pub fn kafka_client_with(&self, defaults: &[(&str, &str)]) -> rdkafka::ClientConfig {
+        let mut client = rdkafka::ClientConfig::new();
+        client.set("bootstrap.servers", &self.kafka_brokers);
+        for (key, value) in defaults {
+            client.set(*key, *value);
+        }
+        for (key, value) in &self.kafka {
+            client.set(key, value);
+        }
+        client
+    }
+}

@@ -1,0 +1,43 @@
+//! Named crash points for fault-injection tests.
+//!
+//! `JOBFOLD_FAILPOINT=relay-after-produce-before-mark` makes the process abort — no
+//! destructors, no flushing, like `kill -9` — the first time it reaches that point;
+//! `name@3` aborts on the third time. Several are separated by commas. Unset, a check costs
+//! one uncontended lock of an empty map.
+
+use std::collections::HashMap;
+use std::sync::LazyLock;
+use std::sync::Mutex;
+
+/// The relay produced a batch and got every delivery report, but has not marked it.
+pub const RELAY_AFTER_PRODUCE_BEFORE_MARK: &str = "relay-after-produce-before-mark";
+
+/// Armed failpoints: name -> hits left before the abort.
+static ARMED: LazyLock<Mutex<HashMap<String, u64>>> = LazyLock::new(|| {
+    let spec = std::env::var("JOBFOLD_FAILPOINT").unwrap_or_default();
+    let armed = spec
+        .split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(|entry| match entry.split_once('@') {
+            Some((name, n)) => (name.to_owned(), n.parse().unwrap_or(1)),
+            None => (entry.to_owned(), 1),
+        })
+        .collect();
+    Mutex::new(armed)
+});
+
+/// Aborts the process if `name` is armed and this is the hit it waits for.
+pub fn hit(name: &str) {
+    let mut armed = ARMED.lock().unwrap_or_else(|e| e.into_inner());
+    if armed.is_empty() {
+        return;
+    }
+    if let Some(left) = armed.get_mut(name) {
+        *left = left.saturating_sub(1);
+        if *left == 0 {
+            eprintln!("failpoint {name}: aborting the process");
+            std::process::abort();
+        }
+    }
+}

@@ -1,0 +1,66 @@
+//! Kafka administration shared by the binaries and the tests.
+
+use std::time::Duration;
+
+use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::client::DefaultClientContext;
+use rdkafka::types::RDKafkaErrorCode;
+
+use crate::config::Config;
+
+/// A topic to create if missing.
+#[derive(Debug, Clone)]
+pub struct TopicSpec<'a> {
+    pub name: &'a str,
+    pub partitions: i32,
+    pub replication_factor: i32,
+    /// Topic-level configuration, e.g. `("retention.ms", "-1")`.
+    pub config: Vec<(&'a str, String)>,
+}
+
+/// jobfold's two topics as configured: the event log (kept forever by default) and intake.
+pub fn jobfold_topics(config: &Config) -> Vec<TopicSpec<'_>> {
+    let t = &config.topics;
+    vec![
+        TopicSpec {
+            name: &t.events,
+            partitions: t.partitions,
+            replication_factor: t.replication_factor,
+            config: vec![("retention.ms", t.events_retention_ms.to_string())],
+        },
+        TopicSpec {
+            name: &t.requests,
+            partitions: t.partitions,
+            replication_factor: t.replication_factor,
+            config: vec![],
+        },
+    ]
+}
+
+/// Creates each topic that does not exist yet; existing topics are left as they are.
+///
+/// # Errors
+/// The broker is unreachable or refuses a topic.
+pub async fn ensure_topics(config: &Config, topics: &[TopicSpec<'_>]) -> anyhow::Result<()> {
+    let admin: AdminClient<DefaultClientContext> = config.kafka_client().create()?;
+    let new: Vec<NewTopic<'_>> = topics
+        .iter()
+        .map(|t| {
+            let mut topic =
+                NewTopic::new(t.name, t.partitions, TopicReplication::Fixed(t.replication_factor));
+            for (key, value) in &t.config {
+                topic = topic.set(key, value);
+            }
+            topic
+        })
+        .collect();
+    let options = AdminOptions::new().operation_timeout(Some(Duration::from_secs(30)));
+    for result in admin.create_topics(&new, &options).await? {
+        match result {
+            Ok(name) => tracing::info!(topic = %name, "Created topic."),
+            Err((_, RDKafkaErrorCode::TopicAlreadyExists)) => {}
+            Err((name, code)) => anyhow::bail!("creating topic {name}: {code}"),
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,58 @@
+//! Metric names shared by the binaries, described once at start.
+//!
+//! Names follow `jobfold_<thing>_<unit>`; counters end in `_total`. Labels have bounded
+//! cardinality (topic, partition, outcome), never a job id.
+
+use metrics::{Unit, describe_counter, describe_gauge, describe_histogram};
+
+/// Jobs accepted (new jobs only, not idempotent retries).
+pub const ACCEPTED_TOTAL: &str = "jobfold_accepted_total";
+/// Outbox rows published and marked by the relay.
+pub const RELAY_PUBLISHED_TOTAL: &str = "jobfold_relay_published_total";
+/// Deliveries the broker refused or timed out (the rows stay unpublished and are retried).
+pub const RELAY_DELIVERY_ERRORS_TOTAL: &str = "jobfold_relay_delivery_errors_total";
+/// Unpublished outbox rows that are due.
+pub const RELAY_BACKLOG: &str = "jobfold_relay_backlog";
+/// Age of the oldest due, unpublished outbox row.
+pub const RELAY_OLDEST_UNPUBLISHED_AGE_SECONDS: &str =
+    "jobfold_relay_oldest_unpublished_age_seconds";
+/// From an outbox row becoming available (its commit, or its due time) to its delivery report.
+pub const RELAY_PUBLISH_LATENCY_SECONDS: &str = "jobfold_relay_publish_latency_seconds";
+/// 1 while this relay holds the active lock, 0 while it stands by.
+pub const RELAY_ACTIVE: &str = "jobfold_relay_active";
+/// Published outbox rows deleted after the retention period.
+pub const RELAY_PRUNED_TOTAL: &str = "jobfold_relay_pruned_total";
+/// Messages the intake could not decode, stored in dead_letters.
+pub const DEAD_LETTERS_TOTAL: &str = "jobfold_dead_letters_total";
+/// Intake requests skipped because their request id was accepted before.
+pub const INTAKE_DUPLICATES_TOTAL: &str = "jobfold_intake_duplicates_total";
+
+/// Describes every metric above to the installed recorder.
+pub fn describe() {
+    describe_counter!(ACCEPTED_TOTAL, Unit::Count, "Jobs accepted (new jobs, not retries).");
+    describe_counter!(RELAY_PUBLISHED_TOTAL, Unit::Count, "Outbox rows published and marked.");
+    describe_counter!(
+        RELAY_DELIVERY_ERRORS_TOTAL,
+        Unit::Count,
+        "Deliveries refused or timed out; the rows are retried."
+    );
+    describe_gauge!(RELAY_BACKLOG, Unit::Count, "Due outbox rows not yet published.");
+    describe_gauge!(
+        RELAY_OLDEST_UNPUBLISHED_AGE_SECONDS,
+        Unit::Seconds,
+        "Age of the oldest due, unpublished outbox row."
+    );
+    describe_histogram!(
+        RELAY_PUBLISH_LATENCY_SECONDS,
+        Unit::Seconds,
+        "From an outbox row becoming available to its delivery report."
+    );
+    describe_gauge!(RELAY_ACTIVE, Unit::Count, "1 while this relay is the active one.");
+    describe_counter!(RELAY_PRUNED_TOTAL, Unit::Count, "Published outbox rows pruned.");
+    describe_counter!(DEAD_LETTERS_TOTAL, Unit::Count, "Undecodable messages dead-lettered.");
+    describe_counter!(
+        INTAKE_DUPLICATES_TOTAL,
+        Unit::Count,
+        "Intake requests already accepted before."
+    );
+}

@@ -1,0 +1,108 @@
+//! `jobfold`: the operator's command line.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::Context;
+use clap::{Parser, Subcommand};
+use jobfold_common::accept::{Acceptor, NewJob};
+use jobfold_common::config::{Config, EXIT_CONFIG};
+use jobfold_common::{db, telemetry};
+use jobfold_schemas::codec::registry_settings;
+use jobfold_schemas::{Codec, JobEvent};
+
+/// Operate jobfold: migrate the database, submit jobs.
+#[derive(Debug, Parser)]
+#[command(version)]
+struct Args {
+    /// TOML configuration file; JOBFOLD_* environment variables override it.
+    #[arg(long, global = true, env = "JOBFOLD_CONFIG")]
+    config: Option<PathBuf>,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Apply pending database migrations (the services also do at start).
+    Migrate,
+    /// Accept one job and print its id.
+    Submit {
+        /// The document the job works on.
+        #[arg(long)]
+        document: String,
+        /// The job kind (selects the handler).
+        #[arg(long, default_value = "index-document")]
+        kind: String,
+        /// The input version.
+        #[arg(long, default_value_t = 1)]
+        input_version: i64,
+        /// The input, as JSON.
+        #[arg(long, default_value = "{}")]
+        input: String,
+        /// Idempotency key: submitting again with it returns the same job.
+        #[arg(long)]
+        key: Option<String>,
+    },
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let args = Args::parse();
+    let config = match Config::load(args.config.as_deref()) {
+        Ok(config) => config,
+        Err(e) => {
+            eprintln!("jobfold: {e}");
+            return ExitCode::from(EXIT_CONFIG as u8);
+        }
+    };
+    telemetry::init_tracing(config.log_json);
+    match run(config, args.command).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("jobfold: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(config: Config, command: Command) -> anyhow::Result<()> {
+    match command {
+        Command::Migrate => {
+            let pool = db::connect(&config, 1).await.context("connecting to Postgres")?;
+            let before: i64 = applied(&pool).await;
+            db::MIGRATOR.run(&pool).await.context("applying migrations")?;
+            let after: i64 = applied(&pool).await;
+            println!("migrations: {} applied now, {after} in total", after - before);
+        }
+        Command::Submit { document, kind, input_version, input, key } => {
+            let input = serde_json::from_str(&input).context("--input is not JSON")?;
+            let pool =
+                db::connect_and_migrate(&config, 1).await.context("connecting to Postgres")?;
+            let settings = registry_settings(&config.schema_registry_url)?;
+            let codec = Codec::<JobEvent>::connect(settings, &config.topics.events).await?;
+            let acceptor =
+                Acceptor::new(codec, config.accept.clone(), &config.topics.events, "jobfold-cli");
+            let job = NewJob {
+                document_id: document,
+                kind,
+                input_version,
+                input,
+                idempotency_key: key,
+                trace: None,
+            };
+            let accepted = acceptor.accept(&pool, &job).await?;
+            let what = if accepted.created { "accepted" } else { "already accepted" };
+            println!("{} {what}", accepted.job_id);
+        }
+    }
+    Ok(())
+}
+
+/// Migrations applied so far (0 before the first run).
+async fn applied(pool: &sqlx::PgPool) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM _sqlx_migrations WHERE success")
+        .fetch_one(pool)
+        .await
+        .unwrap_or(0)
+}

@@ -1,0 +1,235 @@
+//! The intake consumer: upstream producers' `JobRequest`s on `jobfold.job-requests` become
+//! accepted jobs.
+//!
+//! Invariant: a request's offset is stored only after its accept transaction committed (or
+//! its dead letter row did), with `enable.auto.offset.store=false`; messages are handled in
+//! offset order, one partition at a time per consumer. A crash before the store repeats
+//! the request, and the request id — the job's idempotency key `request:<id>` — makes the
+//! repeat return the job already accepted.
+//!
+//! Bad input loses nothing and blocks nothing: a message that cannot decode, or a request
+//! that is invalid, is stored in `dead_letters` with its raw key and value, and the
+//! partition moves on. Failures that may heal (registry or database unreachable) are
+//! retried with backoff, without moving on.
+
+use std::time::Duration;
+
+use jobfold_common::accept::{AcceptError, Acceptor, NewJob};
+use jobfold_common::config::Config;
+use jobfold_common::metrics as m;
+use jobfold_schemas::{Decoder, JobRequest};
+use rdkafka::Message;
+use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
+use rdkafka::message::BorrowedMessage;
+use sqlx::PgPool;
+use tokio_util::sync::CancellationToken;
+
+/// The intake consumer's defaults; `[kafka]` options override them.
+pub const CONSUMER_DEFAULTS: &[(&str, &str)] = &[
+    ("enable.auto.commit", "true"),
+    ("enable.auto.offset.store", "false"),
+    ("auto.offset.reset", "earliest"),
+    ("partition.assignment.strategy", "cooperative-sticky"),
+];
+
+const RETRY_MIN: Duration = Duration::from_millis(100);
+const RETRY_MAX: Duration = Duration::from_secs(10);
+
+/// What became of one message.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Handled {
+    Accepted,
+    /// The request id was accepted before.
+    Duplicate,
+    DeadLettered,
+}
+
+/// A failure that may heal: the message is tried again, the offset not stored.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct Transient(String);
+
+/// The intake: consumer, decoder, acceptor.
+pub struct Intake {
+    consumer: StreamConsumer,
+    decoder: Decoder<JobRequest>,
+    acceptor: Acceptor,
+    pool: PgPool,
+    group: String,
+}
+
+impl std::fmt::Debug for Intake {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Intake").field("group", &self.group).finish_non_exhaustive()
+    }
+}
+
+impl Intake {
+    /// Subscribes to the requests topic in the configured group.
+    ///
+    /// # Errors
+    /// librdkafka refused the configuration or the subscription.
+    pub fn new(
+        config: &Config,
+        decoder: Decoder<JobRequest>,
+        acceptor: Acceptor,
+        pool: PgPool,
+    ) -> anyhow::Result<Self> {
+        let consumer: StreamConsumer = config
+            .kafka_client_with(CONSUMER_DEFAULTS)
+            .set("group.id", &config.intake.group)
+            .create()?;
+        consumer.subscribe(&[&config.topics.requests])?;
+        Ok(Self { consumer, decoder, acceptor, pool, group: config.intake.group.clone() })
+    }
+
+    /// Consumes until `shutdown`, then commits the stored offsets.
+    ///
+    /// # Errors
+    /// The consumer failed in a way that retrying cannot fix.
+    pub async fn run(self, shutdown: CancellationToken) -> anyhow::Result<()> {
+        loop {
+            let message = tokio::select! {
+                biased;
+                _ = shutdown.cancelled() => break,
+                message = self.consumer.recv() => message,
+            };
+            let message = match message {
+                Ok(message) => message,
+                Err(e) => {
+                    tracing::warn!(error = %e, "Intake consumer error.");
+                    tokio::time::sleep(RETRY_MIN).await;
+                    continue;
+                }
+            };
+            let mut backoff = RETRY_MIN;
+            loop {
+                match self.handle(&message).await {
+                    Ok(handled) => {
+                        tracing::debug!(
+                            ?handled,
+                            offset = message.offset(),
+                            "Intake message handled."
+                        );
+                        self.consumer.store_offset_from_message(&message)?;
+                        break;
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, partition = message.partition(), offset = message.offset(), "Intake message will be retried.");
+                        tokio::select! {
+                            biased;
+                            _ = shutdown.cancelled() => return self.commit(),
+                            _ = tokio::time::sleep(backoff) => {}
+                        }
+                        backoff = (backoff * 2).min(RETRY_MAX);
+                    }
+                }
+            }
+        }
+        self.commit()
+    }
+
+    fn commit(&self) -> anyhow::Result<()> {
+        match self.consumer.commit_consumer_state(CommitMode::Sync) {
+            Ok(())
+            | Err(rdkafka::error::KafkaError::ConsumerCommit(
+                rdkafka::types::RDKafkaErrorCode::NoOffset,
+            )) => Ok(()),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Accepts one message's request, or dead-letters it.
+    ///
+    /// # Errors
+    /// [`Transient`]: the registry or the database could not be reached.
+    pub async fn handle(&self, message: &BorrowedMessage<'_>) -> Result<Handled, Transient> {
+        let Some(payload) = message.payload() else {
+            return self.dead_letter(message, "message has no value").await;
+        };
+        let request = match self.decoder.decode(payload).await {
+            Ok(request) => request,
+            Err(e) if e.is_retryable() => return Err(Transient(e.to_string())),
+            Err(e) => return self.dead_letter(message, &format!("undecodable: {e}")).await,
+        };
+        let input = match serde_json::from_str(&request.input) {
+            Ok(input) => input,
+            Err(e) => {
+                return self
+                    .dead_letter(message, &format!("invalid request: input is not JSON: {e}"))
+                    .await;
+            }
+        };
+        let job = NewJob {
+            document_id: request.document_id,
+            kind: request.job_kind,
+            input_version: request.input_version,
+            input,
+            // Do not change: the request id is the intake's dedupe key.
+            idempotency_key: Some(format!("request:{}", request.request_id)),
+            trace: request.trace,
+        };
+        match self.acceptor.accept(&self.pool, &job).await {
+            Ok(accepted) if accepted.created => Ok(Handled::Accepted),
+            Ok(_) => {
+                metrics::counter!(m::INTAKE_DUPLICATES_TOTAL).increment(1);
+                Ok(Handled::Duplicate)
+            }
+            Err(e @ (AcceptError::Invalid { .. } | AcceptError::Conflict { .. })) => {
+                self.dead_letter(message, &format!("invalid request: {e}")).await
+            }
+            Err(e) => Err(Transient(e.to_string())),
+        }
+    }
+
+    async fn dead_letter(
+        &self,
+        message: &BorrowedMessage<'_>,
+        error: &str,
+    ) -> Result<Handled, Transient> {
+        tracing::warn!(
+            topic = message.topic(),
+            partition = message.partition(),
+            offset = message.offset(),
+            error,
+            "Dead-lettering an intake message."
+        );
+        store_dead_letter(&self.pool, &self.group, message, error)
+            .await
+            .map_err(|e| Transient(format!("storing the dead letter: {e}")))?;
+        metrics::counter!(m::DEAD_LETTERS_TOTAL, "topic" => message.topic().to_owned())
+            .increment(1);
+        Ok(Handled::DeadLettered)
+    }
+}
+
+/// Stores a message in `dead_letters`, once per (group, topic, partition, offset).
+///
+/// # Errors
+/// The database failed.
+pub async fn store_dead_letter(
+    pool: &PgPool,
+    group: &str,
+    message: &BorrowedMessage<'_>,
+    error: &str,
+) -> Result<(), sqlx::Error> {
+    // language=PostgreSQL
+    sqlx::query(
+        r#"
+        INSERT INTO dead_letters (consumer_group, topic, kafka_partition, kafka_offset,
+                                  raw_key, raw_value, error)
+        VALUES ($1, $2, $3, $4, $5, $6, $7)
+        ON CONFLICT ON CONSTRAINT dead_letters_coordinates_key DO NOTHING
+        "#,
+    )
+    .bind(group)
+    .bind(message.topic())
+    .bind(message.partition())
+    .bind(message.offset())
+    .bind(message.key())
+    .bind(message.payload())
+    .bind(error)
+    .execute(pool)
+    .await?;
+    Ok(())
+}

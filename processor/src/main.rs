@@ -1,0 +1,31 @@
+//! `jobfold-processor`: the HTTP API, the intake consumer and the job runner.
+
+use std::path::PathBuf;
+
+use clap::Parser;
+use jobfold_common::config::{Config, EXIT_CONFIG};
+use jobfold_common::{shutdown, telemetry};
+
+/// Accepts and runs jobfold jobs.
+#[derive(Debug, Parser)]
+#[command(version)]
+struct Args {
+    /// TOML configuration file; JOBFOLD_* environment variables override it.
+    #[arg(long, env = "JOBFOLD_CONFIG")]
+    config: Option<PathBuf>,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    let config = match Config::load(args.config.as_deref()) {
+        Ok(config) => config,
+        Err(e) => {
+            eprintln!("jobfold-processor: {e}");
+            std::process::exit(EXIT_CONFIG);
+        }
+    };
+    telemetry::init_tracing(config.log_json);
+    telemetry::install_metrics(config.metrics_addr)?;
+    jobfold_processor::run(config, shutdown::on_signal()).await
+}

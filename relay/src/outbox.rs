@@ -1,0 +1,123 @@
+//! The relay's queries on the outbox. Each takes the connection that holds the active
+//! lock: if that connection dies, the relay stops marking rows and stands by again.
+
+use chrono::{DateTime, Utc};
+use sqlx::PgConnection;
+
+/// A committed, due outbox row with its event body.
+#[derive(Debug, Clone, sqlx::FromRow)]
+pub struct OutboxRow {
+    pub seq: i64,
+    pub topic: String,
+    /// The Kafka key: the document id.
+    pub key: String,
+    /// The event in the Confluent wire format, as stored in job_events.
+    pub body: Vec<u8>,
+    /// When the row became publishable: its commit, or a scheduled retry's due time.
+    pub available_at: DateTime<Utc>,
+}
+
+/// The oldest `limit` unpublished rows that are due, in log order.
+///
+/// Log order keeps per-document order: events of one job are written by transactions that
+/// follow one another, so a later event always has a higher seq and commits later.
+///
+/// # Errors
+/// The connection failed.
+pub async fn claim(conn: &mut PgConnection, limit: u32) -> Result<Vec<OutboxRow>, sqlx::Error> {
+    // language=PostgreSQL
+    sqlx::query_as(
+        r#"
+        SELECT o.seq, o.topic, o.key, e.body, o.available_at
+        FROM outbox o
+        JOIN job_events e ON e.seq = o.seq
+        WHERE o.published_at IS NULL AND o.available_at <= now()
+        ORDER BY o.seq
+        LIMIT $1
+        "#,
+    )
+    .bind(i64::from(limit))
+    .fetch_all(conn)
+    .await
+}
+
+/// Marks rows whose delivery the broker acknowledged.
+///
+/// # Errors
+/// The connection failed; the rows stay unpublished and will be published again.
+pub async fn mark_published(conn: &mut PgConnection, seqs: &[i64]) -> Result<u64, sqlx::Error> {
+    if seqs.is_empty() {
+        return Ok(0);
+    }
+    // language=PostgreSQL
+    let done = sqlx::query(
+        "UPDATE outbox SET published_at = now() \
+         WHERE seq = ANY($1) AND published_at IS NULL",
+    )
+    .bind(seqs)
+    .execute(conn)
+    .await?;
+    Ok(done.rows_affected())
+}
+
+/// Due, unpublished rows: how many, and the age of the oldest in seconds.
+///
+/// # Errors
+/// The connection failed.
+pub async fn backlog(conn: &mut PgConnection) -> Result<(i64, f64), sqlx::Error> {
+    // language=PostgreSQL
+    let (count, age): (i64, Option<f64>) = sqlx::query_as(
+        r#"
+        SELECT count(*), EXTRACT(EPOCH FROM now() - min(available_at))::float8
+        FROM outbox
+        WHERE published_at IS NULL AND available_at <= now()
+        "#,
+    )
+    .fetch_one(conn)
+    .await?;
+    Ok((count, age.unwrap_or(0.0).max(0.0)))
+}
+
+/// Seconds until the next delayed row becomes due, if there is one.
+///
+/// # Errors
+/// The connection failed.
+pub async fn seconds_to_next_due(conn: &mut PgConnection) -> Result<Option<f64>, sqlx::Error> {
+    // language=PostgreSQL
+    sqlx::query_scalar(
+        r#"
+        SELECT EXTRACT(EPOCH FROM min(available_at) - now())::float8
+        FROM outbox
+        WHERE published_at IS NULL AND available_at > now()
+        "#,
+    )
+    .fetch_one(conn)
+    .await
+}
+
+/// Deletes up to `limit` rows published more than `older_than_secs` ago; returns how many.
+///
+/// # Errors
+/// The connection failed.
+pub async fn prune(
+    conn: &mut PgConnection,
+    older_than_secs: f64,
+    limit: i64,
+) -> Result<u64, sqlx::Error> {
+    // language=PostgreSQL
+    let done = sqlx::query(
+        r#"
+        DELETE FROM outbox WHERE seq IN (
+            SELECT seq FROM outbox
+            WHERE published_at < now() - make_interval(secs => $1)
+            ORDER BY published_at
+            LIMIT $2
+        )
+        "#,
+    )
+    .bind(older_than_secs)
+    .bind(limit)
+    .execute(conn)
+    .await?;
+    Ok(done.rows_affected())
+}

@@ -1,0 +1,113 @@
+//! Producing a batch of outbox rows and collecting every delivery report.
+//!
+//! The producer is idempotent (`enable.idempotence`, `acks=all`) with the gapless
+//! guarantee: librdkafka retries internally and never delivers a later message of a
+//! partition after an earlier one failed — it raises a fatal error instead, and the relay
+//! builds a new producer. Message time-outs are not covered by that guarantee, so the relay
+//! sets none (`message.timeout.ms=0`): during a broker outage a batch waits, and shutdown
+//! gives up on it after `relay.shutdown_timeout`, leaving its rows unpublished. So marking
+//! exactly the acknowledged rows keeps per-document order.
+
+use std::collections::HashSet;
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use jobfold_common::config::Config;
+use rdkafka::error::{KafkaError, RDKafkaErrorCode};
+use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
+use rdkafka::util::Timeout;
+
+use crate::outbox::OutboxRow;
+
+/// The relay's producer defaults; every one can be overridden under `[kafka]`.
+pub const PRODUCER_DEFAULTS: &[(&str, &str)] = &[
+    ("enable.idempotence", "true"),
+    ("acks", "all"),
+    ("enable.gapless.guarantee", "true"),
+    ("linger.ms", "5"),
+    ("compression.type", "lz4"),
+    // Infinite: a timed-out message could leave a gap that a later message skips over.
+    ("message.timeout.ms", "0"),
+];
+
+/// Builds the relay's producer.
+///
+/// # Errors
+/// librdkafka refused the configuration.
+pub fn producer(config: &Config) -> Result<FutureProducer, KafkaError> {
+    config.kafka_client_with(PRODUCER_DEFAULTS).create()
+}
+
+/// What happened to one batch.
+#[derive(Debug, Default)]
+pub struct Outcome {
+    /// Acknowledged by the broker: (seq, when the row became available).
+    pub delivered: Vec<(i64, DateTime<Utc>)>,
+    /// Not delivered: (seq, why). These rows stay unpublished.
+    pub failed: Vec<(i64, KafkaError)>,
+    /// Not sent because an earlier row of the same document failed to enqueue: sending them
+    /// would put them on the topic ahead of it.
+    pub held_back: usize,
+}
+
+/// Produces `rows` in order and waits for every delivery report.
+pub async fn publish(producer: &FutureProducer, rows: &[OutboxRow]) -> Outcome {
+    let mut outcome = Outcome::default();
+    let mut pending = Vec::with_capacity(rows.len());
+    // Documents with a row that could not even be enqueued: their later rows must wait.
+    let mut blocked: HashSet<&str> = HashSet::new();
+    for row in rows {
+        if blocked.contains(row.key.as_str()) {
+            outcome.held_back += 1;
+            continue;
+        }
+        let mut record = FutureRecord::to(&row.topic).key(&row.key).payload(&row.body);
+        loop {
+            match producer.send_result(record) {
+                Ok(delivery) => {
+                    pending.push((row.seq, row.available_at, delivery));
+                    break;
+                }
+                Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), back)) => {
+                    // The local queue is full: let deliveries drain, then try again.
+                    record = back;
+                    tokio::time::sleep(Duration::from_millis(2)).await;
+                }
+                Err((e, _)) => {
+                    tracing::error!(
+                        seq = row.seq,
+                        topic = %row.topic,
+                        document_id = %row.key,
+                        error = %e,
+                        "Outbox row cannot be produced; later events of its document wait behind it."
+                    );
+                    blocked.insert(&row.key);
+                    outcome.failed.push((row.seq, e));
+                    break;
+                }
+            }
+        }
+    }
+    for (seq, available_at, delivery) in pending {
+        match delivery.await {
+            Ok(Ok(_)) => outcome.delivered.push((seq, available_at)),
+            Ok(Err((e, _))) => outcome.failed.push((seq, e)),
+            Err(_canceled) => {
+                outcome.failed.push((seq, KafkaError::Canceled));
+            }
+        }
+    }
+    outcome
+}
+
+/// Whether the producer hit a fatal error (e.g. the gapless guarantee) and must be rebuilt.
+pub fn is_fatal(producer: &FutureProducer) -> bool {
+    producer.client().fatal_error().is_some()
+}
+
+/// Waits up to `timeout` for queued messages to be delivered, on shutdown.
+pub fn flush(producer: &FutureProducer, timeout: Duration) {
+    if let Err(e) = producer.flush(Timeout::After(timeout)) {
+        tracing::warn!(error = %e, "Producer flush on shutdown did not complete.");
+    }
+}

@@ -1,0 +1,292 @@
+//! A private jobfold installation per test: its own database, topics, consumer groups and
+//! relay lock, so tests run in parallel against one Postgres and one broker; and jobfold's
+//! binaries started as OS processes that a test can kill.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use jobfold_common::accept::Acceptor;
+use jobfold_common::config::{Config, Sensitive};
+use jobfold_schemas::codec::registry_settings;
+use jobfold_schemas::{Codec, Decoder, JobEvent};
+use rdkafka::Message;
+use rdkafka::consumer::{Consumer, StreamConsumer};
+use sqlx::PgPool;
+use uuid::Uuid;
+
+use crate::kafka::unique_name;
+use crate::services;
+
+/// One test's jobfold: a fresh database with the migrations applied, and unique names.
+#[derive(Debug)]
+pub struct Installation {
+    pub config: Config,
+    pub pool: PgPool,
+    database: String,
+}
+
+impl Installation {
+    /// Creates the database and applies the migrations; creates no topics yet.
+    pub async fn new(name: &str) -> Self {
+        services::require_all();
+        let admin_url = services::database_url();
+        let admin = PgPool::connect(&admin_url).await.expect("connecting to Postgres");
+        let database = format!("jobfold_{}_{}", name.replace('-', "_"), Uuid::new_v4().simple());
+        sqlx::query(&format!("CREATE DATABASE {database}")).execute(&admin).await.unwrap();
+        admin.close().await;
+        let (base, _) = admin_url.rsplit_once('/').unwrap();
+        let url = format!("{base}/{database}");
+
+        let mut config = Config::load(None).expect("the compiled-in defaults load");
+        config.database_url = Sensitive::new(url);
+        config.kafka_brokers = services::kafka_brokers();
+        config.schema_registry_url = services::schema_registry_url();
+        config.topics.events = unique_name(&format!("{name}-events"));
+        config.topics.requests = unique_name(&format!("{name}-requests"));
+        config.intake.group = unique_name(&format!("{name}-intake"));
+        config.relay.lock_key = i64::from(rand::random::<u32>());
+        config.relay.standby_retry = Duration::from_millis(200);
+        config.relay.poll_interval = Duration::from_millis(500);
+        config.http_addr = "127.0.0.1:0".parse().unwrap();
+        config.metrics_addr = "127.0.0.1:0".parse().unwrap();
+        let pool = jobfold_common::db::connect_and_migrate(&config, 20).await.unwrap();
+        Self { config, pool, database }
+    }
+
+    /// Creates this installation's topics.
+    pub async fn create_topics(&self) {
+        jobfold_common::kafka::ensure_topics(
+            &self.config,
+            &jobfold_common::kafka::jobfold_topics(&self.config),
+        )
+        .await
+        .unwrap();
+    }
+
+    /// An acceptor writing to this installation (registers the schema).
+    pub async fn acceptor(&self) -> Acceptor {
+        let codec =
+            Codec::<JobEvent>::connect(self.registry(), &self.config.topics.events).await.unwrap();
+        Acceptor::new(codec, self.config.accept.clone(), &self.config.topics.events, "test")
+    }
+
+    pub fn registry(&self) -> schema_registry_converter::async_impl::schema_registry::SrSettings {
+        registry_settings(&self.config.schema_registry_url).unwrap()
+    }
+
+    /// `JOBFOLD_*` variables that make a binary use this installation.
+    pub fn env(&self) -> HashMap<String, String> {
+        let c = &self.config;
+        HashMap::from([
+            ("JOBFOLD_DATABASE_URL".into(), c.database_url.expose().clone()),
+            ("JOBFOLD_KAFKA_BROKERS".into(), c.kafka_brokers.clone()),
+            ("JOBFOLD_SCHEMA_REGISTRY_URL".into(), c.schema_registry_url.clone()),
+            ("JOBFOLD_TOPICS__EVENTS".into(), c.topics.events.clone()),
+            ("JOBFOLD_TOPICS__REQUESTS".into(), c.topics.requests.clone()),
+            ("JOBFOLD_INTAKE__GROUP".into(), c.intake.group.clone()),
+            ("JOBFOLD_RELAY__LOCK_KEY".into(), c.relay.lock_key.to_string()),
+            ("JOBFOLD_RELAY__STANDBY_RETRY".into(), "200ms".into()),
+            ("JOBFOLD_RELAY__POLL_INTERVAL".into(), "500ms".into()),
+            ("JOBFOLD_HTTP_ADDR".into(), "127.0.0.1:0".into()),
+            ("JOBFOLD_METRICS_ADDR".into(), format!("127.0.0.1:{}", free_port())),
+        ])
+    }
+
+    /// Row count of `table`.
+    pub async fn count(&self, table: &str) -> i64 {
+        sqlx::query_scalar(&format!("SELECT count(*) FROM {table}"))
+            .fetch_one(&self.pool)
+            .await
+            .unwrap()
+    }
+
+    /// Drops the database (call at the end of a passing test).
+    pub async fn cleanup(self) {
+        self.pool.close().await;
+        let admin = PgPool::connect(&services::database_url()).await.unwrap();
+        let _ = sqlx::query(&format!("DROP DATABASE IF EXISTS {} WITH (FORCE)", self.database))
+            .execute(&admin)
+            .await;
+    }
+}
+
+/// A free TCP port on loopback (bound, then released).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+/// Where cargo puts this workspace's binaries.
+fn target_dir() -> PathBuf {
+    if let Ok(dir) = std::env::var("CARGO_TARGET_DIR") {
+        return PathBuf::from(dir).join("debug");
+    }
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/debug")
+}
+
+/// The path of a workspace binary, built first (once per test process) so it is current.
+pub fn binary(name: &str) -> PathBuf {
+    static BUILT: OnceLock<()> = OnceLock::new();
+    BUILT.get_or_init(|| {
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+        let status = Command::new(cargo)
+            .args(["build", "--quiet", "-p", "jobfold-relay", "-p", "jobfold-processor", "--bins"])
+            .current_dir(Path::new(env!("CARGO_MANIFEST_DIR")).join(".."))
+            .status()
+            .expect("running cargo build");
+        assert!(status.success(), "building the jobfold binaries failed");
+    });
+    let path = target_dir().join(name);
+    assert!(path.exists(), "{} was not built", path.display());
+    path
+}
+
+/// A jobfold binary running as a child process, its output in a log file. Killed on drop.
+#[derive(Debug)]
+pub struct Service {
+    pub name: String,
+    child: Child,
+    pub log: PathBuf,
+    pub metrics_port: Option<u16>,
+}
+
+impl Service {
+    /// Starts `binary` with `env` on top of the inherited environment.
+    pub fn start(binary_name: &str, env: &HashMap<String, String>) -> Self {
+        let log =
+            std::env::temp_dir().join(format!("{binary_name}-{}.log", Uuid::new_v4().simple()));
+        let file = std::fs::File::create(&log).unwrap();
+        let child = Command::new(binary(binary_name))
+            .envs(env)
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(file.try_clone().unwrap())
+            .stderr(file)
+            .spawn()
+            .unwrap_or_else(|e| panic!("starting {binary_name}: {e}"));
+        let metrics_port = env
+            .get("JOBFOLD_METRICS_ADDR")
+            .and_then(|a| a.rsplit_once(':'))
+            .and_then(|(_, p)| p.parse().ok());
+        Self { name: binary_name.to_owned(), child, log, metrics_port }
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// SIGKILL, and wait for the process to be gone.
+    pub fn kill9(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// Sends a signal by name (`STOP`, `CONT`, `TERM`) with kill(1).
+    pub fn signal(&self, signal: &str) {
+        let status = Command::new("kill")
+            .args([format!("-{signal}"), self.pid().to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success(), "kill -{signal} {}", self.pid());
+    }
+
+    /// Waits up to `timeout` for the process to exit; its status if it did.
+    pub fn wait_exit(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return Some(status);
+            }
+            if Instant::now() >= deadline {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// The log so far, for assertion messages.
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// The value of an unlabelled metric from this process's `/metrics`, if it answers.
+    pub async fn metric(&self, name: &str) -> Option<f64> {
+        let port = self.metrics_port?;
+        let text = reqwest::get(format!("http://127.0.0.1:{port}/metrics"))
+            .await
+            .ok()?
+            .text()
+            .await
+            .ok()?;
+        text.lines()
+            .find_map(|line| line.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+    }
+}
+
+impl Drop for Service {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Polls `check` every 50 ms until it holds; panics with `what` after `timeout`.
+pub async fn eventually<F, Fut>(timeout: Duration, what: &str, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = Instant::now() + timeout;
+    while !check().await {
+        assert!(Instant::now() < deadline, "timed out after {timeout:?} waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// One event read back from the events topic.
+#[derive(Debug, Clone)]
+pub struct Published {
+    pub partition: i32,
+    pub offset: i64,
+    pub key: String,
+    pub timestamp_ms: Option<i64>,
+    pub event: JobEvent,
+}
+
+/// Reads the events topic from the beginning, in a consumer group of its own, until
+/// `done` says enough or `timeout` passes; returns what arrived, in arrival order.
+pub async fn read_events(
+    installation: &Installation,
+    timeout: Duration,
+    mut done: impl FnMut(&[Published]) -> bool,
+) -> Vec<Published> {
+    let consumer: StreamConsumer = crate::kafka::client_config()
+        .set("group.id", unique_name("reader"))
+        .set("enable.auto.commit", "false")
+        .set("auto.offset.reset", "earliest")
+        .create()
+        .unwrap();
+    consumer.subscribe(&[&installation.config.topics.events]).unwrap();
+    let decoder = Decoder::<JobEvent>::new(installation.registry());
+    let mut seen = Vec::new();
+    let deadline = Instant::now() + timeout;
+    while !done(&seen) {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            break;
+        }
+        let Ok(message) = tokio::time::timeout(left, consumer.recv()).await else { break };
+        let message = message.expect("reading the events topic");
+        let event = decoder.decode(message.payload().unwrap()).await.expect("a valid event");
+        seen.push(Published {
+            partition: message.partition(),
+            offset: message.offset(),
+            key: String::from_utf8(message.key().unwrap().to_vec()).unwrap(),
+            timestamp_ms: message.timestamp().to_millis(),
+            event,
+        });
+    }
+    seen
+}

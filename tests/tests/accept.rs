@@ -1,0 +1,227 @@
+//! Accepting jobs: one transaction, idempotent, and nothing before the commit.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::StreamExt;
+use jobfold_common::accept::{AcceptError, NewJob};
+use jobfold_processor::http::{ApiState, router};
+use jobfold_tests::harness::{Installation, read_events};
+use serde_json::json;
+use tokio_util::sync::CancellationToken;
+
+fn job(document: &str, version: i64, key: Option<&str>) -> NewJob {
+    NewJob {
+        document_id: document.into(),
+        kind: "index-document".into(),
+        input_version: version,
+        input: json!({ "text": format!("{document} v{version}") }),
+        idempotency_key: key.map(str::to_owned),
+        trace: None,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_accept_in_a_rolled_back_transaction_leaves_nothing() {
+    let it = Installation::new("rollback").await;
+    it.create_topics().await;
+    let acceptor = it.acceptor().await;
+
+    // The caller's transaction accepts a job, writes its own row, then rolls back.
+    let mut tx = it.pool.begin().await.unwrap();
+    let accepted =
+        acceptor.accept_in(&mut tx, &job("doc-rolled-back", 1, Some("k1"))).await.unwrap();
+    assert!(accepted.created);
+    tx.rollback().await.unwrap();
+
+    for table in ["jobs", "job_events", "outbox"] {
+        assert_eq!(it.count(table).await, 0, "{table} kept a row of a rolled-back accept");
+    }
+
+    // A committed job after it is published; the rolled-back one never is.
+    let shutdown = CancellationToken::new();
+    let relay = tokio::spawn(jobfold_relay::run(it.config.clone(), shutdown.clone()));
+    let marker = acceptor.accept(&it.pool, &job("doc-marker", 1, Some("k2"))).await.unwrap();
+    let events = read_events(&it, Duration::from_secs(30), |seen| {
+        seen.iter().any(|p| p.event.job_id == marker.job_id)
+    })
+    .await;
+    assert!(events.iter().any(|p| p.event.job_id == marker.job_id), "the marker never arrived");
+    assert!(events.iter().all(|p| p.key != "doc-rolled-back"));
+    assert_eq!(it.count("jobs").await, 1);
+
+    shutdown.cancel();
+    relay.await.unwrap().unwrap();
+    it.cleanup().await;
+}
+
+#[tokio::test]
+async fn the_same_idempotency_key_returns_the_same_job_or_a_conflict() {
+    let it = Installation::new("idempotency").await;
+    let acceptor = it.acceptor().await;
+    let first = acceptor.accept(&it.pool, &job("doc-1", 1, Some("key"))).await.unwrap();
+    let again = acceptor.accept(&it.pool, &job("doc-1", 1, Some("key"))).await.unwrap();
+    assert!(first.created && !again.created);
+    assert_eq!(first.job_id, again.job_id);
+
+    let different = acceptor.accept(&it.pool, &job("doc-1", 2, Some("key"))).await;
+    assert!(
+        matches!(different, Err(AcceptError::Conflict { job_id, .. }) if job_id == first.job_id)
+    );
+
+    // Without a key every accept is a new job, and older versions are accepted too.
+    let v4 = acceptor.accept(&it.pool, &job("doc-1", 4, None)).await.unwrap();
+    let v3 = acceptor.accept(&it.pool, &job("doc-1", 3, None)).await.unwrap();
+    assert!(v4.created && v3.created && v4.job_id != v3.job_id);
+    assert_eq!(it.count("jobs").await, 3);
+    assert_eq!(it.count("outbox").await, 3);
+    it.cleanup().await;
+}
+
+#[tokio::test]
+async fn invalid_jobs_are_refused_naming_the_field() {
+    let it = Installation::new("invalid").await;
+    let acceptor = it.acceptor().await;
+    let cases = [
+        (job("", 1, None), "document_id"),
+        (job("doc", 0, None), "input_version"),
+        (NewJob { kind: " ".into(), ..job("doc", 1, None) }, "kind"),
+        (
+            NewJob {
+                input: json!("x".repeat(it.config.accept.max_input_bytes)),
+                ..job("doc", 1, None)
+            },
+            "input",
+        ),
+    ];
+    for (bad, field) in cases {
+        match acceptor.accept(&it.pool, &bad).await {
+            Err(AcceptError::Invalid { field: named, .. }) => assert_eq!(named, field),
+            other => panic!("expected an invalid `{field}`, got {other:?}"),
+        }
+    }
+    assert_eq!(it.count("jobs").await, 0);
+    it.cleanup().await;
+}
+
+/// Serves the HTTP API in this process; returns its base URL.
+async fn serve_api(it: &Installation) -> (String, CancellationToken) {
+    let state = ApiState { pool: it.pool.clone(), acceptor: it.acceptor().await };
+    let app =
+        router(state, it.config.accept.max_input_bytes + jobfold_processor::BODY_OVERHEAD_BYTES);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let shutdown = CancellationToken::new();
+    let stop = shutdown.clone();
+    tokio::spawn(async move {
+        axum::serve(listener, app).with_graceful_shutdown(stop.cancelled_owned()).await.unwrap();
+    });
+    (url, shutdown)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ten_thousand_http_accepts_with_concurrent_retries_make_ten_thousand_jobs() {
+    const JOBS: usize = 10_000;
+    let it = Installation::new("http10k").await;
+    let (url, shutdown) = serve_api(&it).await;
+    let client = reqwest::Client::new();
+    let created = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+
+    // Every request is sent twice at the same time, as a client retrying on a time-out would.
+    let requests = (0..JOBS).flat_map(|i| [i, i]).map(|i| {
+        let client = client.clone();
+        let url = url.clone();
+        let created = Arc::clone(&created);
+        async move {
+            let response = client
+                .post(format!("{url}/v1/jobs"))
+                .header("Idempotency-Key", format!("request-{i}"))
+                .json(&json!({
+                    "document_id": format!("doc-{}", i % 500),
+                    "kind": "index-document",
+                    "input_version": 1 + i / 500,
+                    "input": { "n": i },
+                }))
+                .send()
+                .await
+                .unwrap();
+            let status = response.status().as_u16();
+            let body: serde_json::Value = response.json().await.unwrap();
+            assert!(status == 201 || status == 200, "status {status}: {body}");
+            if status == 201 {
+                created.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
+            (i, body["job_id"].as_str().unwrap().to_owned())
+        }
+    });
+    let answers: Vec<(usize, String)> =
+        futures::stream::iter(requests).buffer_unordered(64).collect().await;
+
+    // Both copies of a request got the same job.
+    let mut by_request = std::collections::HashMap::new();
+    for (i, job_id) in answers {
+        let first = by_request.entry(i).or_insert_with(|| job_id.clone());
+        assert_eq!(*first, job_id, "request {i} got two jobs");
+    }
+    let distinct: HashSet<&String> = by_request.values().collect();
+    assert_eq!(distinct.len(), JOBS);
+    assert_eq!(created.load(std::sync::atomic::Ordering::Relaxed), JOBS);
+    for table in ["jobs", "job_events", "outbox"] {
+        assert_eq!(it.count(table).await, JOBS as i64, "{table}");
+    }
+    shutdown.cancel();
+    it.cleanup().await;
+}
+
+#[tokio::test]
+async fn the_http_api_answers_errors_as_json_with_the_right_status() {
+    let it = Installation::new("httperrors").await;
+    let (url, shutdown) = serve_api(&it).await;
+    let client = reqwest::Client::new();
+    let post = |body: String| {
+        client.post(format!("{url}/v1/jobs")).header("content-type", "application/json").body(body)
+    };
+
+    let response =
+        post(r#"{"document_id":"d","kind":"k","input_version":"one","input":{}}"#.into())
+            .send()
+            .await
+            .unwrap();
+    assert_eq!(response.status().as_u16(), 422);
+    let body: serde_json::Value = response.json().await.unwrap();
+    assert_eq!(body["error"]["code"], "invalid_field");
+    assert!(body["error"]["message"].as_str().unwrap().contains("input_version"), "{body}");
+
+    let response =
+        post(r#"{"document_id":"d","kind":"k","input_version":1}"#.into()).send().await.unwrap();
+    assert_eq!(response.status().as_u16(), 422);
+    let body: serde_json::Value = response.json().await.unwrap();
+    assert!(body["error"]["message"].as_str().unwrap().contains("input"), "{body}");
+
+    let huge = format!(
+        r#"{{"document_id":"d","kind":"k","input_version":1,"input":"{}"}}"#,
+        "x".repeat(it.config.accept.max_input_bytes + jobfold_processor::BODY_OVERHEAD_BYTES)
+    );
+    let response = post(huge).send().await.unwrap();
+    assert_eq!(response.status().as_u16(), 413);
+    let body: serde_json::Value = response.json().await.unwrap();
+    assert_eq!(body["error"]["code"], "payload_too_large");
+
+    let key = |k: &str, v: i64| {
+        client
+            .post(format!("{url}/v1/jobs"))
+            .header("Idempotency-Key", k)
+            .json(&json!({"document_id": "d", "kind": "k", "input_version": v, "input": {}}))
+    };
+    assert_eq!(key("same", 1).send().await.unwrap().status().as_u16(), 201);
+    assert_eq!(key("same", 1).send().await.unwrap().status().as_u16(), 200);
+    assert_eq!(key("same", 2).send().await.unwrap().status().as_u16(), 409);
+
+    let missing =
+        client.get(format!("{url}/v1/jobs/{}", uuid::Uuid::new_v4())).send().await.unwrap();
+    assert_eq!(missing.status().as_u16(), 404);
+    assert_eq!(it.count("jobs").await, 1);
+    shutdown.cancel();
+    it.cleanup().await;
+}

@@ -1,0 +1,117 @@
+//! The intake topic: upstream requests become jobs once each; poison becomes dead letters;
+//! offsets are committed only for what is done.
+
+use std::time::Duration;
+
+use chrono::Utc;
+use jobfold_schemas::{Codec, JobRequest};
+use jobfold_tests::harness::{Installation, eventually};
+use jobfold_tests::kafka::client_config;
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::util::Timeout;
+use rdkafka::{Offset, TopicPartitionList};
+use tokio_util::sync::CancellationToken;
+use uuid::Uuid;
+
+fn request(document: &str, version: i64) -> JobRequest {
+    JobRequest {
+        request_id: Uuid::new_v4(),
+        document_id: document.into(),
+        job_kind: "index-document".into(),
+        input_version: version,
+        input: r#"{"text":"from upstream"}"#.into(),
+        requested_at: Utc::now(),
+        producer: "upstream-test".into(),
+        trace: None,
+    }
+}
+
+/// Sum over partitions of the group's committed offsets on `topic`.
+fn committed_total(group: &str, topic: &str, partitions: i32) -> i64 {
+    let consumer: BaseConsumer = client_config().set("group.id", group).create().unwrap();
+    let mut list = TopicPartitionList::new();
+    for p in 0..partitions {
+        list.add_partition(topic, p);
+    }
+    let committed =
+        consumer.committed_offsets(list, Timeout::After(Duration::from_secs(10))).unwrap();
+    committed
+        .elements()
+        .iter()
+        .map(|e| match e.offset() {
+            Offset::Offset(o) => o,
+            _ => 0,
+        })
+        .sum()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_become_jobs_once_and_poison_becomes_dead_letters() {
+    let it = Installation::new("intake").await;
+    it.create_topics().await;
+    let codec =
+        Codec::<JobRequest>::connect(it.registry(), &it.config.topics.requests).await.unwrap();
+    let producer: FutureProducer =
+        client_config().set("enable.idempotence", "true").create().unwrap();
+    let topic = it.config.topics.requests.clone();
+    let send = |key: String, value: Vec<u8>| {
+        let producer = producer.clone();
+        let topic = topic.clone();
+        async move {
+            producer
+                .send(FutureRecord::to(&topic).key(&key).payload(&value), Timeout::Never)
+                .await
+                .map_err(|(e, _)| e)
+                .unwrap();
+        }
+    };
+
+    let requests: Vec<JobRequest> =
+        (0..100).map(|i| request(&format!("doc-{}", i % 10), 1 + i / 10)).collect();
+    for r in &requests {
+        send(r.document_id.clone(), codec.encode(r).unwrap()).await;
+    }
+    // An upstream retry: the same request id again.
+    send(requests[7].document_id.clone(), codec.encode(&requests[7]).unwrap()).await;
+    // Poison: not the wire format at all, and a request whose input is not JSON.
+    send("doc-0".into(), b"{\"not\":\"avro\"}".to_vec()).await;
+    let bad_input = JobRequest { input: "not json".into(), ..request("doc-1", 99) };
+    send("doc-1".into(), codec.encode(&bad_input).unwrap()).await;
+    let total_messages = 103;
+
+    let shutdown = CancellationToken::new();
+    let processor = tokio::spawn(jobfold_processor::run(it.config.clone(), shutdown.clone()));
+    eventually(Duration::from_secs(60), "100 jobs and 2 dead letters", || async {
+        it.count("jobs").await == 100 && it.count("dead_letters").await == 2
+    })
+    .await;
+    shutdown.cancel();
+    processor.await.unwrap().unwrap();
+
+    // Each request's job carries its request id as the idempotency key.
+    let keys: Vec<String> =
+        sqlx::query_scalar("SELECT idempotency_key FROM jobs").fetch_all(&it.pool).await.unwrap();
+    for r in &requests {
+        assert!(keys.contains(&format!("request:{}", r.request_id)));
+    }
+    let errors: Vec<String> = sqlx::query_scalar("SELECT error FROM dead_letters ORDER BY error")
+        .fetch_all(&it.pool)
+        .await
+        .unwrap();
+    assert!(errors.iter().any(|e| e.contains("bad magic byte")), "{errors:?}");
+    assert!(errors.iter().any(|e| e.contains("not JSON")), "{errors:?}");
+    let raw: Vec<u8> =
+        sqlx::query_scalar("SELECT raw_value FROM dead_letters WHERE error LIKE '%magic%'")
+            .fetch_one(&it.pool)
+            .await
+            .unwrap();
+    assert_eq!(raw, b"{\"not\":\"avro\"}", "the dead letter keeps the raw value");
+
+    // Everything handled is committed, so a restart does not see it again.
+    assert_eq!(
+        committed_total(&it.config.intake.group, &topic, it.config.topics.partitions),
+        total_messages
+    );
+    it.cleanup().await;
+}

@@ -1,0 +1,265 @@
+//! The relay: every committed event on Kafka at least once, in per-document order, never
+//! before its time — across crashes between produce and mark, and with a standby relay.
+
+use std::collections::{HashMap, HashSet};
+use std::time::Duration;
+
+use chrono::Utc;
+use jobfold_common::accept::{Acceptor, NewJob};
+use jobfold_common::failpoint;
+use jobfold_tests::harness::{Installation, Published, Service, eventually, read_events};
+use serde_json::json;
+use tokio_util::sync::CancellationToken;
+use uuid::Uuid;
+
+fn job(document: &str, version: i64) -> NewJob {
+    NewJob {
+        document_id: document.into(),
+        kind: "index-document".into(),
+        input_version: version,
+        input: json!({ "text": "some words" }),
+        idempotency_key: None,
+        trace: None,
+    }
+}
+
+/// Accepts `n` jobs over `documents` documents; returns their event ids.
+async fn accept_many(
+    it: &Installation,
+    acceptor: &Acceptor,
+    n: usize,
+    documents: usize,
+) -> HashSet<Uuid> {
+    let mut ids = HashSet::new();
+    for chunk in (0..n).collect::<Vec<_>>().chunks(100) {
+        let jobs: Vec<NewJob> = chunk
+            .iter()
+            .map(|i| job(&format!("doc-{}", i % documents), 1 + (*i / documents) as i64))
+            .collect();
+        for accepted in acceptor.accept_batch(&it.pool, &jobs).await.unwrap() {
+            ids.insert(accepted.job_id);
+        }
+    }
+    ids
+}
+
+fn job_ids(events: &[Published]) -> HashSet<Uuid> {
+    events.iter().map(|p| p.event.job_id).collect()
+}
+
+async fn unpublished(it: &Installation) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM outbox WHERE published_at IS NULL")
+        .fetch_one(&it.pool)
+        .await
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_between_produce_and_mark_repeats_events_but_loses_none() {
+    const JOBS: usize = 2_000;
+    let it = Installation::new("relaycrash").await;
+    it.create_topics().await;
+    let acceptor = it.acceptor().await;
+    let jobs = accept_many(&it, &acceptor, JOBS, 200).await;
+
+    // The relay aborts (like kill -9) after producing its second batch, before marking it.
+    let mut env = it.env();
+    env.insert("JOBFOLD_RELAY__BATCH_SIZE".into(), "500".into());
+    env.insert(
+        "JOBFOLD_FAILPOINT".into(),
+        format!("{}@2", failpoint::RELAY_AFTER_PRODUCE_BEFORE_MARK),
+    );
+    let mut crashing = Service::start("jobfold-relay", &env);
+    let status = crashing.wait_exit(Duration::from_secs(60)).expect("the relay should abort");
+    assert!(!status.success(), "the failpoint did not abort the relay:\n{}", crashing.log_text());
+    assert_eq!(unpublished(&it).await, (JOBS - 500) as i64, "exactly the first batch is marked");
+
+    // A new relay publishes the rest, starting again with the unmarked batch.
+    env.remove("JOBFOLD_FAILPOINT");
+    let _relay = Service::start("jobfold-relay", &env);
+    eventually(Duration::from_secs(60), "the outbox to drain", || async {
+        unpublished(&it).await == 0
+    })
+    .await;
+
+    let events = read_events(&it, Duration::from_secs(60), |seen| seen.len() >= JOBS + 500).await;
+    assert_eq!(job_ids(&events), jobs, "every accepted job's event is on the topic");
+    let mut copies: HashMap<Uuid, usize> = HashMap::new();
+    for p in &events {
+        *copies.entry(p.event.event_id).or_default() += 1;
+    }
+    let duplicated = copies.values().filter(|&&n| n > 1).count();
+    assert_eq!(duplicated, 500, "the unmarked batch is published twice, nothing else");
+    assert!(copies.values().all(|&n| n <= 2));
+    println!("events on the topic: {}, duplicated by the crash: {duplicated}", events.len());
+    it.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_standby_relay_takes_over_when_the_active_one_is_killed() {
+    let it = Installation::new("relayfailover").await;
+    it.create_topics().await;
+    let acceptor = it.acceptor().await;
+
+    let mut first = Service::start("jobfold-relay", &it.env());
+    eventually(Duration::from_secs(30), "the first relay to become active", || async {
+        first.metric("jobfold_relay_active").await == Some(1.0)
+    })
+    .await;
+    let second = Service::start("jobfold-relay", &it.env());
+    eventually(Duration::from_secs(30), "the second relay to stand by", || async {
+        second.metric("jobfold_relay_active").await == Some(0.0)
+    })
+    .await;
+
+    let before = accept_many(&it, &acceptor, 300, 30).await;
+    eventually(Duration::from_secs(30), "the active relay to publish", || async {
+        unpublished(&it).await == 0
+    })
+    .await;
+    assert_eq!(first.metric("jobfold_relay_published_total").await, Some(300.0));
+    assert_eq!(
+        second.metric("jobfold_relay_published_total").await.unwrap_or(0.0),
+        0.0,
+        "the standby published"
+    );
+
+    first.kill9();
+    let killed_at = std::time::Instant::now();
+    eventually(Duration::from_secs(30), "the standby to take over", || async {
+        second.metric("jobfold_relay_active").await == Some(1.0)
+    })
+    .await;
+    println!("standby active {:?} after kill -9", killed_at.elapsed());
+    assert!(
+        killed_at.elapsed() < Duration::from_secs(10),
+        "takeover took {:?}",
+        killed_at.elapsed()
+    );
+
+    let after = accept_many(&it, &acceptor, 300, 30).await;
+    eventually(Duration::from_secs(30), "the new active relay to publish", || async {
+        unpublished(&it).await == 0
+    })
+    .await;
+    let events = read_events(&it, Duration::from_secs(60), |seen| job_ids(seen).len() >= 600).await;
+    let all: HashSet<Uuid> = before.union(&after).copied().collect();
+    assert_eq!(job_ids(&events), all);
+    assert!(second.metric("jobfold_relay_published_total").await.unwrap_or(0.0) >= 300.0);
+    it.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_hundred_documents_times_twenty_versions_stay_in_order() {
+    const DOCUMENTS: usize = 200;
+    const VERSIONS: i64 = 20;
+    let it = Installation::new("relayorder").await;
+    it.create_topics().await;
+    let acceptor = it.acceptor().await;
+    let mut config = it.config.clone();
+    // Small batches, so one document's versions cross many batches.
+    config.relay.batch_size = 97;
+    let shutdown = CancellationToken::new();
+    let relay = tokio::spawn(jobfold_relay::run(config, shutdown.clone()));
+
+    // Eight writers at once, each owning 25 documents and accepting their versions in order,
+    // while the relay publishes.
+    let writers: Vec<_> = (0..8)
+        .map(|w| {
+            let acceptor = acceptor.clone();
+            let pool = it.pool.clone();
+            tokio::spawn(async move {
+                for version in 1..=VERSIONS {
+                    for d in (w..DOCUMENTS).step_by(8) {
+                        acceptor.accept(&pool, &job(&format!("doc-{d}"), version)).await.unwrap();
+                    }
+                }
+            })
+        })
+        .collect();
+    for writer in writers {
+        writer.await.unwrap();
+    }
+
+    let total = DOCUMENTS * VERSIONS as usize;
+    let events = read_events(&it, Duration::from_secs(120), |seen| seen.len() >= total).await;
+    assert_eq!(events.len(), total);
+    let mut last: HashMap<&str, (i64, i32)> = HashMap::new();
+    for p in &events {
+        assert_eq!(p.key, p.event.document_id, "keyed by document");
+        if let Some((version, partition)) = last.get(p.key.as_str()) {
+            assert!(
+                p.event.input_version > *version,
+                "{}: version {} after {version}",
+                p.key,
+                p.event.input_version
+            );
+            assert_eq!(p.partition, *partition, "{} moved partitions", p.key);
+        }
+        last.insert(&p.key, (p.event.input_version, p.partition));
+    }
+    assert_eq!(last.len(), DOCUMENTS);
+    assert!(last.values().all(|(v, _)| *v == VERSIONS));
+    shutdown.cancel();
+    relay.await.unwrap().unwrap();
+    it.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delayed_outbox_row_is_not_published_before_its_time() {
+    let it = Installation::new("relaydelay").await;
+    it.create_topics().await;
+    let acceptor = it.acceptor().await;
+    let shutdown = CancellationToken::new();
+    let relay = tokio::spawn(jobfold_relay::run(it.config.clone(), shutdown.clone()));
+
+    // A row due in three seconds, as a scheduled retry's RetryDue is.
+    let mut tx = it.pool.begin().await.unwrap();
+    let delayed = acceptor.accept_in(&mut tx, &job("doc-delayed", 1)).await.unwrap();
+    let due: chrono::DateTime<Utc> = sqlx::query_scalar(
+        "UPDATE outbox SET available_at = now() + interval '3 seconds' \
+         WHERE seq = (SELECT seq FROM job_events WHERE job_id = $1) RETURNING available_at",
+    )
+    .bind(delayed.job_id)
+    .fetch_one(&mut *tx)
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+    let now = acceptor.accept(&it.pool, &job("doc-now", 1)).await.unwrap();
+
+    let events = read_events(&it, Duration::from_secs(30), |seen| job_ids(seen).len() == 2).await;
+    let arrival = |id: Uuid| {
+        events.iter().find(|p| p.event.job_id == id).and_then(|p| p.timestamp_ms).unwrap()
+    };
+    assert!(
+        arrival(delayed.job_id) >= due.timestamp_millis(),
+        "published {} ms before it was due",
+        due.timestamp_millis() - arrival(delayed.job_id)
+    );
+    assert!(
+        arrival(now.job_id) < due.timestamp_millis(),
+        "an immediate row waited for a delayed one"
+    );
+    // ... and not long after: the relay sleeps until the next due row, not a fixed poll.
+    assert!(arrival(delayed.job_id) - due.timestamp_millis() < 1_500);
+    shutdown.cancel();
+    relay.await.unwrap().unwrap();
+    it.cleanup().await;
+}
+
+#[tokio::test]
+async fn invalid_configuration_exits_2_naming_the_key() {
+    let it = Installation::new("relayconfig").await;
+    let mut env = it.env();
+    env.insert("JOBFOLD_RELAY__BATCH_SIZE".into(), "0".into());
+    let mut relay = Service::start("jobfold-relay", &env);
+    let status = relay.wait_exit(Duration::from_secs(30)).expect("the relay should exit");
+    assert_eq!(status.code(), Some(2));
+    assert!(relay.log_text().contains("relay.batch_size"), "{}", relay.log_text());
+
+    env.insert("JOBFOLD_RELAY__BATCH_SIZE".into(), "many".into());
+    let mut relay = Service::start("jobfold-relay", &env);
+    assert_eq!(relay.wait_exit(Duration::from_secs(30)).unwrap().code(), Some(2));
+    assert!(relay.log_text().contains("batch_size"), "{}", relay.log_text());
+    it.cleanup().await;
+}
