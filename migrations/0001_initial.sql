@@ -65,7 +65,9 @@ CREATE TABLE outbox (
     seq          bigint      NOT NULL,
     topic        text        NOT NULL,
     key          text        NOT NULL,
-    available_at timestamptz NOT NULL DEFAULT now(),
+    -- When the row may be published: its insert (clock time, not the transaction's start),
+    -- or a scheduled retry's due time.
+    available_at timestamptz NOT NULL DEFAULT clock_timestamp(),
     published_at timestamptz,
     CONSTRAINT outbox_pkey PRIMARY KEY (seq),
     CONSTRAINT outbox_seq_fkey FOREIGN KEY (seq) REFERENCES job_events (seq)

@@ -186,6 +186,129 @@ impl Acceptor {
             return Ok(Accepted { job_id, created: true });
         }
         // The key exists: the same request again returns its job.
+        self.existing(tx, job).await
+    }
+
+    /// Accepts `job` in a transaction of its own.
+    ///
+    /// # Errors
+    /// [`AcceptError`]; nothing was accepted.
+    pub async fn accept(&self, pool: &PgPool, job: &NewJob) -> Result<Accepted, AcceptError> {
+        let mut tx = pool.begin().await?;
+        let accepted = self.accept_in(&mut tx, job).await?;
+        tx.commit().await?;
+        Ok(accepted)
+    }
+
+    /// Accepts several jobs in one transaction, all or none, with one multi-row statement.
+    ///
+    /// Per-document order follows the slice: a later job of a document gets a later event.
+    ///
+    /// # Errors
+    /// [`AcceptError`] for the first job that fails; none was accepted.
+    pub async fn accept_batch(
+        &self,
+        pool: &PgPool,
+        jobs: &[NewJob],
+    ) -> Result<Vec<Accepted>, AcceptError> {
+        let mut tx = pool.begin().await?;
+        let accepted = self.accept_batch_in(&mut tx, jobs).await?;
+        tx.commit().await?;
+        Ok(accepted)
+    }
+
+    /// [`Acceptor::accept_batch`] inside the caller's transaction.
+    ///
+    /// # Errors
+    /// [`AcceptError`]; the caller should roll back.
+    pub async fn accept_batch_in(
+        &self,
+        tx: &mut PgConnection,
+        jobs: &[NewJob],
+    ) -> Result<Vec<Accepted>, AcceptError> {
+        for job in jobs {
+            self.validate(job)?;
+        }
+        let now = Utc::now();
+        let now = DateTime::from_timestamp_millis(now.timestamp_millis()).unwrap_or(now);
+        let n = jobs.len();
+        let (mut job_ids, mut event_ids, mut bodies) =
+            (Vec::with_capacity(n), Vec::with_capacity(n), Vec::with_capacity(n));
+        for job in jobs {
+            let job_id = Uuid::now_v7();
+            let event = self.requested_event(job_id, job, now);
+            bodies.push(self.codec.encode(&event)?);
+            event_ids.push(event.event_id);
+            job_ids.push(job_id);
+        }
+        let documents: Vec<&str> = jobs.iter().map(|j| j.document_id.as_str()).collect();
+        let kinds: Vec<&str> = jobs.iter().map(|j| j.kind.as_str()).collect();
+        let inputs: Vec<&serde_json::Value> = jobs.iter().map(|j| &j.input).collect();
+        let versions: Vec<i64> = jobs.iter().map(|j| j.input_version).collect();
+        let keys: Vec<Option<&str>> = jobs.iter().map(|j| j.idempotency_key.as_deref()).collect();
+        // language=PostgreSQL
+        let inserted: Vec<Uuid> = sqlx::query_scalar(
+            r#"
+            WITH input AS (
+                SELECT * FROM unnest($1::uuid[], $2::text[], $3::text[], $4::jsonb[],
+                                     $5::bigint[], $6::text[], $7::uuid[], $8::bytea[])
+                    WITH ORDINALITY
+                    AS t(job_id, document_id, kind, payload, input_version, idempotency_key,
+                         event_id, body, n)
+            ), job AS (
+                INSERT INTO jobs (job_id, document_id, kind, payload, input_version,
+                                  idempotency_key, accepted_at, stream_version)
+                SELECT job_id, document_id, kind, payload, input_version, idempotency_key, $9, 1
+                FROM input ORDER BY n
+                ON CONFLICT (idempotency_key) DO NOTHING
+                RETURNING job_id
+            ), event AS (
+                INSERT INTO job_events (event_id, job_id, stream_version, kind, body, occurred_at)
+                SELECT i.event_id, i.job_id, 1, 'JobRequested', i.body, $9
+                FROM input i JOIN job USING (job_id)
+                ORDER BY i.n
+                RETURNING seq, job_id
+            ), outbox AS (
+                INSERT INTO outbox (seq, topic, key)
+                SELECT e.seq, $10, i.document_id FROM event e JOIN input i USING (job_id)
+            )
+            SELECT job_id FROM job
+            "#,
+        )
+        .bind(&job_ids)
+        .bind(&documents)
+        .bind(&kinds)
+        .bind(&inputs)
+        .bind(&versions)
+        .bind(&keys)
+        .bind(&event_ids)
+        .bind(&bodies)
+        .bind(now)
+        .bind(&self.events_topic)
+        .fetch_all(&mut *tx)
+        .await?;
+        metrics::counter!(crate::metrics::ACCEPTED_TOTAL).increment(inserted.len() as u64);
+        if inserted.len() == n {
+            return Ok(job_ids
+                .into_iter()
+                .map(|job_id| Accepted { job_id, created: true })
+                .collect());
+        }
+        // Some keys existed (or repeat within the batch): each must ask for the same job.
+        let inserted: std::collections::HashSet<Uuid> = inserted.into_iter().collect();
+        let mut accepted = Vec::with_capacity(n);
+        for (job, job_id) in jobs.iter().zip(job_ids) {
+            if inserted.contains(&job_id) {
+                accepted.push(Accepted { job_id, created: true });
+            } else {
+                accepted.push(self.existing(tx, job).await?);
+            }
+        }
+        Ok(accepted)
+    }
+
+    /// The job an earlier request with `job`'s idempotency key created, if it asked the same.
+    async fn existing(&self, tx: &mut PgConnection, job: &NewJob) -> Result<Accepted, AcceptError> {
         let key = job.idempotency_key.clone().expect("only a keyed insert can conflict");
         // language=PostgreSQL
         let existing: Existing = sqlx::query_as(
@@ -204,35 +327,6 @@ impl Acceptor {
         } else {
             Err(AcceptError::Conflict { key, job_id: existing.job_id })
         }
-    }
-
-    /// Accepts `job` in a transaction of its own.
-    ///
-    /// # Errors
-    /// [`AcceptError`]; nothing was accepted.
-    pub async fn accept(&self, pool: &PgPool, job: &NewJob) -> Result<Accepted, AcceptError> {
-        let mut tx = pool.begin().await?;
-        let accepted = self.accept_in(&mut tx, job).await?;
-        tx.commit().await?;
-        Ok(accepted)
-    }
-
-    /// Accepts several jobs in one transaction: all or none.
-    ///
-    /// # Errors
-    /// [`AcceptError`] for the first job that fails; none was accepted.
-    pub async fn accept_batch(
-        &self,
-        pool: &PgPool,
-        jobs: &[NewJob],
-    ) -> Result<Vec<Accepted>, AcceptError> {
-        let mut tx = pool.begin().await?;
-        let mut accepted = Vec::with_capacity(jobs.len());
-        for job in jobs {
-            accepted.push(self.accept_in(&mut tx, job).await?);
-        }
-        tx.commit().await?;
-        Ok(accepted)
     }
 
     fn requested_event(&self, job_id: Uuid, job: &NewJob, now: DateTime<Utc>) -> JobEvent {

@@ -109,7 +109,9 @@ pub struct Relay {
     /// How often a standby relay tries to become the active one.
     #[serde(with = "humantime_serde")]
     pub standby_retry: Duration,
-    /// Published outbox rows are deleted after this long (job_events is kept).
+    /// Published outbox rows are deleted after this long (job_events is kept). `0s` deletes
+    /// each row as soon as its delivery is acknowledged, instead of marking it: no published
+    /// history in the outbox, and about half the relay's database work.
     #[serde(with = "humantime_serde")]
     pub prune_after: Duration,
     #[serde(with = "humantime_serde")]

@@ -21,6 +21,7 @@
 pub mod outbox;
 pub mod publish;
 
+use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
@@ -130,7 +131,8 @@ async fn relay(
             metrics::gauge!(m::RELAY_OLDEST_UNPUBLISHED_AGE_SECONDS).set(age);
             gauges_at = Instant::now();
         }
-        if prune_at.elapsed() >= config.relay.prune_interval {
+        if prune_at.elapsed() >= config.relay.prune_interval && !config.relay.prune_after.is_zero()
+        {
             prune(config, &mut conn).await?;
             prune_at = Instant::now();
         }
@@ -148,63 +150,110 @@ async fn relay(
     }
 }
 
-/// Publishes due rows batch by batch until fewer than a full batch remain. Returns true if
-/// shutdown was requested (after finishing the batch in flight).
+/// One pass over the due rows, batch by batch, until fewer than a full batch remain.
+/// Returns true if shutdown was requested (after finishing the batches in flight).
+///
+/// Pipelined: batch N+1 is claimed and enqueued while batch N's delivery reports arrive,
+/// and N is marked once they all have. Rows are claimed after a cursor, so rows sent but
+/// not yet marked are not claimed twice; rows that failed (below the cursor) are tried in
+/// the next pass.
 async fn drain(
     config: &Config,
     conn: &mut PgConnection,
     producer: &mut FutureProducer,
     shutdown: &CancellationToken,
 ) -> anyhow::Result<bool> {
+    let mut cursor = 0;
+    let mut blocked = HashSet::new();
+    let mut in_flight: Option<publish::Sent> = None;
     loop {
-        let rows = outbox::claim(conn, config.relay.batch_size).await?;
-        if rows.is_empty() {
+        let claim_started = Instant::now();
+        let rows = if shutdown.is_cancelled() {
+            Vec::new()
+        } else {
+            outbox::claim(conn, cursor, config.relay.batch_size).await?
+        };
+        tracing::debug!(rows = rows.len(), cursor, elapsed = ?claim_started.elapsed(), "Claimed.");
+        let full = rows.len() == config.relay.batch_size as usize;
+        let sent = if rows.is_empty() {
+            None
+        } else {
+            cursor = rows.last().map_or(cursor, |r| r.seq);
+            Some(publish::send(producer, &rows, &mut blocked).await)
+        };
+        if let Some(previous) = in_flight.take()
+            && !complete(config, conn, producer, shutdown, previous).await?
+        {
+            // Mark what the batch behind it delivered, then end the pass.
+            if let Some(current) = sent {
+                complete(config, conn, producer, shutdown, current).await?;
+            }
             return Ok(shutdown.is_cancelled());
         }
-        // A batch waits for its delivery reports, through broker outages; on shutdown it
-        // gets `shutdown_timeout` more, then is abandoned unmarked (published again later).
-        let give_up = async {
-            shutdown.cancelled().await;
-            tokio::time::sleep(config.relay.shutdown_timeout).await;
-        };
-        let outcome = tokio::select! {
-            outcome = publish::publish(producer, &rows) => outcome,
-            _ = give_up => {
-                tracing::warn!(rows = rows.len(), "Shutdown: abandoning a batch still waiting for delivery reports.");
-                return Ok(true);
+        in_flight = sent;
+        if !full {
+            if let Some(last) = in_flight.take() {
+                complete(config, conn, producer, shutdown, last).await?;
             }
-        };
-        failpoint::hit(failpoint::RELAY_AFTER_PRODUCE_BEFORE_MARK);
-        let seqs: Vec<i64> = outcome.delivered.iter().map(|(seq, _)| *seq).collect();
-        let marked = outbox::mark_published(conn, &seqs).await?;
-        metrics::counter!(m::RELAY_PUBLISHED_TOTAL).increment(marked);
-        let now = chrono::Utc::now();
-        let latency = metrics::histogram!(m::RELAY_PUBLISH_LATENCY_SECONDS);
-        for (_, available_at) in &outcome.delivered {
-            latency.record((now - *available_at).as_seconds_f64().max(0.0));
-        }
-        if !outcome.failed.is_empty() {
-            metrics::counter!(m::RELAY_DELIVERY_ERRORS_TOTAL)
-                .increment(outcome.failed.len() as u64);
-            let (seq, error) = &outcome.failed[0];
-            tracing::warn!(
-                failed = outcome.failed.len(),
-                held_back = outcome.held_back,
-                first_seq = seq,
-                error = %error,
-                "Some outbox rows were not delivered; they stay unpublished and are retried."
-            );
-            if publish::is_fatal(producer) {
-                tracing::warn!("The producer hit a fatal error; building a new one.");
-                *producer = publish::producer(config)?;
-            }
-            tokio::time::sleep(FAILURE_BACKOFF).await;
-            return Ok(shutdown.is_cancelled());
-        }
-        if shutdown.is_cancelled() || rows.len() < config.relay.batch_size as usize {
             return Ok(shutdown.is_cancelled());
         }
     }
+}
+
+/// Waits for a sent batch's delivery reports and marks what was delivered. Returns false
+/// if the batch had failures (the pass should end; the rows are tried again later) or
+/// shutdown gave up on it.
+async fn complete(
+    config: &Config,
+    conn: &mut PgConnection,
+    producer: &mut FutureProducer,
+    shutdown: &CancellationToken,
+    sent: publish::Sent,
+) -> anyhow::Result<bool> {
+    // A batch waits for its delivery reports, through broker outages; on shutdown it gets
+    // `shutdown_timeout` more, then is abandoned unmarked (published again later).
+    let give_up = async {
+        shutdown.cancelled().await;
+        tokio::time::sleep(config.relay.shutdown_timeout).await;
+    };
+    let outcome = tokio::select! {
+        outcome = sent.delivered() => outcome,
+        _ = give_up => {
+            tracing::warn!("Shutdown: abandoning a batch still waiting for delivery reports.");
+            return Ok(false);
+        }
+    };
+    failpoint::hit(failpoint::RELAY_AFTER_PRODUCE_BEFORE_MARK);
+    let seqs: Vec<i64> = outcome.delivered.iter().map(|(seq, _)| *seq).collect();
+    let mark_started = Instant::now();
+    let delete = config.relay.prune_after.is_zero();
+    let marked = outbox::mark_published(conn, &seqs, delete).await?;
+    tracing::debug!(marked, elapsed = ?mark_started.elapsed(), "Marked.");
+    metrics::counter!(m::RELAY_PUBLISHED_TOTAL).increment(marked);
+    let now = chrono::Utc::now();
+    let latency = metrics::histogram!(m::RELAY_PUBLISH_LATENCY_SECONDS);
+    for (_, available_at) in &outcome.delivered {
+        latency.record((now - *available_at).as_seconds_f64().max(0.0));
+    }
+    if outcome.failed.is_empty() && outcome.held_back == 0 {
+        return Ok(true);
+    }
+    metrics::counter!(m::RELAY_DELIVERY_ERRORS_TOTAL).increment(outcome.failed.len() as u64);
+    if let Some((seq, error)) = outcome.failed.first() {
+        tracing::warn!(
+            failed = outcome.failed.len(),
+            held_back = outcome.held_back,
+            first_seq = seq,
+            error = %error,
+            "Some outbox rows were not delivered; they stay unpublished and are retried."
+        );
+    }
+    if publish::is_fatal(producer) {
+        tracing::warn!("The producer hit a fatal error; building a new one.");
+        *producer = publish::producer(config)?;
+    }
+    tokio::time::sleep(FAILURE_BACKOFF).await;
+    Ok(false)
 }
 
 async fn prune(config: &Config, conn: &mut PgConnection) -> anyhow::Result<()> {

@@ -17,37 +17,57 @@ pub struct OutboxRow {
     pub available_at: DateTime<Utc>,
 }
 
-/// The oldest `limit` unpublished rows that are due, in log order.
+/// The oldest `limit` unpublished rows that are due and come after `after_seq`, in log order.
 ///
 /// Log order keeps per-document order: events of one job are written by transactions that
 /// follow one another, so a later event always has a higher seq and commits later.
 ///
 /// # Errors
 /// The connection failed.
-pub async fn claim(conn: &mut PgConnection, limit: u32) -> Result<Vec<OutboxRow>, sqlx::Error> {
+pub async fn claim(
+    conn: &mut PgConnection,
+    after_seq: i64,
+    limit: u32,
+) -> Result<Vec<OutboxRow>, sqlx::Error> {
     // language=PostgreSQL
     sqlx::query_as(
         r#"
-        SELECT o.seq, o.topic, o.key, e.body, o.available_at
-        FROM outbox o
-        JOIN job_events e ON e.seq = o.seq
-        WHERE o.published_at IS NULL AND o.available_at <= now()
+        SELECT o.seq, o.topic, o.key, o.available_at,
+               (SELECT e.body FROM job_events e WHERE e.seq = o.seq) AS body
+        FROM (
+            SELECT seq, topic, key, available_at
+            FROM outbox
+            WHERE published_at IS NULL AND available_at <= now() AND seq > $1
+            ORDER BY seq
+            LIMIT $2
+        ) o
         ORDER BY o.seq
-        LIMIT $1
         "#,
     )
+    .bind(after_seq)
     .bind(i64::from(limit))
     .fetch_all(conn)
     .await
 }
 
-/// Marks rows whose delivery the broker acknowledged.
+/// Marks rows whose delivery the broker acknowledged; with `delete`, deletes them instead
+/// (`relay.prune_after = "0s"`: no published history in the outbox, half the database work).
 ///
 /// # Errors
 /// The connection failed; the rows stay unpublished and will be published again.
-pub async fn mark_published(conn: &mut PgConnection, seqs: &[i64]) -> Result<u64, sqlx::Error> {
+pub async fn mark_published(
+    conn: &mut PgConnection,
+    seqs: &[i64],
+    delete: bool,
+) -> Result<u64, sqlx::Error> {
     if seqs.is_empty() {
         return Ok(0);
+    }
+    if delete {
+        // language=PostgreSQL
+        let done =
+            sqlx::query("DELETE FROM outbox WHERE seq = ANY($1)").bind(seqs).execute(conn).await?;
+        return Ok(done.rows_affected());
     }
     // language=PostgreSQL
     let done = sqlx::query(

@@ -14,7 +14,7 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use jobfold_common::config::Config;
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
-use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
+use rdkafka::producer::{DeliveryFuture, FutureProducer, FutureRecord, Producer};
 use rdkafka::util::Timeout;
 
 use crate::outbox::OutboxRow;
@@ -50,28 +50,45 @@ pub struct Outcome {
     pub held_back: usize,
 }
 
-/// Produces `rows` in order and waits for every delivery report.
-pub async fn publish(producer: &FutureProducer, rows: &[OutboxRow]) -> Outcome {
-    let mut outcome = Outcome::default();
-    let mut pending = Vec::with_capacity(rows.len());
-    // Documents with a row that could not even be enqueued: their later rows must wait.
-    let mut blocked: HashSet<&str> = HashSet::new();
+/// A batch handed to the producer, its delivery reports still to come.
+pub struct Sent {
+    pending: Vec<(i64, DateTime<Utc>, DeliveryFuture)>,
+    outcome: Outcome,
+}
+
+impl std::fmt::Debug for Sent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Sent").field("pending", &self.pending.len()).finish_non_exhaustive()
+    }
+}
+
+/// Enqueues `rows` in order, without waiting for delivery.
+///
+/// `blocked` holds the documents with a row that could not be enqueued in this pass: their
+/// later rows are held back, or they would reach the topic ahead of it. The caller keeps it
+/// across the batches of one pass.
+pub async fn send(
+    producer: &FutureProducer,
+    rows: &[OutboxRow],
+    blocked: &mut HashSet<String>,
+) -> Sent {
+    let mut sent = Sent { pending: Vec::with_capacity(rows.len()), outcome: Outcome::default() };
     for row in rows {
         if blocked.contains(row.key.as_str()) {
-            outcome.held_back += 1;
+            sent.outcome.held_back += 1;
             continue;
         }
         let mut record = FutureRecord::to(&row.topic).key(&row.key).payload(&row.body);
         loop {
             match producer.send_result(record) {
                 Ok(delivery) => {
-                    pending.push((row.seq, row.available_at, delivery));
+                    sent.pending.push((row.seq, row.available_at, delivery));
                     break;
                 }
                 Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), back)) => {
                     // The local queue is full: let deliveries drain, then try again.
                     record = back;
-                    tokio::time::sleep(Duration::from_millis(2)).await;
+                    tokio::time::sleep(Duration::from_millis(1)).await;
                 }
                 Err((e, _)) => {
                     tracing::error!(
@@ -81,23 +98,34 @@ pub async fn publish(producer: &FutureProducer, rows: &[OutboxRow]) -> Outcome {
                         error = %e,
                         "Outbox row cannot be produced; later events of its document wait behind it."
                     );
-                    blocked.insert(&row.key);
-                    outcome.failed.push((row.seq, e));
+                    blocked.insert(row.key.clone());
+                    sent.outcome.failed.push((row.seq, e));
                     break;
                 }
             }
         }
     }
-    for (seq, available_at, delivery) in pending {
-        match delivery.await {
-            Ok(Ok(_)) => outcome.delivered.push((seq, available_at)),
-            Ok(Err((e, _))) => outcome.failed.push((seq, e)),
-            Err(_canceled) => {
-                outcome.failed.push((seq, KafkaError::Canceled));
+    sent
+}
+
+impl Sent {
+    /// Waits for every delivery report of the batch.
+    pub async fn delivered(self) -> Outcome {
+        let mut outcome = self.outcome;
+        for (seq, available_at, delivery) in self.pending {
+            match delivery.await {
+                Ok(Ok(_)) => outcome.delivered.push((seq, available_at)),
+                Ok(Err((e, _))) => outcome.failed.push((seq, e)),
+                Err(_canceled) => outcome.failed.push((seq, KafkaError::Canceled)),
             }
         }
+        outcome
     }
-    outcome
+}
+
+/// Produces `rows` in order and waits for every delivery report.
+pub async fn publish(producer: &FutureProducer, rows: &[OutboxRow]) -> Outcome {
+    send(producer, rows, &mut HashSet::new()).await.delivered().await
 }
 
 /// Whether the producer hit a fatal error (e.g. the gapless guarantee) and must be rebuilt.

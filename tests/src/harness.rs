@@ -245,6 +245,19 @@ where
     }
 }
 
+/// How many messages the events topic holds (the sum of its partitions' high watermarks).
+pub fn events_on_topic(installation: &Installation) -> i64 {
+    let consumer: StreamConsumer = crate::kafka::client_config().create().unwrap();
+    let topic = &installation.config.topics.events;
+    (0..installation.config.topics.partitions)
+        .map(|p| {
+            let (low, high) =
+                consumer.fetch_watermarks(topic, p, Duration::from_secs(10)).expect("watermarks");
+            high - low
+        })
+        .sum()
+}
+
 /// One event read back from the events topic.
 #[derive(Debug, Clone)]
 pub struct Published {

@@ -225,3 +225,40 @@ async fn the_http_api_answers_errors_as_json_with_the_right_status() {
     shutdown.cancel();
     it.cleanup().await;
 }
+
+#[tokio::test]
+async fn a_batch_is_one_transaction_in_order_with_repeats_folded() {
+    let it = Installation::new("batch").await;
+    let acceptor = it.acceptor().await;
+    let jobs = vec![
+        job("doc-a", 1, None),
+        job("doc-b", 1, Some("b1")),
+        job("doc-a", 2, Some("a2")),
+        job("doc-a", 2, Some("a2")), // the same request twice in one batch
+        job("doc-a", 3, None),
+    ];
+    let accepted = acceptor.accept_batch(&it.pool, &jobs).await.unwrap();
+    assert_eq!(accepted.iter().filter(|a| a.created).count(), 4);
+    assert_eq!(accepted[2].job_id, accepted[3].job_id);
+    assert!(!accepted[3].created);
+
+    // doc-a's events are in the log in the order of the batch.
+    let versions: Vec<i64> = sqlx::query_scalar(
+        "SELECT j.input_version FROM job_events e JOIN jobs j USING (job_id) \
+         WHERE j.document_id = 'doc-a' ORDER BY e.seq",
+    )
+    .fetch_all(&it.pool)
+    .await
+    .unwrap();
+    assert_eq!(versions, [1, 2, 3]);
+
+    // Again, with one conflicting request: nothing of the batch is accepted.
+    let conflicting = vec![job("doc-c", 1, None), job("doc-b", 9, Some("b1"))];
+    assert!(matches!(
+        acceptor.accept_batch(&it.pool, &conflicting).await,
+        Err(AcceptError::Conflict { .. })
+    ));
+    assert_eq!(it.count("jobs").await, 4);
+    assert_eq!(it.count("outbox").await, 4);
+    it.cleanup().await;
+}

@@ -7,7 +7,9 @@ use std::time::Duration;
 use chrono::Utc;
 use jobfold_common::accept::{Acceptor, NewJob};
 use jobfold_common::failpoint;
-use jobfold_tests::harness::{Installation, Published, Service, eventually, read_events};
+use jobfold_tests::harness::{
+    Installation, Published, Service, events_on_topic, eventually, read_events,
+};
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
@@ -82,14 +84,17 @@ async fn a_crash_between_produce_and_mark_repeats_events_but_loses_none() {
     })
     .await;
 
-    let events = read_events(&it, Duration::from_secs(60), |seen| seen.len() >= JOBS + 500).await;
+    let on_topic = events_on_topic(&it) as usize;
+    let events = read_events(&it, Duration::from_secs(60), |seen| seen.len() >= on_topic).await;
     assert_eq!(job_ids(&events), jobs, "every accepted job's event is on the topic");
     let mut copies: HashMap<Uuid, usize> = HashMap::new();
     for p in &events {
         *copies.entry(p.event.event_id).or_default() += 1;
     }
+    // The batch produced but not marked is published again, and so is (some of) the batch
+    // the pipeline had already sent behind it; nothing else.
     let duplicated = copies.values().filter(|&&n| n > 1).count();
-    assert_eq!(duplicated, 500, "the unmarked batch is published twice, nothing else");
+    assert!((500..=1000).contains(&duplicated), "{duplicated} events duplicated");
     assert!(copies.values().all(|&n| n <= 2));
     println!("events on the topic: {}, duplicated by the crash: {duplicated}", events.len());
     it.cleanup().await;
@@ -262,4 +267,33 @@ async fn invalid_configuration_exits_2_naming_the_key() {
     assert_eq!(relay.wait_exit(Duration::from_secs(30)).unwrap().code(), Some(2));
     assert!(relay.log_text().contains("batch_size"), "{}", relay.log_text());
     it.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn published_rows_are_pruned_after_the_retention_and_the_log_stays() {
+    for (prune_after, name) in
+        [(Duration::from_secs(1), "relayprune"), (Duration::ZERO, "relaydelete")]
+    {
+        let it = Installation::new(name).await;
+        it.create_topics().await;
+        let acceptor = it.acceptor().await;
+        let mut config = it.config.clone();
+        config.relay.prune_after = prune_after;
+        config.relay.prune_interval = Duration::from_millis(200);
+        let shutdown = CancellationToken::new();
+        let relay = tokio::spawn(jobfold_relay::run(config, shutdown.clone()));
+        let jobs = accept_many(&it, &acceptor, 200, 20).await;
+
+        let events =
+            read_events(&it, Duration::from_secs(30), |seen| job_ids(seen).len() == 200).await;
+        assert_eq!(job_ids(&events), jobs);
+        eventually(Duration::from_secs(30), "the outbox to be pruned", || async {
+            it.count("outbox").await == 0
+        })
+        .await;
+        assert_eq!(it.count("job_events").await, 200, "the event log is kept");
+        shutdown.cancel();
+        relay.await.unwrap().unwrap();
+        it.cleanup().await;
+    }
 }

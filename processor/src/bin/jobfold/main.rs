@@ -1,5 +1,7 @@
 //! `jobfold`: the operator's command line.
 
+mod bench;
+
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -11,7 +13,7 @@ use jobfold_common::{db, telemetry};
 use jobfold_schemas::codec::registry_settings;
 use jobfold_schemas::{Codec, JobEvent};
 
-/// Operate jobfold: migrate the database, submit jobs.
+/// Operate jobfold: migrate the database, submit jobs, measure.
 #[derive(Debug, Parser)]
 #[command(version)]
 struct Args {
@@ -43,6 +45,16 @@ enum Command {
         /// Idempotency key: submitting again with it returns the same job.
         #[arg(long)]
         key: Option<String>,
+    },
+    /// Measure accept and relay on this machine next to its raw Kafka producer rate, in a
+    /// database and topics of their own; prints a markdown table.
+    Bench {
+        /// The long run (minutes) instead of the quick one (about a minute).
+        #[arg(long)]
+        full: bool,
+        /// Also write the table to this file.
+        #[arg(long)]
+        output: Option<PathBuf>,
     },
 }
 
@@ -94,6 +106,15 @@ async fn run(config: Config, command: Command) -> anyhow::Result<()> {
             let accepted = acceptor.accept(&pool, &job).await?;
             let what = if accepted.created { "accepted" } else { "already accepted" };
             println!("{} {what}", accepted.job_id);
+        }
+        Command::Bench { full, output } => {
+            let sizes = if full { bench::Sizes::full() } else { bench::Sizes::quick() };
+            let table = bench::run(config, sizes).await?;
+            println!("{table}");
+            if let Some(path) = output {
+                std::fs::write(&path, &table)
+                    .with_context(|| format!("writing {}", path.display()))?;
+            }
         }
     }
     Ok(())
