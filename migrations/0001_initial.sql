@@ -27,12 +27,20 @@ CREATE TABLE jobs (
     accepted_at     timestamptz NOT NULL DEFAULT now(),
     finished_at     timestamptz,
     idempotency_key text,
+    -- Budgets fixed at accept (or replay) time: no lease past max_attempts, no retry
+    -- scheduled after the deadline.
+    max_attempts    integer     NOT NULL,
+    deadline        timestamptz,
+    -- The last failure, for operators.
+    last_error      text,
     -- Stream version of the last event appended for this job (0: none yet).
     stream_version  integer     NOT NULL DEFAULT 0,
     CONSTRAINT jobs_pkey PRIMARY KEY (job_id),
     CONSTRAINT jobs_idempotency_key_key UNIQUE (idempotency_key),
     CONSTRAINT jobs_input_version_is_positive CHECK (input_version > 0),
     CONSTRAINT jobs_attempt_is_non_negative CHECK (attempt >= 0),
+    CONSTRAINT jobs_attempt_within_budget CHECK (attempt <= max_attempts),
+    CONSTRAINT jobs_max_attempts_is_positive CHECK (max_attempts > 0),
     CONSTRAINT jobs_generation_is_non_negative CHECK (generation >= 0),
     CONSTRAINT jobs_leased_has_lease CHECK (
         state <> 'leased' OR (lease_until IS NOT NULL AND lease_owner IS NOT NULL)),
@@ -110,6 +118,19 @@ CREATE TABLE document_index (
     updated_at  timestamptz NOT NULL DEFAULT now(),
     CONSTRAINT document_index_pkey PRIMARY KEY (document_id)
 );
+
+-- Every business write the example handler commits, WITHOUT a unique constraint: a
+-- duplicate effect would show here as a second row for the same (job_id, input_version).
+CREATE TABLE index_writes (
+    id            bigint      GENERATED ALWAYS AS IDENTITY,
+    job_id        uuid        NOT NULL,
+    document_id   text        NOT NULL,
+    input_version bigint      NOT NULL,
+    generation    bigint      NOT NULL,
+    written_at    timestamptz NOT NULL DEFAULT now(),
+    CONSTRAINT index_writes_pkey PRIMARY KEY (id)
+);
+CREATE INDEX index_writes_job_idx ON index_writes (job_id, input_version);
 
 -- Dedupe rows. Do not change the key: (consumer_group, event_id) is what makes a
 -- redelivered event a no-op; a different key lets duplicates through.

@@ -149,13 +149,18 @@ impl Acceptor {
         let job_id = Uuid::now_v7();
         let event = self.requested_event(job_id, job, now);
         let body = self.codec.encode(&event)?;
+        let (max_attempts, deadline) = match &event.payload {
+            Payload::JobRequested(r) => (r.max_attempts, r.deadline),
+            _ => unreachable!("requested_event builds a JobRequested"),
+        };
         // language=PostgreSQL
         let inserted: Option<Uuid> = sqlx::query_scalar(
             r#"
             WITH job AS (
                 INSERT INTO jobs (job_id, document_id, kind, payload, input_version,
-                                  idempotency_key, accepted_at, stream_version)
-                VALUES ($1, $2, $3, $4, $5, $6, $7, 1)
+                                  idempotency_key, accepted_at, stream_version,
+                                  max_attempts, deadline)
+                VALUES ($1, $2, $3, $4, $5, $6, $7, 1, $11, $12)
                 ON CONFLICT (idempotency_key) DO NOTHING
                 RETURNING job_id
             ), event AS (
@@ -179,6 +184,8 @@ impl Acceptor {
         .bind(event.event_id)
         .bind(&body)
         .bind(&self.events_topic)
+        .bind(max_attempts)
+        .bind(deadline)
         .fetch_optional(&mut *tx)
         .await?;
         if let Some(job_id) = inserted {
@@ -234,10 +241,15 @@ impl Acceptor {
         let n = jobs.len();
         let (mut job_ids, mut event_ids, mut bodies) =
             (Vec::with_capacity(n), Vec::with_capacity(n), Vec::with_capacity(n));
+        let (mut budgets, mut deadlines) = (Vec::with_capacity(n), Vec::with_capacity(n));
         for job in jobs {
             let job_id = Uuid::now_v7();
             let event = self.requested_event(job_id, job, now);
             bodies.push(self.codec.encode(&event)?);
+            if let Payload::JobRequested(r) = &event.payload {
+                budgets.push(r.max_attempts);
+                deadlines.push(r.deadline);
+            }
             event_ids.push(event.event_id);
             job_ids.push(job_id);
         }
@@ -251,14 +263,17 @@ impl Acceptor {
             r#"
             WITH input AS (
                 SELECT * FROM unnest($1::uuid[], $2::text[], $3::text[], $4::jsonb[],
-                                     $5::bigint[], $6::text[], $7::uuid[], $8::bytea[])
+                                     $5::bigint[], $6::text[], $7::uuid[], $8::bytea[],
+                                     $11::int[], $12::timestamptz[])
                     WITH ORDINALITY
                     AS t(job_id, document_id, kind, payload, input_version, idempotency_key,
-                         event_id, body, n)
+                         event_id, body, max_attempts, deadline, n)
             ), job AS (
                 INSERT INTO jobs (job_id, document_id, kind, payload, input_version,
-                                  idempotency_key, accepted_at, stream_version)
-                SELECT job_id, document_id, kind, payload, input_version, idempotency_key, $9, 1
+                                  idempotency_key, accepted_at, stream_version,
+                                  max_attempts, deadline)
+                SELECT job_id, document_id, kind, payload, input_version, idempotency_key, $9, 1,
+                       max_attempts, deadline
                 FROM input ORDER BY n
                 ON CONFLICT (idempotency_key) DO NOTHING
                 RETURNING job_id
@@ -285,6 +300,8 @@ impl Acceptor {
         .bind(&bodies)
         .bind(now)
         .bind(&self.events_topic)
+        .bind(&budgets)
+        .bind(&deadlines)
         .fetch_all(&mut *tx)
         .await?;
         metrics::counter!(crate::metrics::ACCEPTED_TOTAL).increment(inserted.len() as u64);

@@ -77,6 +77,7 @@ pub struct Config {
     pub relay: Relay,
     pub accept: Accept,
     pub intake: Intake,
+    pub processor: Processor,
     /// librdkafka options passed to every client, e.g. `"security.protocol" = "SASL_SSL"`.
     #[serde(default)]
     pub kafka: BTreeMap<String, String>,
@@ -123,6 +124,41 @@ pub struct Relay {
     pub lock_key: i64,
 }
 
+/// Running jobs.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct Processor {
+    /// Run jobs (consume the events topic). Off: the processor only accepts.
+    pub enabled: bool,
+    /// The processors' consumer group.
+    pub group: String,
+    /// How long a lease lasts without a heartbeat.
+    #[serde(with = "humantime_serde")]
+    pub lease_ttl: Duration,
+    /// How often a running job's lease is extended.
+    #[serde(with = "humantime_serde")]
+    pub heartbeat: Duration,
+    /// Jobs running at once in this process, across partitions.
+    pub max_in_flight: usize,
+    /// First retry delay; doubled per attempt, capped, with full jitter.
+    #[serde(with = "humantime_serde")]
+    pub retry_base: Duration,
+    #[serde(with = "humantime_serde")]
+    pub retry_cap: Duration,
+    /// Quarantine owner of kinds without `[accept.kinds.<kind>] owner`.
+    pub default_owner: String,
+    /// How long a revoked partition's running jobs may take to finish before it is released.
+    #[serde(with = "humantime_serde")]
+    pub revoke_timeout: Duration,
+    /// How often the reaper looks for expired leases and stalled jobs.
+    #[serde(with = "humantime_serde")]
+    pub reaper_interval: Duration,
+    /// A lease expired this long ago, or an accepted job with no lease for this long, is
+    /// dispatched again by the reaper.
+    #[serde(with = "humantime_serde")]
+    pub reaper_grace: Duration,
+}
+
 /// The intake consumer on the requests topic.
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
@@ -159,6 +195,17 @@ pub struct KindPolicy {
     /// Who must act on this kind's quarantined jobs.
     #[serde(default)]
     pub owner: Option<String>,
+}
+
+impl Config {
+    /// Who must act on a quarantined job of `kind`.
+    pub fn quarantine_owner(&self, kind: &str) -> String {
+        self.accept
+            .kinds
+            .get(kind)
+            .and_then(|k| k.owner.clone())
+            .unwrap_or_else(|| self.processor.default_owner.clone())
+    }
 }
 
 impl Accept {
@@ -203,7 +250,7 @@ fn describe(error: &figment::Error) -> String {
 
 /// Top-level keys that `JOBFOLD_*` variables may set. Other `JOBFOLD_*` variables belong to
 /// the service scripts (`JOBFOLD_STATE_DIR`, ...) or to tests (`JOBFOLD_FAILPOINT`).
-const ENV_KEYS: [&str; 11] = [
+const ENV_KEYS: [&str; 12] = [
     "database_url",
     "kafka_brokers",
     "schema_registry_url",
@@ -214,6 +261,7 @@ const ENV_KEYS: [&str; 11] = [
     "relay",
     "accept",
     "intake",
+    "processor",
     "kafka",
 ];
 
@@ -293,6 +341,28 @@ impl Config {
         }
         if self.intake.group.trim().is_empty() {
             return invalid("intake.group", "must not be empty");
+        }
+        let p = &self.processor;
+        if p.group.trim().is_empty() {
+            return invalid("processor.group", "must not be empty");
+        }
+        if p.group == self.intake.group {
+            return invalid("processor.group", "must differ from intake.group");
+        }
+        if p.heartbeat.is_zero() || p.heartbeat * 2 > p.lease_ttl {
+            return invalid(
+                "processor.heartbeat",
+                "must be above zero and at most half of processor.lease_ttl",
+            );
+        }
+        if p.max_in_flight == 0 {
+            return invalid("processor.max_in_flight", "must be at least 1");
+        }
+        if p.retry_base.is_zero() || p.retry_base > p.retry_cap {
+            return invalid(
+                "processor.retry_base",
+                "must be above zero and at most processor.retry_cap",
+            );
         }
         if self.accept.max_input_bytes < 2 {
             return invalid("accept.max_input_bytes", "must be at least 2");

@@ -11,6 +11,13 @@ use std::sync::Mutex;
 
 /// The relay produced a batch and got every delivery report, but has not marked it.
 pub const RELAY_AFTER_PRODUCE_BEFORE_MARK: &str = "relay-after-produce-before-mark";
+/// The processor committed a lease and has not run the handler.
+pub const PROCESSOR_AFTER_LEASE_COMMIT: &str = "processor-after-lease-commit";
+/// The handler returned; nothing of its result is committed.
+pub const PROCESSOR_IN_HANDLER: &str = "processor-in-handler";
+/// The completion transaction committed; the Kafka offset is not stored yet.
+pub const PROCESSOR_AFTER_COMPLETION_BEFORE_OFFSET: &str =
+    "processor-after-completion-before-offset-store";
 
 /// Armed failpoints: name -> hits left before the abort.
 static ARMED: LazyLock<Mutex<HashMap<String, u64>>> = LazyLock::new(|| {

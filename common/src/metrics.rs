@@ -27,6 +27,21 @@ pub const DEAD_LETTERS_TOTAL: &str = "jobfold_dead_letters_total";
 /// Intake requests skipped because their request id was accepted before.
 pub const INTAKE_DUPLICATES_TOTAL: &str = "jobfold_intake_duplicates_total";
 
+/// Jobs running in this processor.
+pub const IN_FLIGHT: &str = "jobfold_in_flight";
+/// Attempts completed, by outcome: succeeded, retry_scheduled, quarantined, superseded.
+pub const COMPLETED_TOTAL: &str = "jobfold_completed_total";
+/// Redelivered dispatch events skipped by their dedupe row, without running anything.
+pub const DUPLICATES_SKIPPED_TOTAL: &str = "jobfold_duplicates_skipped_total";
+/// Completions discarded because another generation held the job (zombie workers).
+pub const FENCED_COMPLETIONS_TOTAL: &str = "jobfold_fenced_completions_total";
+/// Handler runs started (compare with completions: the difference is crashes and fencing).
+pub const HANDLER_RUNS_TOTAL: &str = "jobfold_handler_runs_total";
+/// Handler duration by kind.
+pub const HANDLER_DURATION_SECONDS: &str = "jobfold_handler_duration_seconds";
+/// Jobs the reaper dispatched again, by reason (lease_expired, stalled).
+pub const REAPER_DISPATCHED_TOTAL: &str = "jobfold_reaper_dispatched_total";
+
 /// Describes every metric above to the installed recorder.
 pub fn describe() {
     describe_counter!(ACCEPTED_TOTAL, Unit::Count, "Jobs accepted (new jobs, not retries).");
@@ -50,6 +65,21 @@ pub fn describe() {
     describe_gauge!(RELAY_ACTIVE, Unit::Count, "1 while this relay is the active one.");
     describe_counter!(RELAY_PRUNED_TOTAL, Unit::Count, "Published outbox rows pruned.");
     describe_counter!(DEAD_LETTERS_TOTAL, Unit::Count, "Undecodable messages dead-lettered.");
+    describe_gauge!(IN_FLIGHT, Unit::Count, "Jobs running in this processor.");
+    describe_counter!(COMPLETED_TOTAL, Unit::Count, "Attempts completed, by outcome.");
+    describe_counter!(
+        DUPLICATES_SKIPPED_TOTAL,
+        Unit::Count,
+        "Redelivered dispatch events skipped by their dedupe row."
+    );
+    describe_counter!(
+        FENCED_COMPLETIONS_TOTAL,
+        Unit::Count,
+        "Completions discarded: another generation held the job."
+    );
+    describe_counter!(HANDLER_RUNS_TOTAL, Unit::Count, "Handler runs started.");
+    describe_histogram!(HANDLER_DURATION_SECONDS, Unit::Seconds, "Handler duration by kind.");
+    describe_counter!(REAPER_DISPATCHED_TOTAL, Unit::Count, "Jobs dispatched again by the reaper.");
     describe_counter!(
         INTAKE_DUPLICATES_TOTAL,
         Unit::Count,

@@ -213,6 +213,34 @@ pub async fn store_dead_letter(
     message: &BorrowedMessage<'_>,
     error: &str,
 ) -> Result<(), sqlx::Error> {
+    store_dead_letter_raw(
+        pool,
+        group,
+        message.topic(),
+        message.partition(),
+        message.offset(),
+        message.key(),
+        message.payload(),
+        error,
+    )
+    .await
+}
+
+/// [`store_dead_letter`] from the message's parts.
+///
+/// # Errors
+/// The database failed.
+#[allow(clippy::too_many_arguments)]
+pub async fn store_dead_letter_raw(
+    pool: &PgPool,
+    group: &str,
+    topic: &str,
+    partition: i32,
+    offset: i64,
+    key: Option<&[u8]>,
+    value: Option<&[u8]>,
+    error: &str,
+) -> Result<(), sqlx::Error> {
     // language=PostgreSQL
     sqlx::query(
         r#"
@@ -223,11 +251,11 @@ pub async fn store_dead_letter(
         "#,
     )
     .bind(group)
-    .bind(message.topic())
-    .bind(message.partition())
-    .bind(message.offset())
-    .bind(message.key())
-    .bind(message.payload())
+    .bind(topic)
+    .bind(partition)
+    .bind(offset)
+    .bind(key)
+    .bind(value)
     .bind(error)
     .execute(pool)
     .await?;

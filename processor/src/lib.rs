@@ -7,12 +7,22 @@
 //! - [`run`]: starts every part and stops them together.
 //! - [`http`]: the HTTP API (`POST /v1/jobs`, `GET /v1/jobs/{id}`, health).
 //! - [`intake`]: the consumer turning `jobfold.job-requests` messages into accepted jobs.
+//! - [`worker`]: the consumer group member that leases, runs and completes jobs;
+//!   [`offsets`] tracks what may be committed, [`store`] holds its transactions,
+//!   [`reaper`] dispatches expired leases and stalled jobs again.
+//! - [`handler`]: the trait users implement; [`index`] is the example handler.
 //!
 //! Shutdown: the HTTP server stops accepting connections and finishes requests in flight;
 //! the intake finishes the message in flight and commits its stored offsets.
 
+pub mod handler;
 pub mod http;
+pub mod index;
 pub mod intake;
+pub mod offsets;
+pub mod reaper;
+pub mod store;
+pub mod worker;
 
 use anyhow::Context;
 use jobfold_common::accept::Acceptor;
@@ -42,7 +52,12 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> anyhow::Result<
         .await
         .context("registering the job event schema")?;
     let producer = format!("jobfold-processor/{}", std::process::id());
-    let acceptor = Acceptor::new(codec, config.accept.clone(), &config.topics.events, producer);
+    let acceptor = Acceptor::new(
+        codec.clone(),
+        config.accept.clone(),
+        &config.topics.events,
+        producer.clone(),
+    );
 
     let mut parts = JoinSet::new();
     let api = http::router(
@@ -50,6 +65,18 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> anyhow::Result<
         config.accept.max_input_bytes + BODY_OVERHEAD_BYTES,
     );
     parts.spawn(http::serve(config.http_addr, api, shutdown.clone()));
+    if config.processor.enabled {
+        let events =
+            store::Events { codec: codec.clone(), topic: config.topics.events.clone(), producer };
+        parts.spawn(worker::run(
+            config.clone(),
+            pool.clone(),
+            codec.decoder().clone(),
+            events,
+            index::IndexDocument,
+            shutdown.clone(),
+        ));
+    }
     if config.intake.enabled {
         let intake =
             intake::Intake::new(&config, Decoder::<JobRequest>::new(settings), acceptor, pool)?;

@@ -153,13 +153,16 @@ pub struct Service {
 }
 
 impl Service {
-    /// Starts `binary` with `env` on top of the inherited environment.
+    /// Starts `binary` with `env` on top of the inherited environment, serving its metrics
+    /// on a port of its own.
     pub fn start(binary_name: &str, env: &HashMap<String, String>) -> Self {
+        let mut env = env.clone();
+        env.insert("JOBFOLD_METRICS_ADDR".into(), format!("127.0.0.1:{}", free_port()));
         let log =
             std::env::temp_dir().join(format!("{binary_name}-{}.log", Uuid::new_v4().simple()));
         let file = std::fs::File::create(&log).unwrap();
         let child = Command::new(binary(binary_name))
-            .envs(env)
+            .envs(&env)
             .env("RUST_LOG", "info")
             .stdin(Stdio::null())
             .stdout(file.try_clone().unwrap())
@@ -302,4 +305,57 @@ pub async fn read_events(
         });
     }
     seen
+}
+
+/// Folds every job's event log with the schemas crate's fold and compares the result with
+/// the `jobs` projection; returns the differences (empty when they agree).
+pub async fn fold_mismatches(installation: &Installation) -> Vec<String> {
+    use jobfold_schemas::codec::{decode_body, split_frame};
+    let rows: Vec<(Uuid, Vec<u8>)> =
+        sqlx::query_as("SELECT job_id, body FROM job_events ORDER BY job_id, stream_version")
+            .fetch_all(&installation.pool)
+            .await
+            .unwrap();
+    let projection: HashMap<Uuid, (String, i64, i32, i32)> =
+        sqlx::query_as::<_, (Uuid, String, i64, i32, i32)>(
+            "SELECT job_id, state::text, generation, attempt, stream_version FROM jobs",
+        )
+        .fetch_all(&installation.pool)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|(id, state, generation, attempt, stream)| (id, (state, generation, attempt, stream)))
+        .collect();
+    let mut streams: HashMap<Uuid, Vec<JobEvent>> = HashMap::new();
+    for (job_id, body) in rows {
+        let (_, avro) = split_frame(&body).unwrap();
+        let event: JobEvent =
+            decode_body(0, &jobfold_schemas::event::JOB_EVENT_SCHEMA, avro).unwrap();
+        streams.entry(job_id).or_default().push(event);
+    }
+    let mut problems = Vec::new();
+    for (job_id, (state, generation, attempt, stream)) in &projection {
+        let Some(events) = streams.get(job_id) else {
+            problems.push(format!("{job_id}: no events"));
+            continue;
+        };
+        match jobfold_schemas::fold::fold(events) {
+            Err(e) => problems.push(format!("{job_id}: {e}")),
+            Ok(folded) => {
+                let got = (
+                    folded.status.as_str().to_owned(),
+                    folded.generation,
+                    folded.attempt,
+                    folded.stream_version,
+                );
+                if got != (state.clone(), *generation, *attempt, *stream) {
+                    problems.push(format!(
+                        "{job_id}: fold gives {got:?}, projection has {:?}",
+                        (state, generation, attempt, stream)
+                    ));
+                }
+            }
+        }
+    }
+    problems
 }

@@ -251,6 +251,7 @@ async fn migrations_apply_and_constraints_hold() {
             "consumed_events",
             "dead_letters",
             "document_index",
+            "index_writes",
             "job_events",
             "job_results",
             "jobs",
@@ -261,8 +262,8 @@ async fn migrations_apply_and_constraints_hold() {
     );
 
     // The idempotency key is unique, and the violation names its constraint.
-    let insert = "INSERT INTO jobs (job_id, document_id, kind, payload, input_version, idempotency_key) \
-                  VALUES ($1, 'doc-1', 'index', '{}', 1, 'request-1')";
+    let insert = "INSERT INTO jobs (job_id, document_id, kind, payload, input_version, idempotency_key, max_attempts) \
+                  VALUES ($1, 'doc-1', 'index', '{}', 1, 'request-1', 3)";
     sqlx::query(insert).bind(uuid::Uuid::new_v4()).execute(&pool).await.unwrap();
     let duplicate = sqlx::query(insert).bind(uuid::Uuid::new_v4()).execute(&pool).await;
     let constraint = match duplicate {

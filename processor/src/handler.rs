@@ -1,0 +1,103 @@
+//! The handler API: what users implement to run a kind of job.
+//!
+//! A handler runs in two steps. [`Handler::run`] does the slow work outside any transaction
+//! and returns an output or a classified error; it receives a cancellation token that fires
+//! when the lease is lost (a heartbeat found another generation) or on shutdown.
+//! [`Handler::commit`] writes the business result inside the completion transaction, after
+//! the generation check: a fenced (zombie) worker never reaches it, and the write commits
+//! together with the job's state, its event, the dedupe row and the partition offset — or
+//! not at all.
+//!
+//! Side effects outside Postgres (payments, e-mail) are not covered by that commit: pass
+//! [`JobContext::idempotency_key`] to the outside system, so a repeated run is recognised
+//! there.
+
+use std::future::Future;
+
+use serde_json::Value;
+use sqlx::PgConnection;
+use tokio_util::sync::CancellationToken;
+use uuid::Uuid;
+
+pub use jobfold_schemas::event::ErrorClass;
+
+/// What a handler is given.
+#[derive(Debug, Clone)]
+pub struct JobContext {
+    pub job_id: Uuid,
+    pub document_id: String,
+    pub kind: String,
+    pub input_version: i64,
+    /// The job's input, as accepted.
+    pub input: Value,
+    /// Which attempt this is, from 1.
+    pub attempt: i32,
+    /// The lease generation; every write is fenced by it.
+    pub generation: i64,
+}
+
+impl JobContext {
+    /// A key that is the same for every attempt of this job at this input version: give it
+    /// to outside systems so they apply a repeated request once.
+    pub fn idempotency_key(&self) -> String {
+        format!("{}:{}", self.job_id, self.input_version)
+    }
+}
+
+/// A failed attempt, classed by what should happen next.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{class}: {message}")]
+pub struct HandlerError {
+    pub class: ErrorClass,
+    pub message: String,
+}
+
+impl HandlerError {
+    /// May succeed later: retried with backoff while the budgets last.
+    pub fn retryable(message: impl Into<String>) -> Self {
+        Self { class: ErrorClass::Retryable, message: message.into() }
+    }
+
+    /// Will not succeed: quarantined at once.
+    pub fn permanent(message: impl Into<String>) -> Self {
+        Self { class: ErrorClass::Permanent, message: message.into() }
+    }
+
+    /// The input itself is wrong: quarantined at once, never retried.
+    pub fn invalid_input(message: impl Into<String>) -> Self {
+        Self { class: ErrorClass::InvalidInput, message: message.into() }
+    }
+}
+
+/// What the business write did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Committed {
+    /// Written.
+    Applied,
+    /// Not written: the business output already holds this newer input version. The job
+    /// ends superseded.
+    Stale { newer_version: i64 },
+}
+
+/// A kind of job. Implementations are shared by every worker task: `&self` only.
+pub trait Handler: Send + Sync + 'static {
+    /// Does the work, outside any transaction. Stop early when `cancel` fires: the lease is
+    /// gone and nothing this attempt returns will be committed.
+    fn run(
+        &self,
+        job: &JobContext,
+        cancel: CancellationToken,
+    ) -> impl Future<Output = Result<Value, HandlerError>> + Send;
+
+    /// Writes the business result in the completion transaction (already fenced by the
+    /// generation check). The default writes nothing: the result is stored in `job_results`.
+    fn commit(
+        &self,
+        tx: &mut PgConnection,
+        job: &JobContext,
+        output: &Value,
+    ) -> impl Future<Output = Result<Committed, sqlx::Error>> + Send {
+        let _ = (tx, job, output);
+        async { Ok(Committed::Applied) }
+    }
+}

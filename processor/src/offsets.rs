@@ -1,0 +1,158 @@
+//! Which offsets of each assigned partition are done, so that the stored offset trails the
+//! lowest one still in flight.
+//!
+//! Jobs of different documents in one partition finish out of order. Storing offset `n`
+//! means "everything up to `n` is done", so the tracker stores only up to the lowest
+//! unfinished offset minus one. Later offsets already finished are redelivered after a
+//! crash, and their dedupe rows make that a no-op.
+
+use std::collections::{BTreeSet, HashMap};
+
+/// One partition's progress.
+#[derive(Debug, Default)]
+struct Partition {
+    /// Started and not finished.
+    in_flight: BTreeSet<i64>,
+    /// The highest offset finished.
+    highest_done: Option<i64>,
+    /// The offset last handed out for storing; starts just below the first message started
+    /// in this assignment, so nothing below where consumption resumed is stored.
+    stored: Option<i64>,
+    /// Revoked: no new work is started; finishing old work stores nothing.
+    revoked: bool,
+    /// Bumped on every assignment, so work from an earlier assignment is told apart.
+    epoch: u64,
+}
+
+/// A started message: where it is, and under which assignment it started.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Ticket {
+    pub partition: i32,
+    pub offset: i64,
+    epoch: u64,
+}
+
+/// Progress of every partition this consumer was assigned.
+#[derive(Debug, Default)]
+pub struct Tracker {
+    partitions: HashMap<i32, Partition>,
+}
+
+impl Tracker {
+    /// `partitions` were (re)assigned: start them afresh.
+    pub fn assign(&mut self, partitions: &[i32]) {
+        for &p in partitions {
+            let state = self.partitions.entry(p).or_default();
+            let epoch = state.epoch + 1;
+            *state = Partition { epoch, ..Partition::default() };
+        }
+    }
+
+    /// `partitions` are being revoked: start nothing new from them.
+    pub fn revoke(&mut self, partitions: &[i32]) {
+        for p in partitions {
+            if let Some(state) = self.partitions.get_mut(p) {
+                state.revoked = true;
+            }
+        }
+    }
+
+    /// Messages still running on `partitions`.
+    pub fn in_flight(&self, partitions: &[i32]) -> usize {
+        partitions.iter().filter_map(|p| self.partitions.get(p)).map(|s| s.in_flight.len()).sum()
+    }
+
+    /// Records a message as started; `None` if its partition is revoked (drop the message).
+    pub fn start(&mut self, partition: i32, offset: i64) -> Option<Ticket> {
+        let state = self.partitions.entry(partition).or_default();
+        if state.revoked {
+            return None;
+        }
+        if state.stored.is_none() && state.in_flight.is_empty() && state.highest_done.is_none() {
+            state.stored = Some(offset - 1);
+        }
+        state.in_flight.insert(offset);
+        Some(Ticket { partition, offset, epoch: state.epoch })
+    }
+
+    /// Whether work under `ticket` may still start (its partition was not revoked since).
+    pub fn is_current(&self, ticket: &Ticket) -> bool {
+        self.partitions
+            .get(&ticket.partition)
+            .is_some_and(|s| s.epoch == ticket.epoch && !s.revoked)
+    }
+
+    /// Records a message as finished; returns the offset to store, if it advanced.
+    pub fn finish(&mut self, ticket: Ticket) -> Option<i64> {
+        let state = self.partitions.get_mut(&ticket.partition)?;
+        if state.epoch != ticket.epoch {
+            return None;
+        }
+        state.in_flight.remove(&ticket.offset);
+        state.highest_done = state.highest_done.max(Some(ticket.offset));
+        let done_through = match state.in_flight.first() {
+            Some(lowest) => lowest - 1,
+            None => state.highest_done?,
+        };
+        if state.revoked || state.stored.is_some_and(|s| s >= done_through) || done_through < 0 {
+            return None;
+        }
+        state.stored = Some(done_through);
+        Some(done_through)
+    }
+
+    /// Forgets a message that will not finish (dropped on revoke or shutdown): the stored
+    /// offset stays below it.
+    pub fn abandon(&mut self, ticket: Ticket) {
+        if let Some(state) = self.partitions.get_mut(&ticket.partition)
+            && state.epoch == ticket.epoch
+        {
+            // Keep it in flight: nothing at or after it may be stored in this assignment.
+            state.revoked = true;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_stored_offset_trails_the_lowest_unfinished() {
+        let mut t = Tracker::default();
+        t.assign(&[0]);
+        let a = t.start(0, 10).unwrap();
+        let b = t.start(0, 11).unwrap();
+        let c = t.start(0, 12).unwrap();
+        assert_eq!(t.finish(c), None, "10 and 11 still run");
+        assert_eq!(t.finish(b), None, "10 is still running");
+        assert_eq!(t.finish(a), Some(12), "10, 11, 12 all done");
+        let d = t.start(0, 13).unwrap();
+        assert_eq!(t.finish(d), Some(13));
+    }
+
+    #[test]
+    fn a_revoked_partition_starts_nothing_and_stores_nothing() {
+        let mut t = Tracker::default();
+        t.assign(&[1]);
+        let a = t.start(1, 5).unwrap();
+        t.revoke(&[1]);
+        assert!(t.start(1, 6).is_none());
+        assert!(!t.is_current(&a));
+        assert_eq!(t.in_flight(&[1]), 1);
+        assert_eq!(t.finish(a), None);
+        assert_eq!(t.in_flight(&[1]), 0);
+    }
+
+    #[test]
+    fn work_from_an_earlier_assignment_is_ignored() {
+        let mut t = Tracker::default();
+        t.assign(&[2]);
+        let old = t.start(2, 5).unwrap();
+        t.revoke(&[2]);
+        t.assign(&[2]);
+        let new = t.start(2, 7).unwrap();
+        assert_eq!(t.finish(old), None);
+        assert_eq!(t.finish(new), Some(7));
+    }
+}

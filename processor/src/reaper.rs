@@ -1,0 +1,95 @@
+//! The reaper: jobs whose lease expired (the worker died or hangs) and accepted jobs that
+//! made no progress are dispatched again, with a `RetryDue` event through the outbox.
+//!
+//! Every processor runs it; `FOR UPDATE SKIP LOCKED` and `next_attempt_at` (set to the next
+//! look) keep them from dispatching the same job twice in one round. A second dispatch would
+//! be harmless anyway: the lease transaction skips what is already running or done.
+
+use chrono::{DateTime, Utc};
+use jobfold_common::config::Config;
+use jobfold_common::metrics as m;
+use jobfold_schemas::Payload;
+use jobfold_schemas::event::{DispatchReason, RetryDue};
+use sqlx::PgPool;
+use tokio_util::sync::CancellationToken;
+
+use crate::store::{Events, JobRow};
+
+/// Jobs re-dispatched per round, at most.
+const ROUND: i64 = 500;
+
+/// Runs the reaper every `processor.reaper_interval` until shutdown.
+pub async fn run(config: Config, pool: PgPool, events: Events, shutdown: CancellationToken) {
+    loop {
+        tokio::select! {
+            biased;
+            _ = shutdown.cancelled() => return,
+            _ = tokio::time::sleep(config.processor.reaper_interval) => {}
+        }
+        match reap(&config, &pool, &events).await {
+            Ok(0) => {}
+            Ok(n) => tracing::info!(dispatched = n, "Reaper dispatched jobs again."),
+            Err(e) => tracing::warn!(error = %format!("{e:#}"), "Reaper round failed."),
+        }
+    }
+}
+
+/// One round: dispatches expired leases and stalled jobs again; returns how many.
+///
+/// # Errors
+/// The database failed.
+pub async fn reap(config: &Config, pool: &PgPool, events: &Events) -> anyhow::Result<u64> {
+    let grace = config.processor.reaper_grace.as_secs_f64();
+    let mut tx = pool.begin().await?;
+    // language=PostgreSQL
+    let jobs: Vec<(JobRow, String)> = sqlx::query_as::<_, JobRowWithReason>(
+        r#"
+        SELECT job_id, document_id, kind, payload, input_version, state::text AS state, attempt,
+               generation, lease_until, lease_owner, max_attempts, deadline, stream_version,
+               CASE WHEN state = 'leased' THEN 'lease_expired' ELSE 'stalled' END AS reason
+        FROM jobs
+        WHERE ((state = 'leased' AND lease_until < now() - make_interval(secs => $1))
+            OR (state = 'queued' AND accepted_at < now() - make_interval(secs => $1)))
+          AND coalesce(next_attempt_at, '-infinity') < now()
+        ORDER BY accepted_at
+        LIMIT $2
+        FOR UPDATE SKIP LOCKED
+        "#,
+    )
+    .bind(grace)
+    .bind(ROUND)
+    .fetch_all(&mut *tx)
+    .await?
+    .into_iter()
+    .map(|r| (r.job, r.reason))
+    .collect();
+    let mut dispatched = 0;
+    for (mut job, reason) in jobs {
+        let (why, label) = if reason == "lease_expired" {
+            (DispatchReason::LeaseExpired, "lease_expired")
+        } else {
+            (DispatchReason::Stalled, "stalled")
+        };
+        let next_look: DateTime<Utc> =
+            Utc::now() + chrono::Duration::from_std(config.processor.reaper_grace)?;
+        // language=PostgreSQL
+        sqlx::query("UPDATE jobs SET next_attempt_at = $2 WHERE job_id = $1")
+            .bind(job.job_id)
+            .bind(next_look)
+            .execute(&mut *tx)
+            .await?;
+        let due = Payload::RetryDue(RetryDue { due_at: Utc::now(), reason: why });
+        events.append(&mut tx, &mut job, due, None, None).await?;
+        metrics::counter!(m::REAPER_DISPATCHED_TOTAL, "reason" => label).increment(1);
+        dispatched += 1;
+    }
+    tx.commit().await?;
+    Ok(dispatched)
+}
+
+#[derive(sqlx::FromRow)]
+struct JobRowWithReason {
+    #[sqlx(flatten)]
+    job: JobRow,
+    reason: String,
+}

@@ -1,0 +1,574 @@
+//! The processor's transactions: lease, heartbeat, completion, and the event appends they
+//! make. Each one reads the job row `FOR UPDATE`, so the transactions of one job follow one
+//! another and its events get consecutive stream versions.
+//!
+//! Invariant: a consumed dispatch event's dedupe row (`consumed_events`) and its partition
+//! offset row are written in the same commit as the state change it caused — the completion,
+//! or a lease transaction that ends the job without running it. Redelivered after that
+//! commit, the event is skipped without running anything.
+
+use chrono::{DateTime, Duration as ChronoDuration, Utc};
+use jobfold_schemas::event::{
+    DispatchReason, ErrorClass, JobFailed, JobLeased, JobQuarantined, JobRetryScheduled,
+    JobSucceeded, JobSuperseded, RetryDue, TraceContext,
+};
+use jobfold_schemas::{Codec, JobEvent, Payload};
+use sqlx::PgConnection;
+use uuid::Uuid;
+
+/// Where a consumed event came from.
+#[derive(Debug, Clone)]
+pub struct Consumed {
+    pub group: String,
+    pub event_id: Uuid,
+    pub topic: String,
+    pub partition: i32,
+    pub offset: i64,
+}
+
+/// The projection row, as the processor needs it.
+#[derive(Debug, Clone, sqlx::FromRow)]
+pub struct JobRow {
+    pub job_id: Uuid,
+    pub document_id: String,
+    pub kind: String,
+    pub payload: serde_json::Value,
+    pub input_version: i64,
+    pub state: String,
+    pub attempt: i32,
+    pub generation: i64,
+    pub lease_until: Option<DateTime<Utc>>,
+    pub lease_owner: Option<String>,
+    pub max_attempts: i32,
+    pub deadline: Option<DateTime<Utc>>,
+    pub stream_version: i32,
+}
+
+/// Writes events: encodes them and appends them to `job_events` and `outbox`.
+#[derive(Debug, Clone)]
+pub struct Events {
+    pub codec: Codec<JobEvent>,
+    pub topic: String,
+    /// The `producer` field of appended events.
+    pub producer: String,
+}
+
+impl Events {
+    /// Appends `payload` as the job's next event (publishable at `available_at`, or at
+    /// commit) and advances `job.stream_version`.
+    ///
+    /// # Errors
+    /// The database failed, or the event did not encode.
+    pub async fn append(
+        &self,
+        tx: &mut PgConnection,
+        job: &mut JobRow,
+        payload: Payload,
+        available_at: Option<DateTime<Utc>>,
+        trace: Option<TraceContext>,
+    ) -> anyhow::Result<JobEvent> {
+        let now = Utc::now();
+        let now = DateTime::from_timestamp_millis(now.timestamp_millis()).unwrap_or(now);
+        let event = JobEvent {
+            event_id: Uuid::now_v7(),
+            job_id: job.job_id,
+            document_id: job.document_id.clone(),
+            job_kind: job.kind.clone(),
+            input_version: job.input_version,
+            stream_version: job.stream_version + 1,
+            occurred_at: now,
+            trace,
+            producer: self.producer.clone(),
+            payload,
+        };
+        let body = self.codec.encode(&event)?;
+        // language=PostgreSQL
+        sqlx::query(
+            r#"
+            WITH event AS (
+                INSERT INTO job_events (event_id, job_id, stream_version, kind, body, occurred_at)
+                VALUES ($1, $2, $3, $4, $5, $6)
+                RETURNING seq
+            ), bump AS (
+                UPDATE jobs SET stream_version = $3 WHERE job_id = $2
+            )
+            INSERT INTO outbox (seq, topic, key, available_at)
+            SELECT seq, $7, $8, coalesce($9, clock_timestamp()) FROM event
+            "#,
+        )
+        .bind(event.event_id)
+        .bind(job.job_id)
+        .bind(event.stream_version)
+        .bind(event.payload.kind())
+        .bind(&body)
+        .bind(now)
+        .bind(&self.topic)
+        .bind(&job.document_id)
+        .bind(available_at)
+        .execute(&mut *tx)
+        .await?;
+        job.stream_version = event.stream_version;
+        Ok(event)
+    }
+}
+
+/// Reads the job row and locks it until the transaction ends.
+///
+/// # Errors
+/// The database failed.
+pub async fn lock_job(tx: &mut PgConnection, job_id: Uuid) -> Result<Option<JobRow>, sqlx::Error> {
+    // language=PostgreSQL
+    sqlx::query_as(
+        r#"
+        SELECT job_id, document_id, kind, payload, input_version, state::text AS state, attempt,
+               generation, lease_until, lease_owner, max_attempts, deadline, stream_version
+        FROM jobs WHERE job_id = $1
+        FOR UPDATE
+        "#,
+    )
+    .bind(job_id)
+    .fetch_optional(tx)
+    .await
+}
+
+/// Whether this group already consumed `event_id` (its dedupe row exists).
+///
+/// # Errors
+/// The database failed.
+pub async fn already_consumed(
+    tx: &mut PgConnection,
+    group: &str,
+    event_id: Uuid,
+) -> Result<bool, sqlx::Error> {
+    // language=PostgreSQL
+    sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM consumed_events WHERE consumer_group = $1 AND event_id = $2)",
+    )
+    .bind(group)
+    .bind(event_id)
+    .fetch_one(tx)
+    .await
+}
+
+/// Writes the dedupe row and advances the partition offset row, in the caller's transaction.
+///
+/// # Errors
+/// The database failed.
+pub async fn record_consumed(
+    tx: &mut PgConnection,
+    consumed: &Consumed,
+) -> Result<(), sqlx::Error> {
+    // language=PostgreSQL
+    sqlx::query(
+        r#"
+        WITH dedupe AS (
+            INSERT INTO consumed_events (consumer_group, event_id, topic, kafka_partition, kafka_offset)
+            VALUES ($1, $2, $3, $4, $5)
+            ON CONFLICT ON CONSTRAINT consumed_events_pkey DO NOTHING
+        )
+        INSERT INTO partition_offsets (consumer_group, topic, kafka_partition, next_offset)
+        VALUES ($1, $3, $4, $5 + 1)
+        ON CONFLICT ON CONSTRAINT partition_offsets_pkey DO UPDATE
+            SET next_offset = greatest(partition_offsets.next_offset, EXCLUDED.next_offset),
+                updated_at = now()
+        "#,
+    )
+    .bind(&consumed.group)
+    .bind(consumed.event_id)
+    .bind(&consumed.topic)
+    .bind(consumed.partition)
+    .bind(consumed.offset)
+    .execute(tx)
+    .await?;
+    Ok(())
+}
+
+/// The newest input version of `kind` already succeeded for `document_id`, if any.
+///
+/// # Errors
+/// The database failed.
+pub async fn newest_succeeded(
+    tx: &mut PgConnection,
+    document_id: &str,
+    kind: &str,
+) -> Result<Option<i64>, sqlx::Error> {
+    // language=PostgreSQL
+    sqlx::query_scalar(
+        "SELECT max(input_version) FROM jobs \
+         WHERE document_id = $1 AND kind = $2 AND state = 'succeeded'",
+    )
+    .bind(document_id)
+    .bind(kind)
+    .fetch_one(tx)
+    .await
+}
+
+/// What the lease transaction decided for a dispatch event.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LeaseDecision {
+    /// Nothing to run: the job is done, quarantined, or the event is stale.
+    Skip(&'static str),
+    /// Another worker holds a live lease: try again at this instant.
+    Wait(DateTime<Utc>),
+    /// A newer input version of the document already succeeded.
+    Supersede(i64),
+    /// A budget is spent before this attempt could start.
+    Quarantine(String),
+    /// Take the lease.
+    Lease,
+}
+
+/// Decides what a dispatch event means for the job as it stands. Pure: the tests call it.
+pub fn decide(
+    job: &JobRow,
+    event_input_version: i64,
+    newest_succeeded: Option<i64>,
+    now: DateTime<Utc>,
+) -> LeaseDecision {
+    match job.state.as_str() {
+        "succeeded" | "superseded" | "cancelled" => {
+            return LeaseDecision::Skip("the job is finished");
+        }
+        "quarantined" => return LeaseDecision::Skip("the job is quarantined"),
+        _ => {}
+    }
+    if event_input_version != job.input_version {
+        return LeaseDecision::Skip("the event is for another input version");
+    }
+    if let Some(newer) = newest_succeeded.filter(|v| *v > job.input_version) {
+        return LeaseDecision::Supersede(newer);
+    }
+    if job.state == "leased" && job.lease_until.is_some_and(|until| until > now) {
+        return LeaseDecision::Wait(job.lease_until.expect("checked"));
+    }
+    if job.attempt >= job.max_attempts {
+        return LeaseDecision::Quarantine(format!(
+            "attempt budget spent: {} of {} attempts made",
+            job.attempt, job.max_attempts
+        ));
+    }
+    if job.deadline.is_some_and(|d| d <= now) {
+        return LeaseDecision::Quarantine("time budget spent before the next attempt".into());
+    }
+    LeaseDecision::Lease
+}
+
+/// Takes the lease in the caller's transaction: generation + 1, attempt + 1, `JobLeased`.
+///
+/// # Errors
+/// The database failed, or the event did not encode.
+pub async fn take_lease(
+    tx: &mut PgConnection,
+    events: &Events,
+    job: &mut JobRow,
+    owner: &str,
+    ttl: std::time::Duration,
+    dispatch_event_id: Uuid,
+    trace: Option<TraceContext>,
+) -> anyhow::Result<()> {
+    let until = Utc::now() + ChronoDuration::from_std(ttl)?;
+    job.generation += 1;
+    job.attempt += 1;
+    // language=PostgreSQL
+    sqlx::query(
+        r#"
+        UPDATE jobs SET state = 'leased', generation = $2, attempt = $3, lease_until = $4,
+                        lease_owner = $5, next_attempt_at = NULL
+        WHERE job_id = $1
+        "#,
+    )
+    .bind(job.job_id)
+    .bind(job.generation)
+    .bind(job.attempt)
+    .bind(until)
+    .bind(owner)
+    .execute(&mut *tx)
+    .await?;
+    let payload = Payload::JobLeased(JobLeased {
+        generation: job.generation,
+        attempt: job.attempt,
+        lease_owner: owner.to_owned(),
+        lease_until: until,
+        dispatch_event_id,
+    });
+    events.append(tx, job, payload, None, trace).await?;
+    job.state = "leased".into();
+    job.lease_until = Some(until);
+    job.lease_owner = Some(owner.to_owned());
+    Ok(())
+}
+
+/// Extends the lease if this generation still holds it. False: the lease is lost.
+///
+/// # Errors
+/// The database failed.
+pub async fn heartbeat(
+    conn: &mut PgConnection,
+    job_id: Uuid,
+    generation: i64,
+    ttl: std::time::Duration,
+) -> Result<bool, sqlx::Error> {
+    // language=PostgreSQL
+    let done = sqlx::query(
+        "UPDATE jobs SET lease_until = now() + make_interval(secs => $3) \
+         WHERE job_id = $1 AND generation = $2 AND state = 'leased'",
+    )
+    .bind(job_id)
+    .bind(generation)
+    .bind(ttl.as_secs_f64())
+    .execute(conn)
+    .await?;
+    Ok(done.rows_affected() == 1)
+}
+
+/// Marks the job superseded by `newer` and appends `JobSuperseded`.
+///
+/// # Errors
+/// The database failed, or the event did not encode.
+pub async fn supersede(
+    tx: &mut PgConnection,
+    events: &Events,
+    job: &mut JobRow,
+    newer: i64,
+    trace: Option<TraceContext>,
+) -> anyhow::Result<()> {
+    // language=PostgreSQL
+    sqlx::query(
+        "UPDATE jobs SET state = 'superseded', finished_at = now(), lease_until = NULL, \
+         lease_owner = NULL, next_attempt_at = NULL WHERE job_id = $1",
+    )
+    .bind(job.job_id)
+    .execute(&mut *tx)
+    .await?;
+    let payload = Payload::JobSuperseded(JobSuperseded { by_input_version: newer });
+    events.append(tx, job, payload, None, trace).await?;
+    job.state = "superseded".into();
+    Ok(())
+}
+
+/// Quarantines the job: state, `JobQuarantined`, and the quarantine row.
+///
+/// # Errors
+/// The database failed, or the event did not encode.
+pub async fn quarantine(
+    tx: &mut PgConnection,
+    events: &Events,
+    job: &mut JobRow,
+    class: ErrorClass,
+    reason: &str,
+    owner: &str,
+    trace: Option<TraceContext>,
+) -> anyhow::Result<()> {
+    // language=PostgreSQL
+    sqlx::query(
+        "UPDATE jobs SET state = 'quarantined', finished_at = now(), lease_until = NULL, \
+         lease_owner = NULL, next_attempt_at = NULL, last_error = $2 WHERE job_id = $1",
+    )
+    .bind(job.job_id)
+    .bind(reason)
+    .execute(&mut *tx)
+    .await?;
+    // language=PostgreSQL
+    sqlx::query(
+        r#"
+        INSERT INTO quarantine (job_id, reason, error_class, input_version, last_attempt_at,
+                                attempts, owner)
+        VALUES ($1, $2, $3, $4, now(), $5, $6)
+        ON CONFLICT ON CONSTRAINT quarantine_pkey DO UPDATE
+            SET reason = EXCLUDED.reason, error_class = EXCLUDED.error_class,
+                input_version = EXCLUDED.input_version, last_attempt_at = EXCLUDED.last_attempt_at,
+                attempts = EXCLUDED.attempts, owner = EXCLUDED.owner, quarantined_at = now()
+        "#,
+    )
+    .bind(job.job_id)
+    .bind(reason)
+    .bind(class.as_str())
+    .bind(job.input_version)
+    .bind(job.attempt)
+    .bind(owner)
+    .execute(&mut *tx)
+    .await?;
+    let payload = Payload::JobQuarantined(JobQuarantined {
+        reason: reason.to_owned(),
+        error_class: class,
+        owner: owner.to_owned(),
+        attempts: job.attempt,
+    });
+    events.append(tx, job, payload, None, trace).await?;
+    job.state = "quarantined".into();
+    Ok(())
+}
+
+/// What an attempt produced, to be committed.
+#[derive(Debug, Clone)]
+pub enum Outcome {
+    Succeeded { result: serde_json::Value },
+    Superseded { newer: i64 },
+    Failed { class: ErrorClass, message: String },
+}
+
+/// Completes an attempt whose fence (state `leased`, same generation) was checked by the
+/// caller in this transaction: result row, state, events; a retryable failure with budget
+/// left schedules a `RetryDue` at `retry_at`.
+///
+/// # Errors
+/// The database failed, or an event did not encode.
+#[allow(clippy::too_many_arguments)]
+pub async fn complete(
+    tx: &mut PgConnection,
+    events: &Events,
+    job: &mut JobRow,
+    outcome: Outcome,
+    retry_at: DateTime<Utc>,
+    owner_of_quarantine: &str,
+    trace: Option<TraceContext>,
+) -> anyhow::Result<&'static str> {
+    match outcome {
+        Outcome::Succeeded { result } => {
+            // language=PostgreSQL
+            sqlx::query(
+                "INSERT INTO job_results (job_id, input_version, generation, result) \
+                 VALUES ($1, $2, $3, $4)",
+            )
+            .bind(job.job_id)
+            .bind(job.input_version)
+            .bind(job.generation)
+            .bind(&result)
+            .execute(&mut *tx)
+            .await?;
+            // language=PostgreSQL
+            sqlx::query(
+                "UPDATE jobs SET state = 'succeeded', finished_at = now(), lease_until = NULL, \
+                 lease_owner = NULL, last_error = NULL WHERE job_id = $1",
+            )
+            .bind(job.job_id)
+            .execute(&mut *tx)
+            .await?;
+            let payload = Payload::JobSucceeded(JobSucceeded {
+                generation: job.generation,
+                attempt: job.attempt,
+                result: result.to_string(),
+            });
+            events.append(tx, job, payload, None, trace).await?;
+            job.state = "succeeded".into();
+            Ok("succeeded")
+        }
+        Outcome::Superseded { newer } => {
+            supersede(tx, events, job, newer, trace).await?;
+            Ok("superseded")
+        }
+        Outcome::Failed { class, message } => {
+            let failed = Payload::JobFailed(JobFailed {
+                generation: job.generation,
+                attempt: job.attempt,
+                error_class: class,
+                message: message.clone(),
+            });
+            events.append(tx, job, failed, None, trace.clone()).await?;
+            let budget_left = job.attempt < job.max_attempts;
+            let in_time = job.deadline.is_none_or(|d| retry_at < d);
+            if class == ErrorClass::Retryable && budget_left && in_time {
+                // language=PostgreSQL
+                sqlx::query(
+                    "UPDATE jobs SET state = 'retry_wait', lease_until = NULL, lease_owner = NULL, \
+                     next_attempt_at = $2, last_error = $3 WHERE job_id = $1",
+                )
+                .bind(job.job_id)
+                .bind(retry_at)
+                .bind(&message)
+                .execute(&mut *tx)
+                .await?;
+                let scheduled = Payload::JobRetryScheduled(JobRetryScheduled {
+                    attempt: job.attempt,
+                    next_attempt_at: retry_at,
+                });
+                events.append(tx, job, scheduled, None, trace.clone()).await?;
+                let due = Payload::RetryDue(RetryDue {
+                    due_at: retry_at,
+                    reason: DispatchReason::Backoff,
+                });
+                events.append(tx, job, due, Some(retry_at), trace).await?;
+                job.state = "retry_wait".into();
+                return Ok("retry_scheduled");
+            }
+            let reason = match class {
+                ErrorClass::Retryable if !budget_left => {
+                    format!(
+                        "attempt budget spent ({} attempts); last error: {message}",
+                        job.attempt
+                    )
+                }
+                ErrorClass::Retryable => format!("time budget spent; last error: {message}"),
+                ErrorClass::Permanent => format!("permanent failure: {message}"),
+                ErrorClass::InvalidInput => format!("invalid input: {message}"),
+            };
+            quarantine(tx, events, job, class, &reason, owner_of_quarantine, trace).await?;
+            Ok("quarantined")
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn job(state: &str) -> JobRow {
+        JobRow {
+            job_id: Uuid::nil(),
+            document_id: "d".into(),
+            kind: "k".into(),
+            payload: serde_json::json!({}),
+            input_version: 3,
+            state: state.into(),
+            attempt: 1,
+            generation: 1,
+            lease_until: None,
+            lease_owner: None,
+            max_attempts: 3,
+            deadline: None,
+            stream_version: 2,
+        }
+    }
+
+    #[test]
+    fn finished_and_quarantined_jobs_are_skipped() {
+        let now = Utc::now();
+        for state in ["succeeded", "superseded", "cancelled", "quarantined"] {
+            assert!(matches!(decide(&job(state), 3, None, now), LeaseDecision::Skip(_)), "{state}");
+        }
+    }
+
+    #[test]
+    fn a_newer_succeeded_version_supersedes() {
+        let now = Utc::now();
+        assert_eq!(decide(&job("queued"), 3, Some(4), now), LeaseDecision::Supersede(4));
+        assert_eq!(decide(&job("queued"), 3, Some(3), now), LeaseDecision::Lease);
+        assert_eq!(decide(&job("queued"), 3, Some(2), now), LeaseDecision::Lease);
+    }
+
+    #[test]
+    fn a_live_lease_is_waited_for_and_an_expired_one_taken_over() {
+        let now = Utc::now();
+        let mut leased = job("leased");
+        leased.lease_until = Some(now + ChronoDuration::seconds(5));
+        assert_eq!(decide(&leased, 3, None, now), LeaseDecision::Wait(leased.lease_until.unwrap()));
+        leased.lease_until = Some(now - ChronoDuration::seconds(1));
+        assert_eq!(decide(&leased, 3, None, now), LeaseDecision::Lease);
+    }
+
+    #[test]
+    fn spent_budgets_quarantine_before_a_lease() {
+        let now = Utc::now();
+        let mut spent = job("retry_wait");
+        spent.attempt = 3;
+        assert!(matches!(decide(&spent, 3, None, now), LeaseDecision::Quarantine(_)));
+        let mut late = job("retry_wait");
+        late.deadline = Some(now - ChronoDuration::seconds(1));
+        assert!(matches!(decide(&late, 3, None, now), LeaseDecision::Quarantine(_)));
+    }
+
+    #[test]
+    fn a_stale_input_version_is_skipped() {
+        assert!(matches!(decide(&job("queued"), 2, None, Utc::now()), LeaseDecision::Skip(_)));
+    }
+}

@@ -1,0 +1,539 @@
+//! The job runner: a member of the processors' consumer group on the events topic.
+//!
+//! Invariant: an event's offset is stored only after the transaction that recorded its
+//! effect (the completion, or a lease transaction that ended the job) committed — and only
+//! up to the lowest offset of its partition still in flight ([`crate::offsets`]).
+//!
+//! Concurrency: jobs of different documents run at once, up to `processor.max_in_flight`;
+//! one document's events run one after another, in partition order (each document has one
+//! queue and one task draining it).
+//!
+//! Per dispatch event (`JobRequested`, `RetryDue`, `ReplayRequested`):
+//! 1. lease transaction: skip if its dedupe row exists; end the job without running it if
+//!    it is finished, superseded or out of budget (recording the dedupe row); wait while
+//!    another worker holds a live lease; else take the lease (generation + 1).
+//! 2. run the handler outside any transaction, extending the lease by heartbeat; a lost
+//!    lease cancels it.
+//! 3. completion transaction, fenced by the generation: business write, result, state,
+//!    events, dedupe row, partition offset row — one commit. A fenced (zombie) completion
+//!    writes nothing and is counted.
+//! 4. store the offset.
+//!
+//! Rebalance: a revoked partition starts no new work; its running jobs get
+//! `processor.revoke_timeout` to finish, then its offsets are committed synchronously and it
+//! is released. A new owner resumes from the committed offset and respects live leases.
+//!
+//! Shutdown: consumption stops, running jobs finish (up to `processor.revoke_timeout`), the
+//! stored offsets are committed. Jobs still running then are left to their lease expiry.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use jobfold_common::config::Config;
+use jobfold_common::failpoint;
+use jobfold_schemas::{Decoder, JobEvent};
+use rand::Rng;
+use rdkafka::consumer::{
+    BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance, StreamConsumer,
+};
+use rdkafka::message::OwnedMessage;
+use rdkafka::{ClientContext, Message};
+use sqlx::PgPool;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio_util::sync::CancellationToken;
+
+use crate::handler::{Committed, Handler, JobContext};
+use crate::offsets::{Ticket, Tracker};
+use crate::store::{self, Consumed, Events, LeaseDecision, Outcome};
+use jobfold_common::metrics as pm;
+
+/// The processors' consumer defaults; `[kafka]` options override them.
+pub const CONSUMER_DEFAULTS: &[(&str, &str)] = &[
+    ("enable.auto.commit", "true"),
+    ("auto.commit.interval.ms", "1000"),
+    ("enable.auto.offset.store", "false"),
+    ("auto.offset.reset", "earliest"),
+    ("partition.assignment.strategy", "cooperative-sticky"),
+];
+
+const RETRY_MIN: Duration = Duration::from_millis(100);
+const RETRY_MAX: Duration = Duration::from_secs(10);
+
+/// Rebalance callbacks: stop, drain and commit revoked partitions; start assigned ones.
+pub struct WorkerContext {
+    tracker: Arc<Mutex<Tracker>>,
+    revoke_timeout: Duration,
+}
+
+impl std::fmt::Debug for WorkerContext {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WorkerContext").field("revoke_timeout", &self.revoke_timeout).finish()
+    }
+}
+
+impl ClientContext for WorkerContext {}
+
+impl ConsumerContext for WorkerContext {
+    fn pre_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+        if let Rebalance::Revoke(list) = rebalance {
+            let partitions: Vec<i32> = list.elements().iter().map(|e| e.partition()).collect();
+            self.tracker.lock().expect("tracker").revoke(&partitions);
+            // Running jobs of these partitions may finish (bounded), so their offsets count.
+            let deadline = std::time::Instant::now() + self.revoke_timeout;
+            while self.tracker.lock().expect("tracker").in_flight(&partitions) > 0
+                && std::time::Instant::now() < deadline
+            {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            match consumer.commit_consumer_state(CommitMode::Sync) {
+                Ok(())
+                | Err(rdkafka::error::KafkaError::ConsumerCommit(
+                    rdkafka::types::RDKafkaErrorCode::NoOffset,
+                )) => {}
+                Err(e) => tracing::warn!(error = %e, "Committing offsets on revoke failed."),
+            }
+            tracing::info!(?partitions, "Partitions revoked.");
+        }
+    }
+
+    fn post_rebalance(&self, _consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+        if let Rebalance::Assign(list) = rebalance {
+            let partitions: Vec<i32> = list.elements().iter().map(|e| e.partition()).collect();
+            self.tracker.lock().expect("tracker").assign(&partitions);
+            tracing::info!(?partitions, "Partitions assigned.");
+        }
+    }
+}
+
+/// A message waiting in its document's queue, holding an in-flight slot.
+struct Queued {
+    message: OwnedMessage,
+    ticket: Ticket,
+    _permit: OwnedSemaphorePermit,
+}
+
+/// What the tasks share.
+struct Shared<H> {
+    config: Config,
+    pool: PgPool,
+    consumer: Arc<StreamConsumer<WorkerContext>>,
+    decoder: Decoder<JobEvent>,
+    events: Events,
+    handler: Arc<H>,
+    tracker: Arc<Mutex<Tracker>>,
+    /// Per document: messages waiting behind the one running.
+    queues: Mutex<HashMap<String, VecDeque<Queued>>>,
+    /// This worker's name in leases.
+    owner: String,
+    shutdown: CancellationToken,
+}
+
+/// Runs jobs until `shutdown`.
+///
+/// # Errors
+/// The consumer could not be created or subscribed.
+pub async fn run<H: Handler>(
+    config: Config,
+    pool: PgPool,
+    decoder: Decoder<JobEvent>,
+    events: Events,
+    handler: H,
+    shutdown: CancellationToken,
+) -> anyhow::Result<()> {
+    let tracker = Arc::new(Mutex::new(Tracker::default()));
+    let context = WorkerContext {
+        tracker: Arc::clone(&tracker),
+        revoke_timeout: config.processor.revoke_timeout,
+    };
+    let consumer: StreamConsumer<WorkerContext> = config
+        .kafka_client_with(CONSUMER_DEFAULTS)
+        .set("group.id", &config.processor.group)
+        .create_with_context(context)?;
+    consumer.subscribe(&[&config.topics.events])?;
+    let owner = format!("{}/{}", hostname(), std::process::id());
+    tracing::info!(group = %config.processor.group, %owner, "Running jobs.");
+    let shared = Arc::new(Shared {
+        config,
+        pool,
+        consumer: Arc::new(consumer),
+        decoder,
+        events,
+        handler: Arc::new(handler),
+        tracker,
+        queues: Mutex::new(HashMap::new()),
+        owner,
+        shutdown: shutdown.clone(),
+    });
+    let slots = Arc::new(Semaphore::new(shared.config.processor.max_in_flight));
+    let reaper = tokio::spawn(crate::reaper::run(
+        shared.config.clone(),
+        shared.pool.clone(),
+        shared.events.clone(),
+        shutdown.clone(),
+    ));
+    loop {
+        let permit = tokio::select! {
+            biased;
+            _ = shutdown.cancelled() => break,
+            permit = Arc::clone(&slots).acquire_owned() => permit.expect("the semaphore is never closed"),
+        };
+        let message = tokio::select! {
+            biased;
+            _ = shutdown.cancelled() => break,
+            message = shared.consumer.recv() => message,
+        };
+        let message = match message {
+            Ok(message) => message.detach(),
+            Err(e) => {
+                tracing::warn!(error = %e, "Consumer error.");
+                continue;
+            }
+        };
+        let Some(ticket) =
+            shared.tracker.lock().expect("tracker").start(message.partition(), message.offset())
+        else {
+            continue;
+        };
+        let key =
+            message.key().map(|k| String::from_utf8_lossy(k).into_owned()).unwrap_or_default();
+        let queued = Queued { message, ticket, _permit: permit };
+        let start_task = {
+            let mut queues = shared.queues.lock().expect("queues");
+            match queues.get_mut(&key) {
+                Some(queue) => {
+                    queue.push_back(queued);
+                    None
+                }
+                None => {
+                    queues.insert(key.clone(), VecDeque::new());
+                    Some(queued)
+                }
+            }
+        };
+        if let Some(first) = start_task {
+            tokio::spawn(drain_key(Arc::clone(&shared), key, first));
+        }
+        metrics::gauge!(pm::IN_FLIGHT)
+            .set((shared.config.processor.max_in_flight - slots.available_permits()) as f64);
+    }
+    // Soft stop: running jobs finish, bounded.
+    let all = shared.config.processor.max_in_flight as u32;
+    let drained =
+        tokio::time::timeout(shared.config.processor.revoke_timeout, slots.acquire_many(all)).await;
+    if drained.is_err() {
+        tracing::warn!("Shutdown: jobs still running are left to their lease expiry.");
+    }
+    match shared.consumer.commit_consumer_state(CommitMode::Sync) {
+        Ok(())
+        | Err(rdkafka::error::KafkaError::ConsumerCommit(
+            rdkafka::types::RDKafkaErrorCode::NoOffset,
+        )) => {}
+        Err(e) => tracing::warn!(error = %e, "Committing offsets on shutdown failed."),
+    }
+    let _ = reaper.await;
+    Ok(())
+}
+
+fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_owned())
+        .unwrap_or_else(|_| "host".into())
+}
+
+/// Runs `first`, then whatever queued behind it for the same document, then retires.
+async fn drain_key<H: Handler>(shared: Arc<Shared<H>>, key: String, first: Queued) {
+    let mut next = Some(first);
+    while let Some(queued) = next.take() {
+        let ticket = queued.ticket;
+        let current = shared.tracker.lock().expect("tracker").is_current(&ticket);
+        let finished = current && handle(&shared, &queued.message).await;
+        let store = {
+            let mut tracker = shared.tracker.lock().expect("tracker");
+            if finished {
+                tracker.finish(ticket)
+            } else {
+                tracker.abandon(ticket);
+                None
+            }
+        };
+        if let Some(offset) = store
+            && let Err(e) =
+                shared.consumer.store_offset(queued.message.topic(), ticket.partition, offset)
+        {
+            tracing::debug!(
+                error = %e,
+                partition = ticket.partition,
+                offset,
+                "Offset not stored (the partition moved)."
+            );
+        }
+        drop(queued);
+        let mut queues = shared.queues.lock().expect("queues");
+        match queues.get_mut(&key).and_then(VecDeque::pop_front) {
+            Some(following) => next = Some(following),
+            None => {
+                queues.remove(&key);
+            }
+        }
+    }
+}
+
+/// Handles one message to the end. False if it was left unfinished (shutdown or revoke):
+/// its offset must not be stored.
+async fn handle<H: Handler>(shared: &Shared<H>, message: &OwnedMessage) -> bool {
+    let mut backoff = RETRY_MIN;
+    loop {
+        match try_handle(shared, message).await {
+            Ok(Step::Done) => return true,
+            Ok(Step::WaitUntil(until)) => {
+                let wait =
+                    (until - Utc::now()).to_std().unwrap_or_default() + Duration::from_millis(50);
+                let wait = wait.min(shared.config.processor.lease_ttl);
+                tokio::select! {
+                    _ = shared.shutdown.cancelled() => return false,
+                    _ = tokio::time::sleep(wait) => {}
+                }
+            }
+            Err(e) => {
+                tracing::warn!(error = %format!("{e:#}"), partition = message.partition(), offset = message.offset(), "Event will be retried.");
+                tokio::select! {
+                    _ = shared.shutdown.cancelled() => return false,
+                    _ = tokio::time::sleep(backoff) => {}
+                }
+                backoff = (backoff * 2).min(RETRY_MAX);
+            }
+        }
+    }
+}
+
+enum Step {
+    Done,
+    WaitUntil(DateTime<Utc>),
+}
+
+async fn try_handle<H: Handler>(
+    shared: &Shared<H>,
+    message: &OwnedMessage,
+) -> anyhow::Result<Step> {
+    let Some(payload) = message.payload() else {
+        dead_letter(shared, message, "message has no value").await?;
+        return Ok(Step::Done);
+    };
+    let event = match shared.decoder.decode(payload).await {
+        Ok(event) => event,
+        Err(e) if e.is_retryable() => return Err(e.into()),
+        Err(e) => {
+            dead_letter(shared, message, &format!("undecodable: {e}")).await?;
+            return Ok(Step::Done);
+        }
+    };
+    if !event.payload.is_dispatch() {
+        return Ok(Step::Done);
+    }
+    let consumed = Consumed {
+        group: shared.config.processor.group.clone(),
+        event_id: event.event_id,
+        topic: message.topic().to_owned(),
+        partition: message.partition(),
+        offset: message.offset(),
+    };
+    let span = tracing::info_span!("job", job_id = %event.job_id, document_id = %event.document_id, event = event.payload.kind(), attempt = tracing::field::Empty, generation = tracing::field::Empty);
+    let _ = &span;
+    // 1. Lease.
+    let mut tx = shared.pool.begin().await?;
+    if store::already_consumed(&mut tx, &consumed.group, event.event_id).await? {
+        tx.rollback().await?;
+        metrics::counter!(pm::DUPLICATES_SKIPPED_TOTAL).increment(1);
+        tracing::debug!(event_id = %event.event_id, "Duplicate event skipped.");
+        return Ok(Step::Done);
+    }
+    let Some(mut job) = store::lock_job(&mut tx, event.job_id).await? else {
+        store::record_consumed(&mut tx, &consumed).await?;
+        tx.commit().await?;
+        tracing::warn!(job_id = %event.job_id, "Event for an unknown job skipped.");
+        return Ok(Step::Done);
+    };
+    let newest = store::newest_succeeded(&mut tx, &job.document_id, &job.kind).await?;
+    let decision = store::decide(&job, event.input_version, newest, Utc::now());
+    let trace = event.trace.clone();
+    match decision {
+        LeaseDecision::Wait(until) => {
+            tx.rollback().await?;
+            return Ok(Step::WaitUntil(until));
+        }
+        LeaseDecision::Skip(why) => {
+            store::record_consumed(&mut tx, &consumed).await?;
+            tx.commit().await?;
+            tracing::debug!(job_id = %job.job_id, why, "Dispatch event skipped.");
+            return Ok(Step::Done);
+        }
+        LeaseDecision::Supersede(newer) => {
+            store::supersede(&mut tx, &shared.events, &mut job, newer, trace).await?;
+            store::record_consumed(&mut tx, &consumed).await?;
+            tx.commit().await?;
+            metrics::counter!(pm::COMPLETED_TOTAL, "outcome" => "superseded").increment(1);
+            return Ok(Step::Done);
+        }
+        LeaseDecision::Quarantine(reason) => {
+            let owner = shared.config.quarantine_owner(&job.kind);
+            store::quarantine(
+                &mut tx,
+                &shared.events,
+                &mut job,
+                jobfold_schemas::event::ErrorClass::Retryable,
+                &reason,
+                &owner,
+                trace,
+            )
+            .await?;
+            store::record_consumed(&mut tx, &consumed).await?;
+            tx.commit().await?;
+            metrics::counter!(pm::COMPLETED_TOTAL, "outcome" => "quarantined").increment(1);
+            return Ok(Step::Done);
+        }
+        LeaseDecision::Lease => {
+            let ttl = shared.config.processor.lease_ttl;
+            store::take_lease(
+                &mut tx,
+                &shared.events,
+                &mut job,
+                &shared.owner,
+                ttl,
+                event.event_id,
+                trace.clone(),
+            )
+            .await?;
+            tx.commit().await?;
+        }
+    }
+    failpoint::hit(failpoint::PROCESSOR_AFTER_LEASE_COMMIT);
+    let context = JobContext {
+        job_id: job.job_id,
+        document_id: job.document_id.clone(),
+        kind: job.kind.clone(),
+        input_version: job.input_version,
+        input: job.payload.clone(),
+        attempt: job.attempt,
+        generation: job.generation,
+    };
+    span.record("attempt", job.attempt);
+    span.record("generation", job.generation);
+
+    // 2. Run, with heartbeats.
+    let lost = CancellationToken::new();
+    let heartbeat = tokio::spawn(heartbeat(
+        shared.pool.clone(),
+        job.job_id,
+        job.generation,
+        shared.config.processor.heartbeat,
+        shared.config.processor.lease_ttl,
+        lost.clone(),
+    ));
+    let started = std::time::Instant::now();
+    let result = shared.handler.run(&context, lost.clone()).await;
+    metrics::histogram!(pm::HANDLER_DURATION_SECONDS, "kind" => job.kind.clone())
+        .record(started.elapsed().as_secs_f64());
+    metrics::counter!(pm::HANDLER_RUNS_TOTAL).increment(1);
+    failpoint::hit(failpoint::PROCESSOR_IN_HANDLER);
+    heartbeat.abort();
+
+    // 3. Complete, fenced by the generation.
+    let mut tx = shared.pool.begin().await?;
+    let current = store::lock_job(&mut tx, job.job_id).await?;
+    let fenced =
+        current.as_ref().is_none_or(|c| c.state != "leased" || c.generation != job.generation);
+    if fenced {
+        tx.rollback().await?;
+        metrics::counter!(pm::FENCED_COMPLETIONS_TOTAL).increment(1);
+        tracing::warn!(job_id = %job.job_id, generation = job.generation, "Completion fenced: another generation holds the job; result discarded.");
+        return Ok(Step::Done);
+    }
+    let mut job = current.expect("checked");
+    let outcome = match result {
+        Ok(output) => match shared.handler.commit(&mut tx, &context, &output).await? {
+            Committed::Applied => Outcome::Succeeded { result: output },
+            Committed::Stale { newer_version } => Outcome::Superseded { newer: newer_version },
+        },
+        Err(e) => Outcome::Failed { class: e.class, message: e.message },
+    };
+    let retry_at = Utc::now() + chrono::Duration::from_std(backoff(&shared.config, job.attempt))?;
+    let owner = shared.config.quarantine_owner(&job.kind);
+    let what = store::complete(
+        &mut tx,
+        &shared.events,
+        &mut job,
+        outcome,
+        retry_at,
+        &owner,
+        event.trace.clone(),
+    )
+    .await?;
+    store::record_consumed(&mut tx, &consumed).await?;
+    tx.commit().await?;
+    metrics::counter!(pm::COMPLETED_TOTAL, "outcome" => what).increment(1);
+    tracing::debug!(job_id = %job.job_id, outcome = what, "Attempt completed.");
+    failpoint::hit(failpoint::PROCESSOR_AFTER_COMPLETION_BEFORE_OFFSET);
+    Ok(Step::Done)
+}
+
+/// Exponential backoff with full jitter: uniform in [0, min(cap, base * 2^(attempt-1))].
+pub fn backoff(config: &Config, attempt: i32) -> Duration {
+    let p = &config.processor;
+    let exp = u32::try_from(attempt.saturating_sub(1)).unwrap_or(0).min(30);
+    let ceiling = p.retry_base.saturating_mul(1 << exp).min(p.retry_cap);
+    let millis = u64::try_from(ceiling.as_millis()).unwrap_or(u64::MAX);
+    Duration::from_millis(rand::rng().random_range(0..=millis))
+}
+
+/// Extends the lease every `interval`; cancels `lost` when the lease is gone.
+async fn heartbeat(
+    pool: PgPool,
+    job_id: uuid::Uuid,
+    generation: i64,
+    interval: Duration,
+    ttl: Duration,
+    lost: CancellationToken,
+) {
+    loop {
+        tokio::time::sleep(interval).await;
+        let Ok(mut conn) = pool.acquire().await else { continue };
+        match store::heartbeat(&mut conn, job_id, generation, ttl).await {
+            Ok(true) => {}
+            Ok(false) => {
+                tracing::warn!(%job_id, generation, "Lease lost: cancelling the handler.");
+                lost.cancel();
+                return;
+            }
+            Err(e) => tracing::warn!(error = %e, %job_id, "Heartbeat failed; retrying."),
+        }
+    }
+}
+
+async fn dead_letter<H>(
+    shared: &Shared<H>,
+    message: &OwnedMessage,
+    error: &str,
+) -> anyhow::Result<()> {
+    tracing::warn!(
+        topic = message.topic(),
+        partition = message.partition(),
+        offset = message.offset(),
+        error,
+        "Dead-lettering an event."
+    );
+    crate::intake::store_dead_letter_raw(
+        &shared.pool,
+        &shared.config.processor.group,
+        message.topic(),
+        message.partition(),
+        message.offset(),
+        message.key(),
+        message.payload(),
+        error,
+    )
+    .await?;
+    metrics::counter!(jobfold_common::metrics::DEAD_LETTERS_TOTAL, "topic" => message.topic().to_owned()).increment(1);
+    Ok(())
+}

@@ -1,0 +1,509 @@
+//! The processor end to end, against real Postgres, Kafka and the registry: results
+//! committed once, retries and budgets, supersession, duplicate delivery, and kill -9 at each
+//! crash window with the processor as a separate OS process.
+
+use std::time::Duration;
+
+use jobfold_common::accept::{Acceptor, NewJob};
+use jobfold_common::failpoint;
+use jobfold_tests::harness::{Installation, Service, eventually, fold_mismatches};
+use serde_json::{Value, json};
+use tokio_util::sync::CancellationToken;
+use uuid::Uuid;
+
+fn job(document: &str, version: i64, input: Value) -> NewJob {
+    NewJob {
+        document_id: document.into(),
+        kind: "index-document".into(),
+        input_version: version,
+        input,
+        idempotency_key: None,
+        trace: None,
+    }
+}
+
+/// Test timings: short leases and retries.
+fn fast(it: &mut Installation) {
+    let p = &mut it.config.processor;
+    p.lease_ttl = Duration::from_secs(3);
+    p.heartbeat = Duration::from_secs(1);
+    p.retry_base = Duration::from_millis(50);
+    p.retry_cap = Duration::from_millis(200);
+    p.reaper_interval = Duration::from_millis(500);
+    p.reaper_grace = Duration::from_secs(2);
+    p.revoke_timeout = Duration::from_secs(5);
+    p.group = jobfold_tests::kafka::unique_name("processors");
+}
+
+fn fast_env(it: &Installation) -> std::collections::HashMap<String, String> {
+    let mut env = it.env();
+    for (k, v) in [
+        ("JOBFOLD_PROCESSOR__LEASE_TTL", "3s"),
+        ("JOBFOLD_PROCESSOR__HEARTBEAT", "1s"),
+        ("JOBFOLD_PROCESSOR__RETRY_BASE", "50ms"),
+        ("JOBFOLD_PROCESSOR__RETRY_CAP", "200ms"),
+        ("JOBFOLD_PROCESSOR__REAPER_INTERVAL", "500ms"),
+        ("JOBFOLD_PROCESSOR__REAPER_GRACE", "2s"),
+        ("JOBFOLD_PROCESSOR__REVOKE_TIMEOUT", "5s"),
+        // A killed member's partitions move after 6 s (the broker's minimum), not 45 s.
+        ("JOBFOLD_KAFKA__SESSION_TIMEOUT_MS", "6000"),
+    ] {
+        env.insert(k.into(), v.into());
+    }
+    env.insert("JOBFOLD_PROCESSOR__GROUP".into(), it.config.processor.group.clone());
+    env
+}
+
+/// A relay and a processor in this process.
+struct Pipeline {
+    shutdown: CancellationToken,
+    tasks: Vec<tokio::task::JoinHandle<anyhow::Result<()>>>,
+}
+
+impl Pipeline {
+    fn start(it: &Installation, processor: bool) -> Self {
+        let shutdown = CancellationToken::new();
+        let mut tasks = vec![tokio::spawn(jobfold_relay::run(it.config.clone(), shutdown.clone()))];
+        if processor {
+            tasks.push(tokio::spawn(jobfold_processor::run(it.config.clone(), shutdown.clone())));
+        }
+        Self { shutdown, tasks }
+    }
+
+    async fn stop(self) {
+        self.shutdown.cancel();
+        for task in self.tasks {
+            task.await.unwrap().unwrap();
+        }
+    }
+}
+
+async fn states(it: &Installation) -> Vec<(String, i64)> {
+    sqlx::query_as("SELECT state::text, count(*) FROM jobs GROUP BY 1 ORDER BY 1")
+        .fetch_all(&it.pool)
+        .await
+        .unwrap()
+}
+
+async fn count_where(it: &Installation, sql: &str) -> i64 {
+    sqlx::query_scalar(sql).fetch_one(&it.pool).await.unwrap()
+}
+
+/// No (job, input_version) has more than one business write, and every succeeded job has one.
+async fn assert_exactly_one_write_per_success(it: &Installation) {
+    let duplicated = count_where(
+        it,
+        "SELECT count(*) FROM (SELECT 1 FROM index_writes GROUP BY job_id, input_version HAVING count(*) > 1) d",
+    )
+    .await;
+    assert_eq!(duplicated, 0, "a business write was committed twice");
+    let missing = count_where(
+        it,
+        "SELECT count(*) FROM jobs j WHERE state = 'succeeded' AND NOT EXISTS \
+         (SELECT 1 FROM index_writes w WHERE w.job_id = j.job_id AND w.input_version = j.input_version)",
+    )
+    .await;
+    assert_eq!(missing, 0, "a succeeded job has no business write");
+}
+
+async fn all_finished(it: &Installation, total: i64) -> bool {
+    count_where(
+        it,
+        "SELECT count(*) FROM jobs WHERE state IN ('succeeded', 'quarantined', 'superseded')",
+    )
+    .await
+        == total
+}
+
+async fn accept_all(acceptor: &Acceptor, it: &Installation, jobs: &[NewJob]) -> Vec<Uuid> {
+    let mut ids = Vec::new();
+    for j in jobs {
+        ids.push(acceptor.accept(&it.pool, j).await.unwrap().job_id);
+    }
+    ids
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn jobs_run_once_and_the_index_holds_the_newest_version() {
+    let mut it = Installation::new("proc-happy").await;
+    fast(&mut it);
+    it.create_topics().await;
+    let acceptor = it.acceptor().await;
+    let pipeline = Pipeline::start(&it, true);
+
+    // 40 documents, versions 1 and 2, and for doc-0 a version 3 after a version 4.
+    let mut jobs = Vec::new();
+    for v in 1..=2 {
+        for d in 0..40 {
+            jobs.push(job(
+                &format!("doc-{d}"),
+                v,
+                json!({ "text": format!("doc {d} version {v} words words") }),
+            ));
+        }
+    }
+    jobs.push(job("doc-0", 4, json!({ "text": "four" })));
+    jobs.push(job("doc-0", 3, json!({ "text": "three" })));
+    let total = jobs.len() as i64;
+    accept_all(&acceptor, &it, &jobs).await;
+
+    eventually(Duration::from_secs(60), "every job to finish", || all_finished(&it, total)).await;
+    pipeline.stop().await;
+
+    assert_eq!(states(&it).await, [("succeeded".into(), total - 1), ("superseded".into(), 1)]);
+    let index: Vec<(String, i64)> =
+        sqlx::query_as("SELECT document_id, version FROM document_index ORDER BY document_id")
+            .fetch_all(&it.pool)
+            .await
+            .unwrap();
+    assert_eq!(index.len(), 40);
+    for (doc, version) in &index {
+        assert_eq!(*version, if doc == "doc-0" { 4 } else { 2 }, "{doc}");
+    }
+    let words: Value =
+        sqlx::query_scalar("SELECT output FROM document_index WHERE document_id = 'doc-7'")
+            .fetch_one(&it.pool)
+            .await
+            .unwrap();
+    assert_eq!(words["terms"]["words"], 2);
+    assert_exactly_one_write_per_success(&it).await;
+    assert_eq!(count_where(&it, "SELECT count(*) FROM job_results").await, total - 1);
+    assert_eq!(fold_mismatches(&it).await, Vec::<String>::new());
+    it.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn retries_back_off_and_stop_at_the_budget_and_invalid_input_is_not_retried() {
+    let mut it = Installation::new("proc-retry").await;
+    fast(&mut it);
+    it.config.accept.default_max_attempts = 3;
+    it.create_topics().await;
+    let acceptor = it.acceptor().await;
+    let pipeline = Pipeline::start(&it, true);
+
+    let ids = accept_all(
+        &acceptor,
+        &it,
+        &[
+            job("flaky", 1, json!({ "text": "ok", "simulate": { "fail_attempts": 2 } })),
+            job("hopeless", 1, json!({ "text": "no", "simulate": { "fail_attempts": 99 } })),
+            job("invalid", 1, json!({ "words": "no text field" })),
+            job("broken", 1, json!({ "text": "x", "simulate": { "permanent": true } })),
+        ],
+    )
+    .await;
+    eventually(Duration::from_secs(60), "every job to finish", || all_finished(&it, 4)).await;
+    pipeline.stop().await;
+
+    let row = |id: Uuid| {
+        let pool = it.pool.clone();
+        async move {
+            sqlx::query_as::<_, (String, i32)>(
+                "SELECT state::text, attempt FROM jobs WHERE job_id = $1",
+            )
+            .bind(id)
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+        }
+    };
+    assert_eq!(row(ids[0]).await, ("succeeded".into(), 3), "two retryable failures, then success");
+    assert_eq!(row(ids[1]).await, ("quarantined".into(), 3), "stops at the attempt budget");
+    assert_eq!(row(ids[2]).await, ("quarantined".into(), 1), "invalid input is never retried");
+    assert_eq!(
+        row(ids[3]).await,
+        ("quarantined".into(), 1),
+        "a permanent failure is never retried"
+    );
+
+    let kinds: Vec<String> =
+        sqlx::query_scalar("SELECT kind FROM job_events WHERE job_id = $1 ORDER BY stream_version")
+            .bind(ids[0])
+            .fetch_all(&it.pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        kinds,
+        [
+            "JobRequested",
+            "JobLeased",
+            "JobFailed",
+            "JobRetryScheduled",
+            "RetryDue",
+            "JobLeased",
+            "JobFailed",
+            "JobRetryScheduled",
+            "RetryDue",
+            "JobLeased",
+            "JobSucceeded",
+        ]
+    );
+    // Each RetryDue was published no earlier than its backoff allowed.
+    let early = count_where(
+        &it,
+        "SELECT count(*) FROM job_events e JOIN outbox o USING (seq) \
+         WHERE e.kind = 'RetryDue' AND o.published_at < o.available_at",
+    )
+    .await;
+    assert_eq!(early, 0);
+    let quarantined: Vec<(String, String, i32, String)> = sqlx::query_as(
+        "SELECT q.error_class, q.owner, q.attempts, q.reason FROM quarantine q ORDER BY q.attempts DESC, q.error_class",
+    )
+    .fetch_all(&it.pool)
+    .await
+    .unwrap();
+    assert_eq!(quarantined.len(), 3);
+    assert_eq!(quarantined[0].0, "RETRYABLE");
+    assert_eq!(quarantined[0].2, 3);
+    assert!(quarantined[0].3.contains("budget"), "{:?}", quarantined[0]);
+    assert!(quarantined.iter().any(|q| q.0 == "INVALID_INPUT" && q.2 == 1));
+    assert!(quarantined.iter().all(|q| q.1 == "jobfold-operators"));
+    assert_exactly_one_write_per_success(&it).await;
+    assert_eq!(fold_mismatches(&it).await, Vec::<String>::new());
+    it.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_redelivered_event_is_skipped_without_running_the_handler() {
+    let mut it = Installation::new("proc-dup").await;
+    fast(&mut it);
+    it.create_topics().await;
+    let acceptor = it.acceptor().await;
+    let pipeline = Pipeline::start(&it, true);
+    let ids =
+        accept_all(&acceptor, &it, &[job("doc-dup", 1, json!({ "text": "once only" }))]).await;
+    eventually(Duration::from_secs(60), "the job to succeed", || all_finished(&it, 1)).await;
+
+    // The relay publishes every event of the job again, as after a crash before marking.
+    sqlx::query("UPDATE outbox SET published_at = NULL WHERE seq IN (SELECT seq FROM job_events WHERE job_id = $1)")
+        .bind(ids[0])
+        .execute(&it.pool)
+        .await
+        .unwrap();
+    eventually(Duration::from_secs(30), "the republished events to go out", || async {
+        count_where(&it, "SELECT count(*) FROM outbox WHERE published_at IS NULL").await == 0
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    pipeline.stop().await;
+
+    let results = count_where(&it, "SELECT count(*) FROM job_results").await;
+    let writes = count_where(&it, "SELECT count(*) FROM index_writes").await;
+    let leases = count_where(&it, "SELECT count(*) FROM job_events WHERE kind = 'JobLeased'").await;
+    assert_eq!((results, writes, leases), (1, 1, 1), "the duplicate ran nothing");
+    let dedupe = count_where(&it, "SELECT count(*) FROM consumed_events").await;
+    assert_eq!(dedupe, 1);
+    it.cleanup().await;
+}
+
+/// What the surviving processor counted.
+struct Survivor {
+    duplicates_skipped: f64,
+    handler_runs: f64,
+}
+
+/// Kill -9 a processor process at `failpoint`, start another, and check the outcome.
+async fn crash_at(name: &str, failpoint: &str, jobs: usize) -> (Installation, Survivor) {
+    let mut it = Installation::new(name).await;
+    fast(&mut it);
+    it.create_topics().await;
+    let acceptor = it.acceptor().await;
+    let mut env = fast_env(&it);
+    let _relay = Service::start("jobfold-relay", &env);
+    let batch: Vec<NewJob> = (0..jobs)
+        .map(|i| job(&format!("doc-{i}"), 1, json!({ "text": format!("text {i}") })))
+        .collect();
+    accept_all(&acceptor, &it, &batch).await;
+
+    env.insert("JOBFOLD_FAILPOINT".into(), format!("{failpoint}@3"));
+    let mut crashing = Service::start("jobfold-processor", &env);
+    let status = crashing
+        .wait_exit(Duration::from_secs(60))
+        .expect("the processor should abort at the failpoint");
+    assert!(!status.success(), "{}", crashing.log_text());
+    assert!(crashing.log_text().contains(failpoint), "{}", crashing.log_text());
+
+    env.remove("JOBFOLD_FAILPOINT");
+    let survivor = Service::start("jobfold-processor", &env);
+    eventually(Duration::from_secs(90), "every job to finish after the crash", || {
+        all_finished(&it, jobs as i64)
+    })
+    .await;
+    assert_eq!(states(&it).await, [("succeeded".into(), jobs as i64)]);
+    assert_exactly_one_write_per_success(&it).await;
+    assert_eq!(count_where(&it, "SELECT count(*) FROM job_results").await, jobs as i64);
+    assert_eq!(fold_mismatches(&it).await, Vec::<String>::new());
+    let counted = Survivor {
+        duplicates_skipped: survivor
+            .metric("jobfold_duplicates_skipped_total")
+            .await
+            .unwrap_or(0.0),
+        handler_runs: survivor.metric("jobfold_handler_runs_total").await.unwrap_or(0.0),
+    };
+    drop(survivor);
+    (it, counted)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_after_completion_before_the_offset_store_the_redelivery_is_skipped() {
+    let (it, survivor) =
+        crash_at("proc-crash-offset", failpoint::PROCESSOR_AFTER_COMPLETION_BEFORE_OFFSET, 20)
+            .await;
+    // The third completion committed, then the process died before storing its offset: the
+    // survivor got the event again and skipped it by its dedupe row, running nothing.
+    assert!(survivor.duplicates_skipped >= 1.0, "no redelivered event was skipped");
+    // No job completed twice (a lease after success would also fail the fold check).
+    let completed_twice = count_where(
+        &it,
+        "SELECT count(*) FROM (SELECT job_id FROM job_events WHERE kind = 'JobSucceeded' \
+         GROUP BY job_id HAVING count(*) > 1) d",
+    )
+    .await;
+    assert_eq!(completed_twice, 0);
+    let leases = count_where(&it, "SELECT count(*) FROM job_events WHERE kind = 'JobLeased'").await;
+    println!(
+        "leases {leases} for 20 jobs; the survivor ran {} handlers and skipped {} duplicates",
+        survivor.handler_runs, survivor.duplicates_skipped
+    );
+    it.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_after_the_lease_the_job_is_leased_again_with_a_higher_generation() {
+    let (it, _) = crash_at("proc-crash-lease", failpoint::PROCESSOR_AFTER_LEASE_COMMIT, 20).await;
+    // The job leased when the process died is finished by generation 2.
+    let regenerated = count_where(&it, "SELECT count(*) FROM jobs WHERE generation > 1").await;
+    assert!(regenerated >= 1, "the orphaned lease was never taken over");
+    it.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_in_the_handler_nothing_of_the_attempt_is_committed() {
+    let (it, _) = crash_at("proc-crash-handler", failpoint::PROCESSOR_IN_HANDLER, 20).await;
+    let regenerated = count_where(&it, "SELECT count(*) FROM jobs WHERE generation > 1").await;
+    assert!(regenerated >= 1, "the orphaned lease was never taken over");
+    it.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paused_worker_past_its_lease_is_fenced_when_it_resumes() {
+    let mut it = Installation::new("proc-zombie").await;
+    fast(&mut it);
+    it.create_topics().await;
+    let acceptor = it.acceptor().await;
+    let env = fast_env(&it);
+    let _relay = Service::start("jobfold-relay", &env);
+    let zombie = Service::start("jobfold-processor", &env);
+    let ids = accept_all(
+        &acceptor,
+        &it,
+        &[job("doc-slow", 1, json!({ "text": "slow", "simulate": { "sleep_ms": 4000 } }))],
+    )
+    .await;
+    eventually(Duration::from_secs(30), "the first worker to lease the job", || async {
+        count_where(&it, "SELECT count(*) FROM jobs WHERE state = 'leased'").await == 1
+    })
+    .await;
+    // Paused mid-handler (a GC pause, a frozen VM): no heartbeats, the lease expires.
+    zombie.signal("STOP");
+    let survivor = Service::start("jobfold-processor", &env);
+    eventually(Duration::from_secs(60), "the survivor to finish the job", || all_finished(&it, 1))
+        .await;
+    let generation: i64 = sqlx::query_scalar("SELECT generation FROM jobs WHERE job_id = $1")
+        .bind(ids[0])
+        .fetch_one(&it.pool)
+        .await
+        .unwrap();
+    assert_eq!(generation, 2, "the survivor leased with the next generation");
+
+    // The zombie wakes up and tries to complete with generation 1: refused and counted.
+    zombie.signal("CONT");
+    eventually(Duration::from_secs(30), "the zombie's completion to be fenced", || async {
+        zombie.metric("jobfold_fenced_completions_total").await == Some(1.0)
+    })
+    .await;
+    assert_eq!(count_where(&it, "SELECT count(*) FROM job_results").await, 1);
+    assert_exactly_one_write_per_success(&it).await;
+    assert_eq!(count_where(&it, "SELECT count(*) FROM index_writes").await, 1);
+    assert_eq!(fold_mismatches(&it).await, Vec::<String>::new());
+    drop(survivor);
+    it.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_joining_and_leaving_mid_run_loses_and_repeats_nothing() {
+    const JOBS: usize = 300;
+    let mut it = Installation::new("proc-rebalance").await;
+    fast(&mut it);
+    it.create_topics().await;
+    let acceptor = it.acceptor().await;
+    let env = fast_env(&it);
+    let _relay = Service::start("jobfold-relay", &env);
+    let first = Service::start("jobfold-processor", &env);
+    let jobs: Vec<NewJob> = (0..JOBS)
+        .map(|i| {
+            let input = json!({ "text": format!("words {i}"), "simulate": { "sleep_ms": 20 } });
+            job(&format!("doc-{}", i % 60), 1 + (i / 60) as i64, input)
+        })
+        .collect();
+    accept_all(&acceptor, &it, &jobs[..JOBS / 2]).await;
+    // A second member joins while jobs run, then leaves gracefully (SIGTERM) while more
+    // arrive: two rebalances mid-run.
+    let mut second = Service::start("jobfold-processor", &env);
+    accept_all(&acceptor, &it, &jobs[JOBS / 2..]).await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    second.signal("TERM");
+    let status = second.wait_exit(Duration::from_secs(30)).expect("the second member should stop");
+    assert!(status.success(), "{}", second.log_text());
+
+    eventually(Duration::from_secs(120), "every job to finish", || all_finished(&it, JOBS as i64))
+        .await;
+    let superseded = count_where(&it, "SELECT count(*) FROM jobs WHERE state = 'superseded'").await;
+    let succeeded = count_where(&it, "SELECT count(*) FROM jobs WHERE state = 'succeeded'").await;
+    assert_eq!(succeeded + superseded, JOBS as i64);
+    assert_exactly_one_write_per_success(&it).await;
+    let index_versions: Vec<i64> =
+        sqlx::query_scalar("SELECT version FROM document_index").fetch_all(&it.pool).await.unwrap();
+    assert_eq!(index_versions.len(), 60);
+    assert!(index_versions.iter().all(|v| *v == 5), "every document ends at its newest version");
+    assert_eq!(fold_mismatches(&it).await, Vec::<String>::new());
+    drop(first);
+    it.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn one_poison_message_among_a_thousand_becomes_one_dead_letter() {
+    let mut it = Installation::new("proc-poison").await;
+    fast(&mut it);
+    it.create_topics().await;
+    let acceptor = it.acceptor().await;
+    // The poison sits at the head of a partition, before the good events.
+    let producer: rdkafka::producer::FutureProducer =
+        jobfold_tests::kafka::client_config().create().unwrap();
+    producer
+        .send(
+            rdkafka::producer::FutureRecord::to(&it.config.topics.events)
+                .key("doc-3")
+                .payload(&b"\x00\x00\x00\x00\x07garbage"[..]),
+            rdkafka::util::Timeout::Never,
+        )
+        .await
+        .map_err(|(e, _)| e)
+        .unwrap();
+    let jobs: Vec<NewJob> = (0..1000)
+        .map(|i| job(&format!("doc-{}", i % 100), 1 + i / 100, json!({ "text": "w" })))
+        .collect();
+    for chunk in jobs.chunks(100) {
+        acceptor.accept_batch(&it.pool, chunk).await.unwrap();
+    }
+    let pipeline = Pipeline::start(&it, true);
+    eventually(Duration::from_secs(120), "every job to finish", || all_finished(&it, 1000)).await;
+    pipeline.stop().await;
+    assert_eq!(count_where(&it, "SELECT count(*) FROM dead_letters").await, 1);
+    let succeeded = count_where(&it, "SELECT count(*) FROM jobs WHERE state = 'succeeded'").await;
+    let superseded = count_where(&it, "SELECT count(*) FROM jobs WHERE state = 'superseded'").await;
+    assert_eq!(succeeded + superseded, 1000);
+    assert_eq!(count_where(&it, "SELECT count(*) FROM job_results").await, succeeded);
+    assert_exactly_one_write_per_success(&it).await;
+    it.cleanup().await;
+}
