@@ -140,6 +140,8 @@ pub struct Processor {
     pub heartbeat: Duration,
     /// Jobs running at once in this process, across partitions.
     pub max_in_flight: usize,
+    /// Postgres connections of the processor's pool (leases, completions, heartbeats).
+    pub db_connections: u32,
     /// First retry delay; doubled per attempt, capped, with full jitter.
     #[serde(with = "humantime_serde")]
     pub retry_base: Duration,
@@ -153,10 +155,13 @@ pub struct Processor {
     /// How often the reaper looks for expired leases and stalled jobs.
     #[serde(with = "humantime_serde")]
     pub reaper_interval: Duration,
-    /// A lease expired this long ago, or an accepted job with no lease for this long, is
-    /// dispatched again by the reaper.
+    /// A lease expired this long ago is dispatched again by the reaper.
     #[serde(with = "humantime_serde")]
     pub reaper_grace: Duration,
+    /// A job still queued this long after acceptance (its dispatch never arrived) is
+    /// dispatched again by the reaper. Longer than any expected backlog.
+    #[serde(with = "humantime_serde")]
+    pub stall_after: Duration,
 }
 
 /// The intake consumer on the requests topic.
@@ -301,6 +306,18 @@ impl Config {
         Ok(config)
     }
 
+    /// [`Config::load`] for a binary's `main`: on invalid configuration, prints one message
+    /// naming the key, prefixed with the binary's name, and exits with status 2.
+    pub fn load_or_exit(binary: &str, file: Option<&Path>) -> Self {
+        match Self::load(file) {
+            Ok(config) => config,
+            Err(e) => {
+                eprintln!("{binary}: {e}");
+                std::process::exit(EXIT_CONFIG);
+            }
+        }
+    }
+
     /// Rules across keys that types alone cannot express.
     ///
     /// # Errors
@@ -357,6 +374,9 @@ impl Config {
         }
         if p.max_in_flight == 0 {
             return invalid("processor.max_in_flight", "must be at least 1");
+        }
+        if p.db_connections < 2 {
+            return invalid("processor.db_connections", "must be at least 2");
         }
         if p.retry_base.is_zero() || p.retry_base > p.retry_cap {
             return invalid(

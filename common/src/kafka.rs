@@ -4,9 +4,34 @@ use std::time::Duration;
 
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
 use rdkafka::client::DefaultClientContext;
+use rdkafka::consumer::{CommitMode, Consumer, ConsumerContext};
+use rdkafka::error::{KafkaError, KafkaResult};
 use rdkafka::types::RDKafkaErrorCode;
 
 use crate::config::Config;
+
+/// Defaults of jobfold's consumers (intake, processors); `[kafka]` options override them.
+///
+/// Offsets are stored by the application after its Postgres commit
+/// (`enable.auto.offset.store=false`) and committed by the client in the background.
+pub const CONSUMER_DEFAULTS: &[(&str, &str)] = &[
+    ("enable.auto.commit", "true"),
+    ("auto.commit.interval.ms", "1000"),
+    ("enable.auto.offset.store", "false"),
+    ("auto.offset.reset", "earliest"),
+    ("partition.assignment.strategy", "cooperative-sticky"),
+];
+
+/// Commits the stored offsets now; nothing stored since the last commit is not an error.
+///
+/// # Errors
+/// The commit failed.
+pub fn commit_stored<C: ConsumerContext, K: Consumer<C>>(consumer: &K) -> KafkaResult<()> {
+    match consumer.commit_consumer_state(CommitMode::Sync) {
+        Ok(()) | Err(KafkaError::ConsumerCommit(RDKafkaErrorCode::NoOffset)) => Ok(()),
+        Err(e) => Err(e),
+    }
+}
 
 /// A topic to create if missing.
 #[derive(Debug, Clone)]

@@ -19,18 +19,10 @@ use jobfold_common::config::Config;
 use jobfold_common::metrics as m;
 use jobfold_schemas::{Decoder, JobRequest};
 use rdkafka::Message;
-use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
+use rdkafka::consumer::{Consumer, StreamConsumer};
 use rdkafka::message::BorrowedMessage;
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
-
-/// The intake consumer's defaults; `[kafka]` options override them.
-pub const CONSUMER_DEFAULTS: &[(&str, &str)] = &[
-    ("enable.auto.commit", "true"),
-    ("enable.auto.offset.store", "false"),
-    ("auto.offset.reset", "earliest"),
-    ("partition.assignment.strategy", "cooperative-sticky"),
-];
 
 const RETRY_MIN: Duration = Duration::from_millis(100);
 const RETRY_MAX: Duration = Duration::from_secs(10);
@@ -76,7 +68,7 @@ impl Intake {
         pool: PgPool,
     ) -> anyhow::Result<Self> {
         let consumer: StreamConsumer = config
-            .kafka_client_with(CONSUMER_DEFAULTS)
+            .kafka_client_with(jobfold_common::kafka::CONSUMER_DEFAULTS)
             .set("group.id", &config.intake.group)
             .create()?;
         consumer.subscribe(&[&config.topics.requests])?;
@@ -130,13 +122,7 @@ impl Intake {
     }
 
     fn commit(&self) -> anyhow::Result<()> {
-        match self.consumer.commit_consumer_state(CommitMode::Sync) {
-            Ok(())
-            | Err(rdkafka::error::KafkaError::ConsumerCommit(
-                rdkafka::types::RDKafkaErrorCode::NoOffset,
-            )) => Ok(()),
-            Err(e) => Err(e.into()),
-        }
+        Ok(jobfold_common::kafka::commit_stored(&self.consumer)?)
     }
 
     /// Accepts one message's request, or dead-letters it.

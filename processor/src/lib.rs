@@ -41,7 +41,9 @@ pub const BODY_OVERHEAD_BYTES: usize = 4096;
 /// # Errors
 /// Start-up failed, or a part failed.
 pub async fn run(config: Config, shutdown: CancellationToken) -> anyhow::Result<()> {
-    let pool = db::connect_and_migrate(&config, 16).await.context("connecting to Postgres")?;
+    let pool = db::connect_and_migrate(&config, config.processor.db_connections)
+        .await
+        .context("connecting to Postgres")?;
     kafka::ensure_topics(&config, &kafka::jobfold_topics(&config))
         .await
         .context("creating the topics")?;

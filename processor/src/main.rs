@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 
 use clap::Parser;
-use jobfold_common::config::{Config, EXIT_CONFIG};
+use jobfold_common::config::Config;
 use jobfold_common::{shutdown, telemetry};
 
 /// Accepts and runs jobfold jobs.
@@ -18,13 +18,7 @@ struct Args {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    let config = match Config::load(args.config.as_deref()) {
-        Ok(config) => config,
-        Err(e) => {
-            eprintln!("jobfold-processor: {e}");
-            std::process::exit(EXIT_CONFIG);
-        }
-    };
+    let config = Config::load_or_exit("jobfold-processor", args.config.as_deref());
     telemetry::init_tracing(config.log_json);
     telemetry::install_metrics(config.metrics_addr)?;
     jobfold_processor::run(config, shutdown::on_signal()).await

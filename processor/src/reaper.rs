@@ -1,5 +1,6 @@
-//! The reaper: jobs whose lease expired (the worker died or hangs) and accepted jobs that
-//! made no progress are dispatched again, with a `RetryDue` event through the outbox.
+//! The reaper: jobs whose lease expired more than `processor.reaper_grace` ago (the worker
+//! died or hangs) and jobs still queued `processor.stall_after` after acceptance are
+//! dispatched again, with a `RetryDue` event through the outbox.
 //!
 //! Every processor runs it; `FOR UPDATE SKIP LOCKED` and `next_attempt_at` (set to the next
 //! look) keep them from dispatching the same job twice in one round. A second dispatch would
@@ -49,7 +50,7 @@ pub async fn reap(config: &Config, pool: &PgPool, events: &Events) -> anyhow::Re
                CASE WHEN state = 'leased' THEN 'lease_expired' ELSE 'stalled' END AS reason
         FROM jobs
         WHERE ((state = 'leased' AND lease_until < now() - make_interval(secs => $1))
-            OR (state = 'queued' AND accepted_at < now() - make_interval(secs => $1)))
+            OR (state = 'queued' AND accepted_at < now() - make_interval(secs => $3)))
           AND coalesce(next_attempt_at, '-infinity') < now()
         ORDER BY accepted_at
         LIMIT $2
@@ -58,6 +59,7 @@ pub async fn reap(config: &Config, pool: &PgPool, events: &Events) -> anyhow::Re
     )
     .bind(grace)
     .bind(ROUND)
+    .bind(config.processor.stall_after.as_secs_f64())
     .fetch_all(&mut *tx)
     .await?
     .into_iter()

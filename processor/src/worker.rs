@@ -35,9 +35,7 @@ use jobfold_common::config::Config;
 use jobfold_common::failpoint;
 use jobfold_schemas::{Decoder, JobEvent};
 use rand::Rng;
-use rdkafka::consumer::{
-    BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance, StreamConsumer,
-};
+use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext, Rebalance, StreamConsumer};
 use rdkafka::message::OwnedMessage;
 use rdkafka::{ClientContext, Message};
 use sqlx::PgPool;
@@ -48,15 +46,6 @@ use crate::handler::{Committed, Handler, JobContext};
 use crate::offsets::{Ticket, Tracker};
 use crate::store::{self, Consumed, Events, LeaseDecision, Outcome};
 use jobfold_common::metrics as pm;
-
-/// The processors' consumer defaults; `[kafka]` options override them.
-pub const CONSUMER_DEFAULTS: &[(&str, &str)] = &[
-    ("enable.auto.commit", "true"),
-    ("auto.commit.interval.ms", "1000"),
-    ("enable.auto.offset.store", "false"),
-    ("auto.offset.reset", "earliest"),
-    ("partition.assignment.strategy", "cooperative-sticky"),
-];
 
 const RETRY_MIN: Duration = Duration::from_millis(100);
 const RETRY_MAX: Duration = Duration::from_secs(10);
@@ -87,12 +76,8 @@ impl ConsumerContext for WorkerContext {
             {
                 std::thread::sleep(Duration::from_millis(20));
             }
-            match consumer.commit_consumer_state(CommitMode::Sync) {
-                Ok(())
-                | Err(rdkafka::error::KafkaError::ConsumerCommit(
-                    rdkafka::types::RDKafkaErrorCode::NoOffset,
-                )) => {}
-                Err(e) => tracing::warn!(error = %e, "Committing offsets on revoke failed."),
+            if let Err(e) = jobfold_common::kafka::commit_stored(consumer) {
+                tracing::warn!(error = %e, "Committing offsets on revoke failed.");
             }
             tracing::info!(?partitions, "Partitions revoked.");
         }
@@ -148,7 +133,7 @@ pub async fn run<H: Handler>(
         revoke_timeout: config.processor.revoke_timeout,
     };
     let consumer: StreamConsumer<WorkerContext> = config
-        .kafka_client_with(CONSUMER_DEFAULTS)
+        .kafka_client_with(jobfold_common::kafka::CONSUMER_DEFAULTS)
         .set("group.id", &config.processor.group)
         .create_with_context(context)?;
     consumer.subscribe(&[&config.topics.events])?;
@@ -225,12 +210,8 @@ pub async fn run<H: Handler>(
     if drained.is_err() {
         tracing::warn!("Shutdown: jobs still running are left to their lease expiry.");
     }
-    match shared.consumer.commit_consumer_state(CommitMode::Sync) {
-        Ok(())
-        | Err(rdkafka::error::KafkaError::ConsumerCommit(
-            rdkafka::types::RDKafkaErrorCode::NoOffset,
-        )) => {}
-        Err(e) => tracing::warn!(error = %e, "Committing offsets on shutdown failed."),
+    if let Err(e) = jobfold_common::kafka::commit_stored(&*shared.consumer) {
+        tracing::warn!(error = %e, "Committing offsets on shutdown failed.");
     }
     let _ = reaper.await;
     Ok(())

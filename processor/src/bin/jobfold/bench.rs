@@ -30,6 +30,7 @@ pub(crate) struct Sizes {
     pub(crate) batch: usize,
     pub(crate) steady_rate: u32,
     pub(crate) steady_secs: u64,
+    pub(crate) e2e_jobs: usize,
 }
 
 impl Sizes {
@@ -38,10 +39,11 @@ impl Sizes {
             raw_messages: 200_000,
             single_accepts: 2_000,
             concurrent_accepts: 10_000,
-            batched_accepts: 100_000,
+            batched_accepts: 50_000,
             batch: 100,
             steady_rate: 1_000,
             steady_secs: 5,
+            e2e_jobs: 5_000,
         }
     }
 
@@ -54,6 +56,7 @@ impl Sizes {
             batch: 100,
             steady_rate: 2_000,
             steady_secs: 30,
+            e2e_jobs: 50_000,
         }
     }
 }
@@ -77,7 +80,7 @@ fn ms(h: &Histogram<u64>, q: f64) -> f64 {
 
 fn job(i: usize) -> NewJob {
     NewJob {
-        document_id: format!("doc-{}", i % 1000),
+        document_id: format!("doc-{i}"),
         kind: "index-document".into(),
         input_version: 1 + (i / 1000) as i64,
         input: json!({ "text": "the quick brown fox jumps over the lazy dog" }),
@@ -302,10 +305,177 @@ async fn measure(config: &Config, sizes: Sizes) -> anyhow::Result<Vec<Row>> {
             note: format!("commit -> marked published, {} events", delays.len()),
         });
     }
+    // End to end, on a topic of its own so the processor sees only what is measured here.
+    let mut e2e = config.clone();
+    e2e.topics.events = format!("{}-e2e", config.topics.events);
+    e2e.topics.requests = format!("{}-e2e", config.topics.requests);
+    e2e.http_addr = "127.0.0.1:0".parse()?;
+    e2e.intake.enabled = false;
+    e2e.processor.group = format!("jobfold-bench-processors-{}", uuid::Uuid::new_v4().simple());
+    // The jobs above stay queued (nobody runs them): keep the reaper off them.
+    e2e.processor.stall_after = Duration::from_secs(24 * 3600);
+    jobfold_common::kafka::ensure_topics(&e2e, &jobfold_common::kafka::jobfold_topics(&e2e))
+        .await?;
+    let codec = Codec::<JobEvent>::connect(
+        registry_settings(&e2e.schema_registry_url)?,
+        &e2e.topics.events,
+    )
+    .await?;
+    let acceptor = Acceptor::new(codec, e2e.accept.clone(), &e2e.topics.events, "bench");
+    let processor = tokio::spawn(jobfold_processor::run(e2e.clone(), shutdown.clone()));
+    let mut offset = offset + total;
+
+    // Throughput: a burst, accepted in batches, until every job succeeded.
+    let burst = sizes.e2e_jobs;
+    let since: chrono::DateTime<chrono::Utc> =
+        sqlx::query_scalar("SELECT now()").fetch_one(&pool).await?;
+    let started = Instant::now();
+    for chunk in (0..burst).collect::<Vec<_>>().chunks(sizes.batch) {
+        let jobs: Vec<NewJob> = chunk.iter().map(|i| job(offset + i)).collect();
+        acceptor.accept_batch(&pool, &jobs).await?;
+    }
+    wait_finished_since(&pool, since, burst, Duration::from_secs(900)).await?;
+    let rate = burst as f64 / started.elapsed().as_secs_f64();
+    let (events_per_job, rows_per_job) = per_job_costs(&pool, since).await?;
+    rows.push(Row {
+        what: "end to end, trivial handler, burst".into(),
+        rate: Some(rate),
+        p50_ms: None,
+        p99_ms: None,
+        note: format!(
+            "{burst} jobs accept -> succeeded; per job {events_per_job:.1} Kafka messages, \
+             {rows_per_job:.1} rows written"
+        ),
+    });
+    offset += burst;
+
+    // Latency: a steady load well below the burst rate.
+    let steady_rate = (rate / 2.0).clamp(10.0, 500.0);
+    let steady_jobs = (steady_rate * sizes.steady_secs as f64) as usize;
+    let since: chrono::DateTime<chrono::Utc> =
+        sqlx::query_scalar("SELECT now()").fetch_one(&pool).await?;
+    let mut ticker = tokio::time::interval(Duration::from_secs_f64(1.0 / steady_rate));
+    let mut accepts = Vec::with_capacity(steady_jobs);
+    for i in 0..steady_jobs {
+        ticker.tick().await;
+        let acceptor = acceptor.clone();
+        let pool = pool.clone();
+        accepts.push(tokio::spawn(async move { acceptor.accept(&pool, &job(offset + i)).await }));
+    }
+    for accept in accepts {
+        accept.await??;
+    }
+    wait_finished_since(&pool, since, steady_jobs, Duration::from_secs(300)).await?;
+    let latencies: Vec<f64> = sqlx::query_scalar(
+        "SELECT EXTRACT(EPOCH FROM finished_at - accepted_at)::float8 * 1000 FROM jobs \
+         WHERE accepted_at >= $1",
+    )
+    .bind(since)
+    .fetch_all(&pool)
+    .await?;
+    let mut h = latency_histogram();
+    for l in &latencies {
+        h.record((l * 1000.0).max(1.0) as u64)?;
+    }
+    rows.push(Row {
+        what: format!("end to end, steady {steady_rate:.0} jobs/s"),
+        rate: None,
+        p50_ms: Some(ms(&h, 0.5)),
+        p99_ms: Some(ms(&h, 0.99)),
+        note: format!("accept -> succeeded, {} jobs", latencies.len()),
+    });
+    offset += steady_jobs;
+
+    // Slow jobs: how many run at once (10 s handler, 200 documents).
+    let slow = 200;
+    let jobs: Vec<NewJob> = (0..slow)
+        .map(|i| NewJob {
+            input: json!({ "text": "slow", "simulate": { "sleep_ms": 10_000 } }),
+            ..job(offset + i)
+        })
+        .collect();
+    let since: chrono::DateTime<chrono::Utc> =
+        sqlx::query_scalar("SELECT now()").fetch_one(&pool).await?;
+    let started = Instant::now();
+    acceptor.accept_batch(&pool, &jobs).await?;
+    let mut peak = 0i64;
+    while started.elapsed() < Duration::from_secs(120) {
+        let (leased, done): (i64, i64) = sqlx::query_as(
+            "SELECT count(*) FILTER (WHERE state = 'leased'), \
+                    count(*) FILTER (WHERE state IN ('succeeded', 'superseded', 'quarantined')) \
+             FROM jobs WHERE accepted_at >= $1",
+        )
+        .bind(since)
+        .fetch_one(&pool)
+        .await?;
+        peak = peak.max(leased);
+        if done == slow as i64 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let secs = started.elapsed().as_secs_f64();
+    rows.push(Row {
+        what: format!("slow jobs, 10 s handler, {} partitions", e2e.topics.partitions),
+        rate: Some(slow as f64 / secs),
+        p50_ms: None,
+        p99_ms: None,
+        note: format!("{peak} jobs in flight at the peak; {slow} jobs in {secs:.1} s"),
+    });
+
     shutdown.cancel();
     relay.await??;
+    processor.await??;
     pool.close().await;
     Ok(rows)
+}
+
+/// Waits until `count` jobs accepted since `since` are finished.
+async fn wait_finished_since(
+    pool: &PgPool,
+    since: chrono::DateTime<chrono::Utc>,
+    count: usize,
+    timeout: Duration,
+) -> anyhow::Result<()> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let done: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM jobs \
+             WHERE accepted_at >= $1 AND state IN ('succeeded', 'superseded', 'quarantined')",
+        )
+        .bind(since)
+        .fetch_one(pool)
+        .await?;
+        if done >= count as i64 {
+            return Ok(());
+        }
+        anyhow::ensure!(Instant::now() < deadline, "jobs did not finish: {done} of {count}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Kafka messages (events) and rows written per job accepted since `since`.
+async fn per_job_costs(
+    pool: &PgPool,
+    since: chrono::DateTime<chrono::Utc>,
+) -> anyhow::Result<(f64, f64)> {
+    let (jobs, events, results, dedupe): (i64, i64, i64, i64) = sqlx::query_as(
+        r#"
+        SELECT (SELECT count(*) FROM jobs WHERE accepted_at >= $1),
+               (SELECT count(*) FROM job_events e JOIN jobs j USING (job_id) WHERE j.accepted_at >= $1),
+               (SELECT count(*) FROM job_results r JOIN jobs j USING (job_id) WHERE j.accepted_at >= $1),
+               (SELECT count(*) FROM consumed_events c WHERE c.consumed_at >= $1)
+        "#,
+    )
+    .bind(since)
+    .fetch_one(pool)
+    .await?;
+    let jobs = jobs.max(1) as f64;
+    // Per job: the job row, each event with its outbox row, the result, the dedupe row, the
+    // business write (document_index and index_writes).
+    let rows =
+        1.0 + 2.0 * events as f64 / jobs + results as f64 / jobs + dedupe as f64 / jobs + 2.0;
+    Ok((events as f64 / jobs, rows))
 }
 
 async fn unpublished(pool: &PgPool) -> anyhow::Result<i64> {
