@@ -5,6 +5,8 @@
 //!   key with a different request 409. A body over `accept.max_input_bytes` is refused with
 //!   413, an invalid one with 422 naming the field.
 //! - `GET /v1/jobs/{id}`: the job as the `jobs` projection holds it.
+//! - `POST /v1/jobs/{id}/replay`: runs a quarantined job again with a fresh budget, optionally
+//!   with `{"new_input_version": n, "new_input": {...}}`; 202, or 409 if it is not quarantined.
 //! - `GET /healthz` (the process runs), `GET /readyz` (Postgres answers).
 //!
 //! Errors are JSON: `{"error": {"code": "...", "message": "..."}}`.
@@ -32,6 +34,9 @@ use uuid::Uuid;
 pub struct ApiState {
     pub pool: PgPool,
     pub acceptor: Acceptor,
+    /// Appends events (replays).
+    pub events: crate::store::Events,
+    pub policy: jobfold_common::config::Accept,
 }
 
 /// The API's routes; request bodies are limited to `max_body` bytes.
@@ -39,6 +44,7 @@ pub fn router(state: ApiState, max_body: usize) -> Router {
     Router::new()
         .route("/v1/jobs", post(submit))
         .route("/v1/jobs/{id}", get(job))
+        .route("/v1/jobs/{id}/replay", post(replay))
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(ready))
         .layer(DefaultBodyLimit::max(max_body))
@@ -234,6 +240,58 @@ async fn job(
     .fetch_optional(&state.pool)
     .await?;
     view.map(axum::Json).ok_or_else(not_found)
+}
+
+async fn replay(
+    State(state): State<ApiState>,
+    Path(id): Path<String>,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    use crate::store::ReplayError;
+    let not_found = || ApiError::new(StatusCode::NOT_FOUND, "not_found", format!("no job {id}"));
+    let job_id = Uuid::parse_str(&id).map_err(|_| not_found())?;
+    let request: crate::store::Replay = if body.is_empty() {
+        crate::store::Replay::default()
+    } else {
+        let deserializer = &mut serde_json::Deserializer::from_slice(&body);
+        serde_path_to_error::deserialize(deserializer).map_err(|e| {
+            ApiError::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "invalid_field",
+                format!("invalid field `{}`: {}", e.path(), e.inner()),
+            )
+        })?
+    };
+    let mut tx = state.pool.begin().await?;
+    let replayed =
+        crate::store::replay(&mut tx, &state.events, &state.policy, job_id, request).await;
+    let job = match replayed {
+        Ok(job) => job,
+        Err(ReplayError::NotFound(_)) => return Err(not_found()),
+        Err(e @ ReplayError::NotQuarantined { .. }) => {
+            return Err(ApiError::new(StatusCode::CONFLICT, "not_quarantined", e.to_string()));
+        }
+        Err(e @ (ReplayError::StaleVersion { .. } | ReplayError::InputWithoutVersion)) => {
+            return Err(ApiError::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "invalid_field",
+                e.to_string(),
+            ));
+        }
+        Err(ReplayError::Database(e)) => return Err(e.into()),
+        Err(ReplayError::Other(e)) => {
+            tracing::error!(error = %e, "Replay failed.");
+            return Err(ApiError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "internal",
+                "replay failed",
+            ));
+        }
+    };
+    tx.commit().await?;
+    let body =
+        json!({ "job_id": job.job_id, "state": "queued", "input_version": job.input_version });
+    Ok((StatusCode::ACCEPTED, axum::Json(body)).into_response())
 }
 
 async fn ready(State(state): State<ApiState>) -> Result<&'static str, ApiError> {

@@ -61,15 +61,20 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> anyhow::Result<
         producer.clone(),
     );
 
+    let events =
+        store::Events { codec: codec.clone(), topic: config.topics.events.clone(), producer };
     let mut parts = JoinSet::new();
     let api = http::router(
-        http::ApiState { pool: pool.clone(), acceptor: acceptor.clone() },
+        http::ApiState {
+            pool: pool.clone(),
+            acceptor: acceptor.clone(),
+            events: events.clone(),
+            policy: config.accept.clone(),
+        },
         config.accept.max_input_bytes + BODY_OVERHEAD_BYTES,
     );
     parts.spawn(http::serve(config.http_addr, api, shutdown.clone()));
     if config.processor.enabled {
-        let events =
-            store::Events { codec: codec.clone(), topic: config.topics.events.clone(), producer };
         parts.spawn(worker::run(
             config.clone(),
             pool.clone(),

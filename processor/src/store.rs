@@ -572,3 +572,98 @@ mod tests {
         assert!(matches!(decide(&job("queued"), 2, None, Utc::now()), LeaseDecision::Skip(_)));
     }
 }
+
+/// Why a replay was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum ReplayError {
+    #[error("no job {0}")]
+    NotFound(Uuid),
+    #[error("job {job_id} is {state}, not quarantined: only quarantined jobs are replayed")]
+    NotQuarantined { job_id: Uuid, state: String },
+    #[error("new input version {new} must be above the job's input version {current}")]
+    StaleVersion { new: i64, current: i64 },
+    #[error("a new input needs a new input version")]
+    InputWithoutVersion,
+    #[error(transparent)]
+    Database(#[from] sqlx::Error),
+    #[error(transparent)]
+    Other(#[from] anyhow::Error),
+}
+
+/// A replay request for a quarantined job.
+#[derive(Debug, Clone, Default, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Replay {
+    /// Who asks (operator name, API client).
+    #[serde(default)]
+    pub requested_by: Option<String>,
+    /// Run with this new, higher input version.
+    #[serde(default)]
+    pub new_input_version: Option<i64>,
+    /// The new input that goes with it; the current input if absent.
+    #[serde(default)]
+    pub new_input: Option<serde_json::Value>,
+}
+
+/// Replays a quarantined job in the caller's transaction: a fresh budget, optionally a new
+/// input version and input, `ReplayRequested` through the outbox (which dispatches it).
+///
+/// # Errors
+/// [`ReplayError`]; nothing was written.
+pub async fn replay(
+    tx: &mut PgConnection,
+    events: &Events,
+    policy: &jobfold_common::config::Accept,
+    job_id: Uuid,
+    request: Replay,
+) -> Result<JobRow, ReplayError> {
+    let mut job = lock_job(tx, job_id).await?.ok_or(ReplayError::NotFound(job_id))?;
+    if job.state != "quarantined" {
+        return Err(ReplayError::NotQuarantined { job_id, state: job.state });
+    }
+    if request.new_input.is_some() && request.new_input_version.is_none() {
+        return Err(ReplayError::InputWithoutVersion);
+    }
+    if let Some(new) = request.new_input_version.filter(|v| *v <= job.input_version) {
+        return Err(ReplayError::StaleVersion { new, current: job.input_version });
+    }
+    let (max_attempts, deadline) = policy.budget(&job.kind);
+    let now = Utc::now();
+    let deadline = deadline.and_then(|d| ChronoDuration::from_std(d).ok()).map(|d| now + d);
+    let deadline = deadline.and_then(|d| DateTime::from_timestamp_millis(d.timestamp_millis()));
+    if let Some(version) = request.new_input_version {
+        job.input_version = version;
+    }
+    if let Some(input) = &request.new_input {
+        job.payload = input.clone();
+    }
+    // language=PostgreSQL
+    sqlx::query(
+        r#"
+        UPDATE jobs SET state = 'queued', attempt = 0, max_attempts = $2, deadline = $3,
+                        finished_at = NULL, lease_until = NULL, lease_owner = NULL,
+                        next_attempt_at = NULL, last_error = NULL,
+                        input_version = $4, payload = $5
+        WHERE job_id = $1
+        "#,
+    )
+    .bind(job_id)
+    .bind(max_attempts)
+    .bind(deadline)
+    .bind(job.input_version)
+    .bind(&job.payload)
+    .execute(&mut *tx)
+    .await?;
+    sqlx::query("DELETE FROM quarantine WHERE job_id = $1").bind(job_id).execute(&mut *tx).await?;
+    let payload = Payload::ReplayRequested(jobfold_schemas::event::ReplayRequested {
+        requested_by: request.requested_by.unwrap_or_else(|| "unknown".into()),
+        new_input_version: request.new_input_version,
+        new_input: request.new_input.map(|v| v.to_string()),
+        max_attempts,
+        deadline,
+    });
+    events.append(tx, &mut job, payload, None, None).await?;
+    job.state = "queued".into();
+    job.attempt = 0;
+    Ok(job)
+}

@@ -73,6 +73,27 @@ impl Installation {
         Acceptor::new(codec, self.config.accept.clone(), &self.config.topics.events, "test")
     }
 
+    /// An event appender writing to this installation (registers the schema).
+    pub async fn events(&self) -> jobfold_processor::store::Events {
+        let codec =
+            Codec::<JobEvent>::connect(self.registry(), &self.config.topics.events).await.unwrap();
+        jobfold_processor::store::Events {
+            codec,
+            topic: self.config.topics.events.clone(),
+            producer: "test".into(),
+        }
+    }
+
+    /// The HTTP API's state for this installation.
+    pub async fn api_state(&self) -> jobfold_processor::http::ApiState {
+        jobfold_processor::http::ApiState {
+            pool: self.pool.clone(),
+            acceptor: self.acceptor().await,
+            events: self.events().await,
+            policy: self.config.accept.clone(),
+        }
+    }
+
     pub fn registry(&self) -> schema_registry_converter::async_impl::schema_registry::SrSettings {
         registry_settings(&self.config.schema_registry_url).unwrap()
     }

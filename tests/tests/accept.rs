@@ -107,7 +107,7 @@ async fn invalid_jobs_are_refused_naming_the_field() {
 
 /// Serves the HTTP API in this process; returns its base URL.
 async fn serve_api(it: &Installation) -> (String, CancellationToken) {
-    let state = ApiState { pool: it.pool.clone(), acceptor: it.acceptor().await };
+    let state: ApiState = it.api_state().await;
     let app =
         router(state, it.config.accept.max_input_bytes + jobfold_processor::BODY_OVERHEAD_BYTES);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();

@@ -507,3 +507,105 @@ async fn one_poison_message_among_a_thousand_becomes_one_dead_letter() {
     assert_exactly_one_write_per_success(&it).await;
     it.cleanup().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_quarantined_job_replayed_with_a_new_input_version_succeeds() {
+    let mut it = Installation::new("proc-replay").await;
+    fast(&mut it);
+    it.create_topics().await;
+    let acceptor = it.acceptor().await;
+    let pipeline = Pipeline::start(&it, true);
+    let ids =
+        accept_all(&acceptor, &it, &[job("doc-fix", 1, json!({ "body": "no text field" }))]).await;
+    eventually(Duration::from_secs(60), "the invalid job to be quarantined", || async {
+        count_where(&it, "SELECT count(*) FROM quarantine").await == 1
+    })
+    .await;
+
+    // The operator sees it in the CLI, with its class and owner.
+    let listed = std::process::Command::new(jobfold_tests::harness::binary("jobfold"))
+        .args(["quarantine", "list"])
+        .envs(it.env())
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&listed.stdout);
+    assert!(listed.status.success(), "{}", String::from_utf8_lossy(&listed.stderr));
+    assert!(text.contains(&ids[0].to_string()) && text.contains("INVALID_INPUT"), "{text}");
+    assert!(text.contains("jobfold-operators"), "{text}");
+
+    // Serve the API here and replay through it.
+    let app = jobfold_processor::http::router(it.api_state().await, 1 << 20);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    let client = reqwest::Client::new();
+    let replay =
+        |body: Value| client.post(format!("{url}/v1/jobs/{}/replay", ids[0])).json(&body).send();
+
+    let stale =
+        replay(json!({ "new_input_version": 1, "new_input": { "text": "x" } })).await.unwrap();
+    assert_eq!(stale.status().as_u16(), 422, "a replay must raise the input version");
+    let fixed = replay(json!({ "new_input_version": 2, "new_input": { "text": "fixed now" }, "requested_by": "ops" }))
+        .await
+        .unwrap();
+    assert_eq!(fixed.status().as_u16(), 202);
+    eventually(Duration::from_secs(60), "the replayed job to succeed", || async {
+        count_where(&it, "SELECT count(*) FROM jobs WHERE state = 'succeeded'").await == 1
+    })
+    .await;
+    let again = replay(json!({})).await.unwrap();
+    assert_eq!(again.status().as_u16(), 409, "only quarantined jobs are replayed");
+    let missing =
+        client.post(format!("{url}/v1/jobs/{}/replay", Uuid::new_v4())).send().await.unwrap();
+    assert_eq!(missing.status().as_u16(), 404);
+    pipeline.stop().await;
+
+    let (version, words): (i64, Value) =
+        sqlx::query_as("SELECT version, output FROM document_index WHERE document_id = 'doc-fix'")
+            .fetch_one(&it.pool)
+            .await
+            .unwrap();
+    assert_eq!(version, 2);
+    assert_eq!(words["terms"]["fixed"], 1);
+    assert_eq!(count_where(&it, "SELECT count(*) FROM quarantine").await, 0);
+    assert_exactly_one_write_per_success(&it).await;
+    assert_eq!(fold_mismatches(&it).await, Vec::<String>::new());
+    it.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn retries_stop_at_the_time_budget() {
+    let mut it = Installation::new("proc-deadline").await;
+    fast(&mut it);
+    // Plenty of attempts, but only two seconds from acceptance.
+    it.config.accept.default_max_attempts = 1000;
+    it.config.accept.default_deadline = Some(Duration::from_secs(2));
+    it.config.processor.retry_base = Duration::from_millis(200);
+    it.config.processor.retry_cap = Duration::from_millis(400);
+    it.create_topics().await;
+    let acceptor = it.acceptor().await;
+    let pipeline = Pipeline::start(&it, true);
+    let started = std::time::Instant::now();
+    let ids = accept_all(
+        &acceptor,
+        &it,
+        &[job("doc-late", 1, json!({ "text": "t", "simulate": { "fail_attempts": 1000 } }))],
+    )
+    .await;
+    eventually(Duration::from_secs(60), "the job to be quarantined", || all_finished(&it, 1)).await;
+    pipeline.stop().await;
+    let (state, attempt, reason): (String, i32, String) = sqlx::query_as(
+        "SELECT j.state::text, j.attempt, q.reason FROM jobs j JOIN quarantine q USING (job_id) \
+         WHERE j.job_id = $1",
+    )
+    .bind(ids[0])
+    .fetch_one(&it.pool)
+    .await
+    .unwrap();
+    assert_eq!(state, "quarantined");
+    assert!(reason.contains("time budget"), "{reason}");
+    assert!(attempt > 1 && attempt < 1000, "{attempt} attempts");
+    assert!(started.elapsed() >= Duration::from_secs(1), "quarantined before the budget ran out");
+    assert_eq!(fold_mismatches(&it).await, Vec::<String>::new());
+    it.cleanup().await;
+}

@@ -46,6 +46,11 @@ enum Command {
         #[arg(long)]
         key: Option<String>,
     },
+    /// Quarantined jobs: list them, replay one.
+    Quarantine {
+        #[command(subcommand)]
+        command: QuarantineCommand,
+    },
     /// Measure accept and relay on this machine next to its raw Kafka producer rate, in a
     /// database and topics of their own; prints a markdown table.
     Bench {
@@ -55,6 +60,37 @@ enum Command {
         /// Also write the table to this file.
         #[arg(long)]
         output: Option<PathBuf>,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum QuarantineCommand {
+    /// List quarantined jobs, newest first.
+    List {
+        /// Only this owner's.
+        #[arg(long)]
+        owner: Option<String>,
+        /// Only this job kind.
+        #[arg(long)]
+        kind: Option<String>,
+        /// Only reasons containing this text.
+        #[arg(long)]
+        reason: Option<String>,
+        #[arg(long, default_value_t = 50)]
+        limit: i64,
+    },
+    /// Run a quarantined job again with a fresh budget.
+    Replay {
+        job_id: uuid::Uuid,
+        /// Run with this new, higher input version.
+        #[arg(long)]
+        new_input_version: Option<i64>,
+        /// The new input (JSON) that goes with the new input version.
+        #[arg(long, requires = "new_input_version")]
+        input: Option<String>,
+        /// Who asks, recorded in the ReplayRequested event.
+        #[arg(long, env = "USER", default_value = "operator")]
+        by: String,
     },
 }
 
@@ -107,6 +143,7 @@ async fn run(config: Config, command: Command) -> anyhow::Result<()> {
             let what = if accepted.created { "accepted" } else { "already accepted" };
             println!("{} {what}", accepted.job_id);
         }
+        Command::Quarantine { command } => quarantine(config, command).await?,
         Command::Bench { full, output } => {
             let sizes = if full { bench::Sizes::full() } else { bench::Sizes::quick() };
             let table = bench::run(config, sizes).await?;
@@ -115,6 +152,80 @@ async fn run(config: Config, command: Command) -> anyhow::Result<()> {
                 std::fs::write(&path, &table)
                     .with_context(|| format!("writing {}", path.display()))?;
             }
+        }
+    }
+    Ok(())
+}
+
+async fn quarantine(config: Config, command: QuarantineCommand) -> anyhow::Result<()> {
+    let pool = db::connect_and_migrate(&config, 2).await.context("connecting to Postgres")?;
+    match command {
+        QuarantineCommand::List { owner, kind, reason, limit } => {
+            type Row = (
+                uuid::Uuid,
+                String,
+                String,
+                i64,
+                String,
+                String,
+                i32,
+                String,
+                chrono::DateTime<chrono::Utc>,
+            );
+            // language=PostgreSQL
+            let rows: Vec<Row> = sqlx::query_as(
+                r#"
+                SELECT q.job_id, j.kind, j.document_id, q.input_version, q.error_class, q.owner,
+                       q.attempts, q.reason, q.quarantined_at
+                FROM quarantine q JOIN jobs j USING (job_id)
+                WHERE ($1::text IS NULL OR q.owner = $1)
+                  AND ($2::text IS NULL OR j.kind = $2)
+                  AND ($3::text IS NULL OR q.reason ILIKE '%' || $3 || '%')
+                ORDER BY q.quarantined_at DESC
+                LIMIT $4
+                "#,
+            )
+            .bind(owner)
+            .bind(kind)
+            .bind(reason)
+            .bind(limit)
+            .fetch_all(&pool)
+            .await?;
+            println!(
+                "{:<36}  {:<16}  {:<20}  {:>7}  {:<13}  {:<18}  {:>8}  {:<20}  reason",
+                "job", "kind", "document", "version", "class", "owner", "attempts", "since"
+            );
+            for (job, kind, doc, version, class, owner, attempts, reason, at) in &rows {
+                println!(
+                    "{job:<36}  {kind:<16.16}  {doc:<20.20}  {version:>7}  {class:<13}  {owner:<18.18}  {attempts:>8}  {:<20}  {reason}",
+                    at.format("%Y-%m-%d %H:%M:%S")
+                );
+            }
+            println!("{} quarantined job(s) shown", rows.len());
+        }
+        QuarantineCommand::Replay { job_id, new_input_version, input, by } => {
+            let new_input = input
+                .map(|i| serde_json::from_str(&i))
+                .transpose()
+                .context("--input is not JSON")?;
+            let settings = registry_settings(&config.schema_registry_url)?;
+            let codec = Codec::<JobEvent>::connect(settings, &config.topics.events).await?;
+            let events = jobfold_processor::store::Events {
+                codec,
+                topic: config.topics.events.clone(),
+                producer: "jobfold-cli".into(),
+            };
+            let request = jobfold_processor::store::Replay {
+                requested_by: Some(by),
+                new_input_version,
+                new_input,
+            };
+            let mut tx = pool.begin().await?;
+            let job =
+                jobfold_processor::store::replay(&mut tx, &events, &config.accept, job_id, request)
+                    .await?;
+            tx.commit().await?;
+            println!("{job_id} queued again at input version {}", job.input_version);
         }
     }
     Ok(())
