@@ -41,6 +41,7 @@ use rdkafka::{ClientContext, Message};
 use sqlx::PgPool;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
 
 use crate::handler::{Committed, Handler, JobContext};
 use crate::offsets::{Ticket, Tracker};
@@ -321,7 +322,6 @@ async fn try_handle<H: Handler>(
         offset: message.offset(),
     };
     let span = tracing::info_span!("job", job_id = %event.job_id, document_id = %event.document_id, event = event.payload.kind(), attempt = tracing::field::Empty, generation = tracing::field::Empty);
-    let _ = &span;
     // 1. Lease.
     let mut tx = shared.pool.begin().await?;
     if store::already_consumed(&mut tx, &consumed.group, event.event_id).await? {
@@ -413,7 +413,7 @@ async fn try_handle<H: Handler>(
         lost.clone(),
     ));
     let started = std::time::Instant::now();
-    let result = shared.handler.run(&context, lost.clone()).await;
+    let result = shared.handler.run(&context, lost.clone()).instrument(span.clone()).await;
     metrics::histogram!(pm::HANDLER_DURATION_SECONDS, "kind" => job.kind.clone())
         .record(started.elapsed().as_secs_f64());
     metrics::counter!(pm::HANDLER_RUNS_TOTAL).increment(1);
