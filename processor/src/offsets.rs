@@ -101,14 +101,14 @@ impl Tracker {
         Some(done_through)
     }
 
-    /// Forgets a message that will not finish (dropped on revoke or shutdown): the stored
-    /// offset stays below it.
+    /// Forgets a message that will not finish (dropped on revoke or shutdown): nothing at or
+    /// after it is stored in this assignment, so it is redelivered.
     pub fn abandon(&mut self, ticket: Ticket) {
         if let Some(state) = self.partitions.get_mut(&ticket.partition)
             && state.epoch == ticket.epoch
         {
-            // Keep it in flight: nothing at or after it may be stored in this assignment.
             state.revoked = true;
+            state.in_flight.remove(&ticket.offset);
         }
     }
 }
@@ -142,6 +142,17 @@ mod tests {
         assert_eq!(t.in_flight(&[1]), 1);
         assert_eq!(t.finish(a), None);
         assert_eq!(t.in_flight(&[1]), 0);
+    }
+
+    #[test]
+    fn an_abandoned_message_stops_storing_and_does_not_hold_up_a_revoke() {
+        let mut t = Tracker::default();
+        t.assign(&[3]);
+        let a = t.start(3, 1).unwrap();
+        let b = t.start(3, 2).unwrap();
+        t.abandon(a);
+        assert_eq!(t.finish(b), None, "nothing after an abandoned offset is stored");
+        assert_eq!(t.in_flight(&[3]), 0);
     }
 
     #[test]

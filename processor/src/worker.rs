@@ -229,7 +229,9 @@ async fn drain_key<H: Handler>(shared: Arc<Shared<H>>, key: String, first: Queue
     let mut next = Some(first);
     while let Some(queued) = next.take() {
         let ticket = queued.ticket;
-        let current = shared.tracker.lock().expect("tracker").is_current(&ticket);
+        // After shutdown or revoke, queued messages are left for redelivery.
+        let current = !shared.shutdown.is_cancelled()
+            && shared.tracker.lock().expect("tracker").is_current(&ticket);
         let finished = current && handle(&shared, &queued.message).await;
         let store = {
             let mut tracker = shared.tracker.lock().expect("tracker");
