@@ -173,77 +173,9 @@ impl Intake {
         message: &BorrowedMessage<'_>,
         error: &str,
     ) -> Result<Handled, Transient> {
-        tracing::warn!(
-            topic = message.topic(),
-            partition = message.partition(),
-            offset = message.offset(),
-            error,
-            "Dead-lettering an intake message."
-        );
-        store_dead_letter(&self.pool, &self.group, message, error)
+        crate::dead_letter::store(&self.pool, &self.group, message, error)
             .await
             .map_err(|e| Transient(format!("storing the dead letter: {e}")))?;
-        metrics::counter!(m::DEAD_LETTERS_TOTAL, "topic" => message.topic().to_owned())
-            .increment(1);
         Ok(Handled::DeadLettered)
     }
-}
-
-/// Stores a message in `dead_letters`, once per (group, topic, partition, offset).
-///
-/// # Errors
-/// The database failed.
-pub async fn store_dead_letter(
-    pool: &PgPool,
-    group: &str,
-    message: &BorrowedMessage<'_>,
-    error: &str,
-) -> Result<(), sqlx::Error> {
-    store_dead_letter_raw(
-        pool,
-        group,
-        message.topic(),
-        message.partition(),
-        message.offset(),
-        message.key(),
-        message.payload(),
-        error,
-    )
-    .await
-}
-
-/// [`store_dead_letter`] from the message's parts.
-///
-/// # Errors
-/// The database failed.
-#[allow(clippy::too_many_arguments)]
-pub async fn store_dead_letter_raw(
-    pool: &PgPool,
-    group: &str,
-    topic: &str,
-    partition: i32,
-    offset: i64,
-    key: Option<&[u8]>,
-    value: Option<&[u8]>,
-    error: &str,
-) -> Result<(), sqlx::Error> {
-    // language=PostgreSQL
-    sqlx::query(
-        r#"
-        INSERT INTO dead_letters (consumer_group, topic, kafka_partition, kafka_offset,
-                                  raw_key, raw_value, error)
-        VALUES ($1, $2, $3, $4, $5, $6, $7)
-        ON CONFLICT ON CONSTRAINT dead_letters_coordinates_key DO NOTHING
-        "#,
-    )
-    .bind(group)
-    .bind(topic)
-    .bind(partition)
-    .bind(offset)
-    .bind(key)
-    .bind(value)
-    .bind(error)
-    .execute(pool)
-    .await?;
-    Ok(())
 }

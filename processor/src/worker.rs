@@ -302,14 +302,27 @@ async fn try_handle<H: Handler>(
     message: &OwnedMessage,
 ) -> anyhow::Result<Step> {
     let Some(payload) = message.payload() else {
-        dead_letter(shared, message, "message has no value").await?;
+        crate::dead_letter::store(
+            &shared.pool,
+            &shared.config.processor.group,
+            message,
+            "message has no value",
+        )
+        .await?;
         return Ok(Step::Done);
     };
     let event = match shared.decoder.decode(payload).await {
         Ok(event) => event,
         Err(e) if e.is_retryable() => return Err(e.into()),
         Err(e) => {
-            dead_letter(shared, message, &format!("undecodable: {e}")).await?;
+            let error = format!("undecodable: {e}");
+            crate::dead_letter::store(
+                &shared.pool,
+                &shared.config.processor.group,
+                message,
+                &error,
+            )
+            .await?;
             return Ok(Step::Done);
         }
     };
@@ -492,31 +505,4 @@ async fn heartbeat(
             Err(e) => tracing::warn!(error = %e, %job_id, "Heartbeat failed; retrying."),
         }
     }
-}
-
-async fn dead_letter<H>(
-    shared: &Shared<H>,
-    message: &OwnedMessage,
-    error: &str,
-) -> anyhow::Result<()> {
-    tracing::warn!(
-        topic = message.topic(),
-        partition = message.partition(),
-        offset = message.offset(),
-        error,
-        "Dead-lettering an event."
-    );
-    crate::intake::store_dead_letter_raw(
-        &shared.pool,
-        &shared.config.processor.group,
-        message.topic(),
-        message.partition(),
-        message.offset(),
-        message.key(),
-        message.payload(),
-        error,
-    )
-    .await?;
-    metrics::counter!(jobfold_common::metrics::DEAD_LETTERS_TOTAL, "topic" => message.topic().to_owned()).increment(1);
-    Ok(())
 }
