@@ -234,6 +234,14 @@ impl StreamBuilder {
         self.push(payload, self.state.input_version);
     }
 
+    fn cancel(&mut self) {
+        let payload = Payload::JobCancelled(JobCancelled {
+            requested_by: "op".into(),
+            reason: "test".into(),
+        });
+        self.push(payload, self.state.input_version);
+    }
+
     /// Takes one step chosen by `choice` among the moves legal now; false once final.
     pub fn step(&mut self, choice: u8) -> bool {
         let v = self.state.input_version;
@@ -252,13 +260,7 @@ impl StreamBuilder {
                 4 => {
                     self.push(Payload::JobSuperseded(JobSuperseded { by_input_version: v + 1 }), v)
                 }
-                _ => self.push(
-                    Payload::JobCancelled(JobCancelled {
-                        requested_by: "op".into(),
-                        reason: "test".into(),
-                    }),
-                    v,
-                ),
+                _ => self.cancel(),
             },
             Status::Leased => match choice % 8 {
                 0 | 1 => self.push(
@@ -307,13 +309,7 @@ impl StreamBuilder {
                 6 => {
                     self.push(Payload::JobSuperseded(JobSuperseded { by_input_version: v + 2 }), v)
                 }
-                _ => self.push(
-                    Payload::JobCancelled(JobCancelled {
-                        requested_by: "op".into(),
-                        reason: "test".into(),
-                    }),
-                    v,
-                ),
+                _ => self.cancel(),
             },
             Status::Quarantined => match choice % 4 {
                 0 => self.push(
@@ -339,13 +335,7 @@ impl StreamBuilder {
                 2 => {
                     self.push(Payload::JobSuperseded(JobSuperseded { by_input_version: v + 1 }), v)
                 }
-                _ => self.push(
-                    Payload::JobCancelled(JobCancelled {
-                        requested_by: "op".into(),
-                        reason: "test".into(),
-                    }),
-                    v,
-                ),
+                _ => self.cancel(),
             },
             Status::Succeeded | Status::Superseded | Status::Cancelled => return false,
         }
@@ -373,19 +363,22 @@ impl StreamBuilder {
     }
 }
 
+/// A builder after the random steps `choices` pick, stopping at a final state.
+pub fn walk(job_id: Uuid, input_version: i64, choices: &[u8]) -> StreamBuilder {
+    let mut builder = StreamBuilder::new(job_id, input_version);
+    for &choice in choices {
+        if !builder.step(choice) || builder.state.status.is_final() {
+            break;
+        }
+    }
+    builder
+}
+
 /// A legal stream that ends in `succeeded`, after up to `max_steps` random steps.
 pub fn succeeded_stream(max_steps: usize) -> impl Strategy<Value = Vec<JobEvent>> {
     (uuid(), 1i64..1000, proptest::collection::vec(any::<u8>(), 0..max_steps)).prop_map(
         |(job_id, input_version, choices)| {
-            let mut builder = StreamBuilder::new(job_id, input_version);
-            for choice in choices {
-                if !builder.step(choice) {
-                    break;
-                }
-                if builder.state.status.is_final() {
-                    break;
-                }
-            }
+            let mut builder = walk(job_id, input_version, &choices);
             if !builder.finish_successfully() {
                 // Ended otherwise (superseded, cancelled, budget spent): start over plainly.
                 builder = StreamBuilder::new(job_id, input_version);
@@ -411,15 +404,6 @@ pub fn proptest_config(cases: u32) -> proptest::test_runner::Config {
 
 /// A legal stream of up to `max_steps` steps after JobRequested.
 pub fn legal_stream(max_steps: usize) -> impl Strategy<Value = Vec<JobEvent>> {
-    (uuid(), 1i64..1000, proptest::collection::vec(any::<u8>(), 0..max_steps)).prop_map(
-        |(job_id, input_version, choices)| {
-            let mut builder = StreamBuilder::new(job_id, input_version);
-            for choice in choices {
-                if !builder.step(choice) {
-                    break;
-                }
-            }
-            builder.events
-        },
-    )
+    (uuid(), 1i64..1000, proptest::collection::vec(any::<u8>(), 0..max_steps))
+        .prop_map(|(job_id, input_version, choices)| walk(job_id, input_version, &choices).events)
 }
