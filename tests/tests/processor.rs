@@ -609,3 +609,42 @@ async fn retries_stop_at_the_time_budget() {
     assert_eq!(fold_mismatches(&it).await, Vec::<String>::new());
     it.cleanup().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn heartbeats_keep_a_long_job_leased_by_one_generation() {
+    let mut it = Installation::new("proc-heartbeat").await;
+    fast(&mut it);
+    it.create_topics().await;
+    let acceptor = it.acceptor().await;
+    let pipeline = Pipeline::start(&it, true);
+    // Runs 7 s with a 3 s lease: only heartbeats keep it.
+    let ids = accept_all(
+        &acceptor,
+        &it,
+        &[job("doc-long", 1, json!({ "text": "long", "simulate": { "sleep_ms": 7000 } }))],
+    )
+    .await;
+    eventually(Duration::from_secs(30), "the job to be leased", || async {
+        count_where(&it, "SELECT count(*) FROM jobs WHERE state = 'leased'").await == 1
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let live: bool = sqlx::query_scalar(
+        "SELECT state = 'leased' AND lease_until > now() FROM jobs WHERE job_id = $1",
+    )
+    .bind(ids[0])
+    .fetch_one(&it.pool)
+    .await
+    .unwrap();
+    assert!(live, "the lease lapsed while the handler was running");
+    eventually(Duration::from_secs(30), "the job to succeed", || all_finished(&it, 1)).await;
+    pipeline.stop().await;
+    let (state, generation): (String, i64) =
+        sqlx::query_as("SELECT state::text, generation FROM jobs WHERE job_id = $1")
+            .bind(ids[0])
+            .fetch_one(&it.pool)
+            .await
+            .unwrap();
+    assert_eq!((state.as_str(), generation), ("succeeded", 1), "no second generation was needed");
+    it.cleanup().await;
+}

@@ -297,3 +297,27 @@ async fn published_rows_are_pruned_after_the_retention_and_the_log_stays() {
         it.cleanup().await;
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_graceful_stop_marks_every_row_it_published() {
+    let it = Installation::new("relaystop").await;
+    it.create_topics().await;
+    let acceptor = it.acceptor().await;
+    accept_many(&it, &acceptor, 20_000, 500).await;
+    let mut config = it.config.clone();
+    // Small batches: the backlog takes long enough to stop in the middle of it.
+    config.relay.batch_size = 100;
+    let shutdown = CancellationToken::new();
+    let relay = tokio::spawn(jobfold_relay::run(config, shutdown.clone()));
+    eventually(Duration::from_secs(30), "the relay to start publishing", || async {
+        unpublished(&it).await < 20_000
+    })
+    .await;
+    // Stop mid-backlog: the batches in flight are delivered and marked, then it exits.
+    shutdown.cancel();
+    relay.await.unwrap().unwrap();
+    let marked = 20_000 - unpublished(&it).await;
+    assert!(marked < 20_000, "the stop came too late to test anything");
+    assert_eq!(events_on_topic(&it), marked, "every published row is marked, and only those");
+    it.cleanup().await;
+}
