@@ -14,6 +14,7 @@
 
 use std::future::Future;
 
+use jobfold_schemas::event::TraceContext;
 use serde_json::Value;
 use sqlx::PgConnection;
 use tokio_util::sync::CancellationToken;
@@ -34,6 +35,9 @@ pub struct JobContext {
     pub attempt: i32,
     /// The lease generation; every write is fenced by it.
     pub generation: i64,
+    /// The W3C trace context to send with outgoing calls (its parent is this run's span),
+    /// if the job was accepted with one.
+    pub trace: Option<TraceContext>,
 }
 
 impl JobContext {

@@ -66,6 +66,7 @@ impl Handler for IndexDocument {
             .ok_or_else(|| HandlerError::invalid_input("input.text must be a string"))?;
         let terms = term_frequencies(text);
         let words: u64 = terms.values().sum();
+        tracing::debug!(words, distinct = terms.len(), "Document indexed.");
         Ok(json!({ "words": words, "distinct": terms.len(), "terms": terms }))
     }
 

@@ -17,10 +17,11 @@ use std::time::Duration;
 use jobfold_common::accept::{AcceptError, Acceptor, NewJob};
 use jobfold_common::config::Config;
 use jobfold_common::metrics as m;
+use jobfold_schemas::event::{TRACEPARENT, TRACESTATE, TraceContext};
 use jobfold_schemas::{Decoder, JobRequest};
 use rdkafka::Message;
 use rdkafka::consumer::{Consumer, StreamConsumer};
-use rdkafka::message::BorrowedMessage;
+use rdkafka::message::{BorrowedMessage, Headers};
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 
@@ -153,7 +154,11 @@ impl Intake {
             input,
             // Do not change: the request id is the intake's dedupe key.
             idempotency_key: Some(format!("request:{}", request.request_id)),
-            trace: request.trace,
+            // The request's own trace context, else the message's W3C headers.
+            trace: request
+                .trace
+                .and_then(|t| TraceContext::from_headers(&t.traceparent, t.tracestate.as_deref()))
+                .or_else(|| header_trace(message)),
         };
         match self.acceptor.accept(&self.pool, &job).await {
             Ok(accepted) if accepted.created => Ok(Handled::Accepted),
@@ -178,4 +183,17 @@ impl Intake {
             .map_err(|e| Transient(format!("storing the dead letter: {e}")))?;
         Ok(Handled::DeadLettered)
     }
+}
+
+/// The W3C trace context in the message's `traceparent` / `tracestate` headers, if valid.
+fn header_trace(message: &BorrowedMessage<'_>) -> Option<TraceContext> {
+    let headers = message.headers()?;
+    let text = |name: &str| {
+        headers
+            .iter()
+            .find(|h| h.key == name)
+            .and_then(|h| h.value)
+            .and_then(|v| std::str::from_utf8(v).ok())
+    };
+    TraceContext::from_headers(text(TRACEPARENT)?, text(TRACESTATE))
 }

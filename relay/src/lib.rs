@@ -8,7 +8,7 @@
 //!
 //! # Layout
 //! - [`run`]: stand by until this relay holds the active lock, then relay until shutdown.
-//! - [`outbox`]: the claim, mark, backlog and prune queries.
+//! - [`outbox`]: the claim, mark and prune queries.
 //! - [`publish`]: producing a batch and collecting its delivery reports.
 //!
 //! One relay is active per lock key: a Postgres session advisory lock, held by the
@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use jobfold_common::config::Config;
 use jobfold_common::metrics as m;
-use jobfold_common::{db, failpoint, kafka};
+use jobfold_common::{db, failpoint, gauges, kafka};
 use rdkafka::producer::FutureProducer;
 use sqlx::postgres::{PgConnectOptions, PgListener};
 use sqlx::{Connection, PgConnection, PgPool};
@@ -54,6 +54,7 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> anyhow::Result<
         .await
         .context("creating the topics")?;
     m::describe();
+    tracing::info!(?config, "Starting the relay.");
     metrics::gauge!(m::RELAY_ACTIVE).set(0.0);
     let mut producer = publish::producer(&config).context("creating the producer")?;
     while !shutdown.is_cancelled() {
@@ -126,7 +127,7 @@ async fn relay(
             return Ok(());
         }
         if gauges_at.elapsed() >= GAUGE_INTERVAL {
-            let (count, age) = outbox::backlog(&mut conn).await?;
+            let (count, age) = gauges::relay_backlog(&mut conn).await?;
             metrics::gauge!(m::RELAY_BACKLOG).set(count as f64);
             metrics::gauge!(m::RELAY_OLDEST_UNPUBLISHED_AGE_SECONDS).set(age);
             gauges_at = Instant::now();

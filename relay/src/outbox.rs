@@ -1,4 +1,5 @@
-//! The relay's queries on the outbox. Each takes the connection that holds the active
+//! The relay's queries on the outbox (its backlog gauge query is
+//! [`jobfold_common::gauges::relay_backlog`], shared with `jobfold stats`). Each takes the connection that holds the active
 //! lock: if that connection dies, the relay stops marking rows and stands by again.
 
 use chrono::{DateTime, Utc};
@@ -15,6 +16,9 @@ pub struct OutboxRow {
     pub body: Vec<u8>,
     /// When the row became publishable: its commit, or a scheduled retry's due time.
     pub available_at: DateTime<Utc>,
+    /// The event's W3C trace context, sent as Kafka headers.
+    pub traceparent: Option<String>,
+    pub tracestate: Option<String>,
 }
 
 /// The oldest `limit` unpublished rows that are due and come after `after_seq`, in log order.
@@ -32,10 +36,10 @@ pub async fn claim(
     // language=PostgreSQL
     sqlx::query_as(
         r#"
-        SELECT o.seq, o.topic, o.key, o.available_at,
+        SELECT o.seq, o.topic, o.key, o.available_at, o.traceparent, o.tracestate,
                (SELECT e.body FROM job_events e WHERE e.seq = o.seq) AS body
         FROM (
-            SELECT seq, topic, key, available_at
+            SELECT seq, topic, key, available_at, traceparent, tracestate
             FROM outbox
             WHERE published_at IS NULL AND available_at <= now() AND seq > $1
             ORDER BY seq
@@ -78,24 +82,6 @@ pub async fn mark_published(
     .execute(conn)
     .await?;
     Ok(done.rows_affected())
-}
-
-/// Due, unpublished rows: how many, and the age of the oldest in seconds.
-///
-/// # Errors
-/// The connection failed.
-pub async fn backlog(conn: &mut PgConnection) -> Result<(i64, f64), sqlx::Error> {
-    // language=PostgreSQL
-    let (count, age): (i64, Option<f64>) = sqlx::query_as(
-        r#"
-        SELECT count(*), EXTRACT(EPOCH FROM now() - min(available_at))::float8
-        FROM outbox
-        WHERE published_at IS NULL AND available_at <= now()
-        "#,
-    )
-    .fetch_one(conn)
-    .await?;
-    Ok((count, age.unwrap_or(0.0).max(0.0)))
 }
 
 /// Seconds until the next delayed row becomes due, if there is one.

@@ -13,7 +13,9 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use jobfold_common::config::Config;
+use jobfold_schemas::event::{TRACEPARENT, TRACESTATE};
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
+use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{DeliveryFuture, FutureProducer, FutureRecord, Producer};
 use rdkafka::util::Timeout;
 
@@ -79,6 +81,9 @@ pub async fn send(
             continue;
         }
         let mut record = FutureRecord::to(&row.topic).key(&row.key).payload(&row.body);
+        if let Some(headers) = trace_headers(row) {
+            record = record.headers(headers);
+        }
         loop {
             match producer.send_result(record) {
                 Ok(delivery) => {
@@ -106,6 +111,18 @@ pub async fn send(
         }
     }
     sent
+}
+
+/// The row's W3C trace context as Kafka headers (`traceparent`, `tracestate`), if it has one:
+/// consumers and tracing tools read it without decoding the event.
+fn trace_headers(row: &OutboxRow) -> Option<OwnedHeaders> {
+    let traceparent = row.traceparent.as_deref()?;
+    let headers = OwnedHeaders::new_with_capacity(2)
+        .insert(Header { key: TRACEPARENT, value: Some(traceparent) });
+    Some(match row.tracestate.as_deref() {
+        Some(state) => headers.insert(Header { key: TRACESTATE, value: Some(state) }),
+        None => headers,
+    })
 }
 
 impl Sent {
