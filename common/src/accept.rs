@@ -168,8 +168,8 @@ impl Acceptor {
                 SELECT $8, job_id, 1, 'JobRequested', $9, $7 FROM job
                 RETURNING seq
             ), outbox AS (
-                INSERT INTO outbox (seq, topic, key)
-                SELECT seq, $10, $2 FROM event
+                INSERT INTO outbox (seq, topic, key, traceparent, tracestate)
+                SELECT seq, $10, $2, $13, $14 FROM event
             )
             SELECT job_id FROM job
             "#,
@@ -186,6 +186,8 @@ impl Acceptor {
         .bind(&self.events_topic)
         .bind(max_attempts)
         .bind(deadline)
+        .bind(job.trace.as_ref().map(|t| &t.traceparent))
+        .bind(job.trace.as_ref().and_then(|t| t.tracestate.as_ref()))
         .fetch_optional(&mut *tx)
         .await?;
         if let Some(job_id) = inserted {
@@ -258,16 +260,20 @@ impl Acceptor {
         let inputs: Vec<&serde_json::Value> = jobs.iter().map(|j| &j.input).collect();
         let versions: Vec<i64> = jobs.iter().map(|j| j.input_version).collect();
         let keys: Vec<Option<&str>> = jobs.iter().map(|j| j.idempotency_key.as_deref()).collect();
+        let traceparents: Vec<Option<&str>> =
+            jobs.iter().map(|j| j.trace.as_ref().map(|t| t.traceparent.as_str())).collect();
+        let tracestates: Vec<Option<&str>> =
+            jobs.iter().map(|j| j.trace.as_ref().and_then(|t| t.tracestate.as_deref())).collect();
         // language=PostgreSQL
         let inserted: Vec<Uuid> = sqlx::query_scalar(
             r#"
             WITH input AS (
                 SELECT * FROM unnest($1::uuid[], $2::text[], $3::text[], $4::jsonb[],
                                      $5::bigint[], $6::text[], $7::uuid[], $8::bytea[],
-                                     $11::int[], $12::timestamptz[])
+                                     $11::int[], $12::timestamptz[], $13::text[], $14::text[])
                     WITH ORDINALITY
                     AS t(job_id, document_id, kind, payload, input_version, idempotency_key,
-                         event_id, body, max_attempts, deadline, n)
+                         event_id, body, max_attempts, deadline, traceparent, tracestate, n)
             ), job AS (
                 INSERT INTO jobs (job_id, document_id, kind, payload, input_version,
                                   idempotency_key, accepted_at, stream_version,
@@ -284,8 +290,9 @@ impl Acceptor {
                 ORDER BY i.n
                 RETURNING seq, job_id
             ), outbox AS (
-                INSERT INTO outbox (seq, topic, key)
-                SELECT e.seq, $10, i.document_id FROM event e JOIN input i USING (job_id)
+                INSERT INTO outbox (seq, topic, key, traceparent, tracestate)
+                SELECT e.seq, $10, i.document_id, i.traceparent, i.tracestate
+                FROM event e JOIN input i USING (job_id)
             )
             SELECT job_id FROM job
             "#,
@@ -302,6 +309,8 @@ impl Acceptor {
         .bind(&self.events_topic)
         .bind(&budgets)
         .bind(&deadlines)
+        .bind(&traceparents)
+        .bind(&tracestates)
         .fetch_all(&mut *tx)
         .await?;
         metrics::counter!(crate::metrics::ACCEPTED_TOTAL).increment(inserted.len() as u64);

@@ -78,9 +78,50 @@ pub struct Config {
     pub accept: Accept,
     pub intake: Intake,
     pub processor: Processor,
-    /// librdkafka options passed to every client, e.g. `"security.protocol" = "SASL_SSL"`.
+    /// Bearer token the HTTP API requires on every mutating request (`POST`); none: open.
     #[serde(default)]
-    pub kafka: BTreeMap<String, String>,
+    pub api_token: Option<Sensitive<String>>,
+    /// librdkafka options passed to every client, e.g. `"security.protocol" = "SASL_SSL"`.
+    /// Values of secret options (`sasl.password`, `ssl.key.password`, ...) are redacted
+    /// wherever the configuration is shown.
+    #[serde(default)]
+    pub kafka: KafkaOptions,
+}
+
+/// librdkafka options, by their librdkafka names. `Debug` and `Serialize` show the values of
+/// secret options as `*********`.
+#[derive(Clone, Default, PartialEq, Eq, Deserialize)]
+#[serde(transparent)]
+pub struct KafkaOptions(pub BTreeMap<String, String>);
+
+impl KafkaOptions {
+    /// Whether `option`'s value is a secret: passwords, secrets, private keys, OAuth config.
+    pub fn is_secret(option: &str) -> bool {
+        option.contains("password")
+            || option.contains("secret")
+            || option == "ssl.key.pem"
+            || option == "ssl_key"
+            || option == "sasl.oauthbearer.config"
+    }
+
+    fn shown(&self) -> BTreeMap<&str, &str> {
+        self.0
+            .iter()
+            .map(|(k, v)| (k.as_str(), if Self::is_secret(k) { "*********" } else { v.as_str() }))
+            .collect()
+    }
+}
+
+impl fmt::Debug for KafkaOptions {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_map().entries(self.shown()).finish()
+    }
+}
+
+impl Serialize for KafkaOptions {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        self.shown().serialize(s)
+    }
 }
 
 /// Topic names and how the relay creates them.
@@ -155,6 +196,10 @@ pub struct Processor {
     /// How often the reaper looks for expired leases and stalled jobs.
     #[serde(with = "humantime_serde")]
     pub reaper_interval: Duration,
+    /// How often the unfinished-work gauges are read from Postgres (and the consumer lag
+    /// from librdkafka's statistics).
+    #[serde(with = "humantime_serde")]
+    pub gauge_interval: Duration,
     /// A lease expired this long ago is dispatched again by the reaper.
     #[serde(with = "humantime_serde")]
     pub reaper_grace: Duration,
@@ -255,8 +300,9 @@ fn describe(error: &figment::Error) -> String {
 
 /// Top-level keys that `JOBFOLD_*` variables may set. Other `JOBFOLD_*` variables belong to
 /// the service scripts (`JOBFOLD_STATE_DIR`, ...) or to tests (`JOBFOLD_FAILPOINT`).
-const ENV_KEYS: [&str; 12] = [
+const ENV_KEYS: [&str; 13] = [
     "database_url",
+    "api_token",
     "kafka_brokers",
     "schema_registry_url",
     "http_addr",
@@ -372,6 +418,12 @@ impl Config {
                 "must be above zero and at most half of processor.lease_ttl",
             );
         }
+        if p.gauge_interval < Duration::from_millis(100) {
+            return invalid("processor.gauge_interval", "must be at least 100ms");
+        }
+        if self.api_token.as_ref().is_some_and(|t| t.expose().trim().len() < 16) {
+            return invalid("api_token", "must be at least 16 characters");
+        }
         if p.max_in_flight == 0 {
             return invalid("processor.max_in_flight", "must be at least 1");
         }
@@ -409,7 +461,7 @@ impl Config {
         for (key, value) in defaults {
             client.set(*key, *value);
         }
-        for (key, value) in &self.kafka {
+        for (key, value) in &self.kafka.0 {
             client.set(key, value);
         }
         client

@@ -7,13 +7,15 @@
 //! - [`db`]: connecting to Postgres and running the embedded migrations ([`MIGRATOR`]).
 //! - [`kafka`]: creating jobfold's topics.
 //! - [`shutdown`]: the root cancellation token, cancelled by SIGINT/SIGTERM.
-//! - [`telemetry`], [`metrics`]: logs and Prometheus metrics.
+//! - [`telemetry`], [`metrics`]: logs and Prometheus metrics; [`gauges`]: the unfinished-work
+//!   gauges read from Postgres.
 //! - [`failpoint`]: named crash points for fault-injection tests.
 
 pub mod accept;
 pub mod config;
 pub mod db;
 pub mod failpoint;
+pub mod gauges;
 pub mod kafka;
 pub mod metrics;
 pub mod shutdown;

@@ -42,6 +42,24 @@ pub const HANDLER_DURATION_SECONDS: &str = "jobfold_handler_duration_seconds";
 /// Jobs the reaper dispatched again, by reason (lease_expired, stalled).
 pub const REAPER_DISPATCHED_TOTAL: &str = "jobfold_reaper_dispatched_total";
 
+/// Unfinished jobs by state (`queued`, `leased`, `retry_wait`), read from Postgres.
+pub const JOBS: &str = "jobfold_jobs";
+/// Accepted jobs not yet ended: accepted − (succeeded + quarantined + superseded).
+pub const UNFINISHED_JOBS: &str = "jobfold_unfinished_jobs";
+/// Seconds since the oldest queued job was accepted.
+pub const OLDEST_QUEUED_AGE_SECONDS: &str = "jobfold_oldest_queued_age_seconds";
+/// Leased jobs whose lease ran out.
+pub const EXPIRED_LEASES: &str = "jobfold_expired_leases";
+/// Quarantined jobs waiting for an operator, by owner.
+pub const QUARANTINED: &str = "jobfold_quarantined";
+/// Rows in `dead_letters`.
+pub const DEAD_LETTERS: &str = "jobfold_dead_letters";
+/// Messages of a partition after the lowest offset still in flight (what a restart would
+/// read again), by topic and partition; 0 from members not holding the partition.
+pub const CONSUMER_LAG: &str = "jobfold_consumer_lag";
+/// From acceptance to the job's end, by kind and outcome.
+pub const ACCEPT_TO_COMPLETE_SECONDS: &str = "jobfold_accept_to_complete_seconds";
+
 /// Describes every metric above to the installed recorder.
 pub fn describe() {
     describe_counter!(ACCEPTED_TOTAL, Unit::Count, "Jobs accepted (new jobs, not retries).");
@@ -80,6 +98,30 @@ pub fn describe() {
     describe_counter!(HANDLER_RUNS_TOTAL, Unit::Count, "Handler runs started.");
     describe_histogram!(HANDLER_DURATION_SECONDS, Unit::Seconds, "Handler duration by kind.");
     describe_counter!(REAPER_DISPATCHED_TOTAL, Unit::Count, "Jobs dispatched again by the reaper.");
+    describe_gauge!(JOBS, Unit::Count, "Unfinished jobs by state.");
+    describe_gauge!(
+        UNFINISHED_JOBS,
+        Unit::Count,
+        "Accepted jobs not yet succeeded, quarantined or superseded."
+    );
+    describe_gauge!(
+        OLDEST_QUEUED_AGE_SECONDS,
+        Unit::Seconds,
+        "Seconds since the oldest queued job was accepted."
+    );
+    describe_gauge!(EXPIRED_LEASES, Unit::Count, "Leased jobs whose lease ran out.");
+    describe_gauge!(QUARANTINED, Unit::Count, "Quarantined jobs by owner.");
+    describe_gauge!(DEAD_LETTERS, Unit::Count, "Rows in dead_letters.");
+    describe_gauge!(
+        CONSUMER_LAG,
+        Unit::Count,
+        "Messages after the lowest offset in flight, by topic and partition."
+    );
+    describe_histogram!(
+        ACCEPT_TO_COMPLETE_SECONDS,
+        Unit::Seconds,
+        "From acceptance to the job's end, by kind and outcome."
+    );
     describe_counter!(
         INTAKE_DUPLICATES_TOTAL,
         Unit::Count,

@@ -1,8 +1,9 @@
 //! Logs (tracing) and metrics (Prometheus) set up the same way in every binary.
 
 use std::net::SocketAddr;
+use std::sync::OnceLock;
 
-use metrics_exporter_prometheus::{BuildError, Matcher, PrometheusBuilder};
+use metrics_exporter_prometheus::{BuildError, Matcher, PrometheusBuilder, PrometheusHandle};
 use tracing_subscriber::EnvFilter;
 
 /// Buckets for every `*_seconds` histogram: 1 ms to 5 min.
@@ -13,19 +14,40 @@ pub const SECONDS_BUCKETS: &[f64] = &[
 
 /// Logs to stderr, as text or JSON lines, filtered by `RUST_LOG` (default `info`).
 pub fn init_tracing(json: bool) {
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    init_tracing_at(json, "info");
+}
+
+/// [`init_tracing`] with another default filter (the command line keeps to `warn`, so its
+/// output is what it prints).
+pub fn init_tracing_at(json: bool, default_filter: &str) {
+    let filter =
+        EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_filter));
     let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
     // A second init (tests starting several services in one process) keeps the first.
     let _ = if json { builder.json().try_init() } else { builder.try_init() };
 }
 
+/// The installed recorder's handle, so an HTTP API can serve `/metrics` too.
+static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
+
 /// Serves Prometheus metrics at `http://<addr>/metrics` and installs the global recorder.
+/// Call inside the Tokio runtime.
 ///
 /// # Errors
 /// The address cannot be bound, or a recorder is already installed.
 pub fn install_metrics(addr: SocketAddr) -> Result<(), BuildError> {
-    PrometheusBuilder::new()
+    let (recorder, exporter) = PrometheusBuilder::new()
         .with_http_listener(addr)
         .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), SECONDS_BUCKETS)?
-        .install()
+        .build()?;
+    let handle = recorder.handle();
+    metrics::set_global_recorder(recorder)?;
+    tokio::spawn(exporter);
+    let _ = HANDLE.set(handle);
+    Ok(())
+}
+
+/// The metrics in the Prometheus text format, if [`install_metrics`] ran in this process.
+pub fn render_metrics() -> Option<String> {
+    HANDLE.get().map(PrometheusHandle::render)
 }

@@ -5,7 +5,10 @@
 //!
 //! # Layout
 //! - [`run`]: starts every part and stops them together.
-//! - [`http`]: the HTTP API (`POST /v1/jobs`, `GET /v1/jobs/{id}`, health).
+//! - [`http`]: the HTTP API (`POST /v1/jobs`, `GET /v1/jobs/{id}`, quarantine, metrics,
+//!   health); [`status`] holds the read queries it shares with the command line.
+//! - gauges: every `processor.gauge_interval`, [`jobfold_common::gauges`] read from Postgres
+//!   and published as Prometheus gauges.
 //! - [`intake`]: the consumer turning `jobfold.job-requests` messages into accepted jobs.
 //! - [`worker`]: the consumer group member that leases, runs and completes jobs;
 //!   [`offsets`] tracks what may be committed, [`store`] holds its transactions,
@@ -23,13 +26,14 @@ pub mod index;
 pub mod intake;
 pub mod offsets;
 pub mod reaper;
+pub mod status;
 pub mod store;
 pub mod worker;
 
 use anyhow::Context;
 use jobfold_common::accept::Acceptor;
 use jobfold_common::config::Config;
-use jobfold_common::{db, kafka, metrics as m};
+use jobfold_common::{db, gauges, kafka, metrics as m};
 use jobfold_schemas::codec::registry_settings;
 use jobfold_schemas::{Codec, Decoder, JobEvent, JobRequest};
 use tokio::task::JoinSet;
@@ -50,6 +54,7 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> anyhow::Result<
         .await
         .context("creating the topics")?;
     m::describe();
+    tracing::info!(?config, "Starting the processor.");
     let settings = registry_settings(&config.schema_registry_url)
         .context("configuring the schema registry client")?;
     let codec = Codec::<JobEvent>::connect(settings.clone(), &config.topics.events)
@@ -66,12 +71,14 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> anyhow::Result<
     let events =
         store::Events { codec: codec.clone(), topic: config.topics.events.clone(), producer };
     let mut parts = JoinSet::new();
+    parts.spawn(publish_gauges(pool.clone(), config.processor.gauge_interval, shutdown.clone()));
     let api = http::router(
         http::ApiState {
             pool: pool.clone(),
             acceptor: acceptor.clone(),
             events: events.clone(),
             policy: config.accept.clone(),
+            api_token: config.api_token.clone(),
         },
         config.accept.max_input_bytes + BODY_OVERHEAD_BYTES,
     );
@@ -101,4 +108,28 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> anyhow::Result<
         }
     }
     result
+}
+
+/// Reads the unfinished-work gauges from Postgres every `interval` and publishes them. A
+/// failed read is logged and retried at the next tick; it never stops the processor.
+async fn publish_gauges(
+    pool: sqlx::PgPool,
+    interval: std::time::Duration,
+    shutdown: CancellationToken,
+) -> anyhow::Result<()> {
+    let mut publisher = gauges::Publisher::default();
+    let mut tick = tokio::time::interval(interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => return Ok(()),
+            _ = tick.tick() => {}
+        }
+        match gauges::read(&pool).await {
+            Ok(snapshot) => publisher.publish(&snapshot),
+            Err(e) => {
+                tracing::warn!(error = %e, "Reading the gauges failed; next try in one interval.")
+            }
+        }
+    }
 }

@@ -47,6 +47,7 @@ pub async fn reap(config: &Config, pool: &PgPool, events: &Events) -> anyhow::Re
         r#"
         SELECT job_id, document_id, kind, payload, input_version, state::text AS state, attempt,
                generation, lease_until, lease_owner, max_attempts, deadline, stream_version,
+               accepted_at,
                CASE WHEN state = 'leased' THEN 'lease_expired' ELSE 'stalled' END AS reason
         FROM jobs
         WHERE ((state = 'leased' AND lease_until < now() - make_interval(secs => $1))

@@ -42,6 +42,7 @@ pub struct JobRow {
     pub max_attempts: i32,
     pub deadline: Option<DateTime<Utc>>,
     pub stream_version: i32,
+    pub accepted_at: DateTime<Utc>,
 }
 
 /// Writes events: encodes them and appends them to `job_events` and `outbox`.
@@ -92,8 +93,8 @@ impl Events {
             ), bump AS (
                 UPDATE jobs SET stream_version = $3 WHERE job_id = $2
             )
-            INSERT INTO outbox (seq, topic, key, available_at)
-            SELECT seq, $7, $8, coalesce($9, clock_timestamp()) FROM event
+            INSERT INTO outbox (seq, topic, key, available_at, traceparent, tracestate)
+            SELECT seq, $7, $8, coalesce($9, clock_timestamp()), $10, $11 FROM event
             "#,
         )
         .bind(event.event_id)
@@ -105,6 +106,8 @@ impl Events {
         .bind(&self.topic)
         .bind(&job.document_id)
         .bind(available_at)
+        .bind(event.trace.as_ref().map(|t| &t.traceparent))
+        .bind(event.trace.as_ref().and_then(|t| t.tracestate.as_ref()))
         .execute(&mut *tx)
         .await?;
         job.stream_version = event.stream_version;
@@ -121,7 +124,8 @@ pub async fn lock_job(tx: &mut PgConnection, job_id: Uuid) -> Result<Option<JobR
     sqlx::query_as(
         r#"
         SELECT job_id, document_id, kind, payload, input_version, state::text AS state, attempt,
-               generation, lease_until, lease_owner, max_attempts, deadline, stream_version
+               generation, lease_until, lease_owner, max_attempts, deadline, stream_version,
+               accepted_at
         FROM jobs WHERE job_id = $1
         FOR UPDATE
         "#,
@@ -527,6 +531,7 @@ mod tests {
             max_attempts: 3,
             deadline: None,
             stream_version: 2,
+            accepted_at: Utc::now(),
         }
     }
 

@@ -37,7 +37,7 @@ use jobfold_schemas::{Decoder, JobEvent};
 use rand::Rng;
 use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext, Rebalance, StreamConsumer};
 use rdkafka::message::OwnedMessage;
-use rdkafka::{ClientContext, Message};
+use rdkafka::{ClientContext, Message, Statistics};
 use sqlx::PgPool;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
@@ -55,6 +55,9 @@ const RETRY_MAX: Duration = Duration::from_secs(10);
 pub struct WorkerContext {
     tracker: Arc<Mutex<Tracker>>,
     revoke_timeout: Duration,
+    topic: String,
+    /// Partitions whose lag this member reported, so it reports 0 once it lost them.
+    lag_reported: Mutex<std::collections::BTreeSet<i32>>,
 }
 
 impl std::fmt::Debug for WorkerContext {
@@ -63,7 +66,35 @@ impl std::fmt::Debug for WorkerContext {
     }
 }
 
-impl ClientContext for WorkerContext {}
+impl ClientContext for WorkerContext {
+    /// Publishes [`pm::CONSUMER_LAG`] per partition this member consumes: the high watermark
+    /// minus the stored offset, which never passes the lowest offset still in flight.
+    fn stats(&self, statistics: Statistics) {
+        let Some(topic) = statistics.topics.get(&self.topic) else { return };
+        let mut reported = self.lag_reported.lock().expect("lag_reported");
+        let mut active = std::collections::BTreeSet::new();
+        for partition in topic.partitions.values() {
+            if partition.partition < 0 || partition.fetch_state != "active" {
+                continue;
+            }
+            // Nothing stored or committed yet: a restart reads from the log start.
+            let position =
+                [partition.stored_offset, partition.committed_offset, partition.lo_offset]
+                    .into_iter()
+                    .find(|o| *o >= 0);
+            let (Some(position), true) = (position, partition.hi_offset >= 0) else { continue };
+            let lag = (partition.hi_offset - position).max(0);
+            metrics::gauge!(pm::CONSUMER_LAG, "topic" => self.topic.clone(), "partition" => partition.partition.to_string())
+                .set(lag as f64);
+            active.insert(partition.partition);
+        }
+        for gone in reported.difference(&active) {
+            metrics::gauge!(pm::CONSUMER_LAG, "topic" => self.topic.clone(), "partition" => gone.to_string())
+                .set(0.0);
+        }
+        *reported = active;
+    }
+}
 
 impl ConsumerContext for WorkerContext {
     fn pre_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
@@ -132,11 +163,16 @@ pub async fn run<H: Handler>(
     let context = WorkerContext {
         tracker: Arc::clone(&tracker),
         revoke_timeout: config.processor.revoke_timeout,
+        topic: config.topics.events.clone(),
+        lag_reported: Mutex::default(),
     };
-    let consumer: StreamConsumer<WorkerContext> = config
-        .kafka_client_with(jobfold_common::kafka::CONSUMER_DEFAULTS)
-        .set("group.id", &config.processor.group)
-        .create_with_context(context)?;
+    let mut client = config.kafka_client_with(jobfold_common::kafka::CONSUMER_DEFAULTS);
+    client.set("group.id", &config.processor.group);
+    if !config.kafka.0.contains_key("statistics.interval.ms") {
+        let interval = config.processor.gauge_interval.as_millis().to_string();
+        client.set("statistics.interval.ms", interval);
+    }
+    let consumer: StreamConsumer<WorkerContext> = client.create_with_context(context)?;
     consumer.subscribe(&[&config.topics.events])?;
     let owner = format!("{}/{}", hostname(), std::process::id());
     tracing::info!(group = %config.processor.group, %owner, "Running jobs.");
@@ -336,7 +372,17 @@ async fn try_handle<H: Handler>(
         partition: message.partition(),
         offset: message.offset(),
     };
-    let span = tracing::info_span!("job", job_id = %event.job_id, document_id = %event.document_id, event = event.payload.kind(), attempt = tracing::field::Empty, generation = tracing::field::Empty);
+    let span = tracing::info_span!(
+        "job",
+        job_id = %event.job_id,
+        document_id = %event.document_id,
+        event = event.payload.kind(),
+        attempt = tracing::field::Empty,
+        generation = tracing::field::Empty,
+        trace_id = tracing::field::Empty,
+        span_id = tracing::field::Empty,
+        parent_span_id = tracing::field::Empty,
+    );
     // 1. Lease.
     let mut tx = shared.pool.begin().await?;
     if store::already_consumed(&mut tx, &consumed.group, event.event_id).await? {
@@ -369,7 +415,7 @@ async fn try_handle<H: Handler>(
             store::supersede(&mut tx, &shared.events, &mut job, newer, trace).await?;
             store::record_consumed(&mut tx, &consumed).await?;
             tx.commit().await?;
-            metrics::counter!(pm::COMPLETED_TOTAL, "outcome" => "superseded").increment(1);
+            completed(&job, "superseded");
             return Ok(Step::Done);
         }
         LeaseDecision::Quarantine(reason) => {
@@ -386,7 +432,7 @@ async fn try_handle<H: Handler>(
             .await?;
             store::record_consumed(&mut tx, &consumed).await?;
             tx.commit().await?;
-            metrics::counter!(pm::COMPLETED_TOTAL, "outcome" => "quarantined").increment(1);
+            completed(&job, "quarantined");
             return Ok(Step::Done);
         }
         LeaseDecision::Lease => {
@@ -405,7 +451,18 @@ async fn try_handle<H: Handler>(
         }
     }
     failpoint::hit(failpoint::PROCESSOR_AFTER_LEASE_COMMIT);
+    // The handler's span continues the job's W3C trace: its own span id, the accepting
+    // request's span as parent; handlers send `context.trace` onward.
+    let handler_trace = event.trace.as_ref().and_then(|trace| {
+        let span_id = format!("{:016x}", rand::rng().random::<u64>() | 1);
+        let (trace_id, parent_id) = trace.ids()?;
+        span.record("trace_id", trace_id);
+        span.record("parent_span_id", parent_id);
+        span.record("span_id", span_id.as_str());
+        trace.child(&span_id)
+    });
     let context = JobContext {
+        trace: handler_trace,
         job_id: job.job_id,
         document_id: job.document_id.clone(),
         kind: job.kind.clone(),
@@ -468,10 +525,21 @@ async fn try_handle<H: Handler>(
     .await?;
     store::record_consumed(&mut tx, &consumed).await?;
     tx.commit().await?;
-    metrics::counter!(pm::COMPLETED_TOTAL, "outcome" => what).increment(1);
+    completed(&job, what);
     tracing::debug!(job_id = %job.job_id, outcome = what, "Attempt completed.");
     failpoint::hit(failpoint::PROCESSOR_AFTER_COMPLETION_BEFORE_OFFSET);
     Ok(Step::Done)
+}
+
+/// Counts a committed outcome; an ended job also records its acceptance-to-end time.
+fn completed(job: &store::JobRow, outcome: &'static str) {
+    metrics::counter!(pm::COMPLETED_TOTAL, "outcome" => outcome).increment(1);
+    if outcome != "retry_scheduled" {
+        let took = (Utc::now() - job.accepted_at).to_std().unwrap_or_default();
+        let kind = job.kind.clone();
+        metrics::histogram!(pm::ACCEPT_TO_COMPLETE_SECONDS, "kind" => kind, "outcome" => outcome)
+            .record(took.as_secs_f64());
+    }
 }
 
 /// Exponential backoff with full jitter: uniform in [0, min(cap, base * 2^(attempt-1))].

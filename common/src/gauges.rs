@@ -1,0 +1,161 @@
+//! What is unfinished, read from Postgres — the authority — with cheap indexed queries.
+//!
+//! An empty queue proves nothing: these numbers say how much accepted work has not ended
+//! yet (`unfinished` = accepted − (succeeded + quarantined + superseded + cancelled)), how
+//! old the oldest waiting job is, which leases expired, what waits for an operator, and what
+//! the relay still owes Kafka. The processor publishes them as gauges every
+//! `processor.gauge_interval`; `jobfold stats` prints the same [`Snapshot`].
+//!
+//! Every query reads a partial index or a table that only holds unfinished or problem rows
+//! (`jobs_unfinished_idx`, `outbox_unpublished_idx`, `quarantine`, `dead_letters`), so the
+//! cost follows the backlog, not the history.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use sqlx::PgPool;
+
+use crate::metrics as m;
+
+/// The unfinished job states, as the `jobs.state` enum names them.
+pub const UNFINISHED_STATES: [&str; 3] = ["queued", "leased", "retry_wait"];
+
+/// One reading of the gauges.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Snapshot {
+    /// Unfinished jobs per state (`queued`, `leased`, `retry_wait`), every state present.
+    pub jobs: BTreeMap<&'static str, i64>,
+    /// Seconds since the oldest queued job was accepted (0 with none).
+    pub oldest_queued_age_seconds: f64,
+    /// Leased jobs whose lease ran out (their worker died or stalled); the reaper
+    /// dispatches them again after `processor.reaper_grace`.
+    pub expired_leases: i64,
+    /// Quarantined jobs per owner.
+    pub quarantined: BTreeMap<String, i64>,
+    /// Messages the intake or the processor could not decode.
+    pub dead_letters: i64,
+    /// Due outbox rows not yet published.
+    pub relay_backlog: i64,
+    /// Seconds since the oldest due, unpublished outbox row became due (0 with none).
+    pub relay_oldest_unpublished_age_seconds: f64,
+}
+
+impl Snapshot {
+    /// Accepted jobs that have not ended.
+    pub fn unfinished(&self) -> i64 {
+        self.jobs.values().sum()
+    }
+
+    /// Quarantined jobs, all owners.
+    pub fn quarantined_total(&self) -> i64 {
+        self.quarantined.values().sum()
+    }
+}
+
+/// Reads the gauges.
+///
+/// # Errors
+/// The database failed.
+pub async fn read(pool: &PgPool) -> Result<Snapshot, sqlx::Error> {
+    let mut snapshot = Snapshot::default();
+    // language=PostgreSQL
+    let states: Vec<(String, i64, Option<f64>, i64)> = sqlx::query_as(
+        r#"
+        SELECT state::text, count(*),
+               EXTRACT(EPOCH FROM now() - min(accepted_at))::float8,
+               count(*) FILTER (WHERE lease_until < now())
+        FROM jobs
+        WHERE state IN ('queued', 'leased', 'retry_wait')
+        GROUP BY state
+        "#,
+    )
+    .fetch_all(pool)
+    .await?;
+    snapshot.jobs = UNFINISHED_STATES.iter().map(|s| (*s, 0)).collect();
+    for (state, count, oldest, expired) in states {
+        if let Some(slot) = snapshot.jobs.iter_mut().find(|(s, _)| **s == state) {
+            *slot.1 = count;
+        }
+        match state.as_str() {
+            "queued" => snapshot.oldest_queued_age_seconds = oldest.unwrap_or(0.0).max(0.0),
+            "leased" => snapshot.expired_leases = expired,
+            _ => {}
+        }
+    }
+    // language=PostgreSQL
+    let owners: Vec<(String, i64)> =
+        sqlx::query_as("SELECT owner, count(*) FROM quarantine GROUP BY owner ORDER BY owner")
+            .fetch_all(pool)
+            .await?;
+    snapshot.quarantined = owners.into_iter().collect();
+    // language=PostgreSQL
+    snapshot.dead_letters =
+        sqlx::query_scalar("SELECT count(*) FROM dead_letters").fetch_one(pool).await?;
+    let (backlog, age) = relay_backlog(pool).await?;
+    snapshot.relay_backlog = backlog;
+    snapshot.relay_oldest_unpublished_age_seconds = age;
+    Ok(snapshot)
+}
+
+/// Due, unpublished outbox rows: how many, and the age of the oldest in seconds.
+///
+/// # Errors
+/// The database failed.
+pub async fn relay_backlog<'c, E>(executor: E) -> Result<(i64, f64), sqlx::Error>
+where
+    E: sqlx::PgExecutor<'c>,
+{
+    // language=PostgreSQL
+    let (count, age): (i64, Option<f64>) = sqlx::query_as(
+        r#"
+        SELECT count(*), EXTRACT(EPOCH FROM now() - min(available_at))::float8
+        FROM outbox
+        WHERE published_at IS NULL AND available_at <= now()
+        "#,
+    )
+    .fetch_one(executor)
+    .await?;
+    Ok((count, age.unwrap_or(0.0).max(0.0)))
+}
+
+/// Every job per state, finished ones included: a full scan of `jobs`, for operators
+/// (`jobfold stats --totals`) and checks, not for a scrape.
+///
+/// # Errors
+/// The database failed.
+pub async fn totals(pool: &PgPool) -> Result<BTreeMap<String, i64>, sqlx::Error> {
+    // language=PostgreSQL
+    let rows: Vec<(String, i64)> =
+        sqlx::query_as("SELECT state::text, count(*) FROM jobs GROUP BY state ORDER BY state")
+            .fetch_all(pool)
+            .await?;
+    Ok(rows.into_iter().collect())
+}
+
+/// Publishes snapshots as Prometheus gauges. Owners seen before and now absent are set to
+/// 0, so a resolved quarantine does not linger at its last value.
+#[derive(Debug, Default)]
+pub struct Publisher {
+    owners: BTreeSet<String>,
+}
+
+impl Publisher {
+    /// Sets every gauge from `snapshot` (the relay's backlog gauges are the relay's own).
+    pub fn publish(&mut self, snapshot: &Snapshot) {
+        for (state, count) in &snapshot.jobs {
+            metrics::gauge!(m::JOBS, "state" => *state).set(*count as f64);
+        }
+        metrics::gauge!(m::UNFINISHED_JOBS).set(snapshot.unfinished() as f64);
+        metrics::gauge!(m::OLDEST_QUEUED_AGE_SECONDS).set(snapshot.oldest_queued_age_seconds);
+        metrics::gauge!(m::EXPIRED_LEASES).set(snapshot.expired_leases as f64);
+        for owner in &self.owners {
+            if !snapshot.quarantined.contains_key(owner) {
+                metrics::gauge!(m::QUARANTINED, "owner" => owner.clone()).set(0.0);
+            }
+        }
+        for (owner, count) in &snapshot.quarantined {
+            metrics::gauge!(m::QUARANTINED, "owner" => owner.clone()).set(*count as f64);
+            self.owners.insert(owner.clone());
+        }
+        metrics::gauge!(m::DEAD_LETTERS).set(snapshot.dead_letters as f64);
+    }
+}
