@@ -4,10 +4,17 @@
 //!   first accept answers 201, a retry of the same request 200 with the same job id, the same
 //!   key with a different request 409. A body over `accept.max_input_bytes` is refused with
 //!   413, an invalid one with 422 naming the field.
-//! - `GET /v1/jobs/{id}`: the job as the `jobs` projection holds it.
+//! - `GET /v1/jobs/{id}`: the job as the `jobs` projection holds it (with its quarantine
+//!   reason and owner while quarantined).
+//! - `GET /v1/jobs/{id}/events`: its event history, decoded, in stream order.
+//! - `GET /v1/quarantine?owner=&kind=&reason=&limit=`: quarantined jobs, newest first.
 //! - `POST /v1/jobs/{id}/replay`: runs a quarantined job again with a fresh budget, optionally
 //!   with `{"new_input_version": n, "new_input": {...}}`; 202, or 409 if it is not quarantined.
-//! - `GET /healthz` (the process runs), `GET /readyz` (Postgres answers).
+//! - `GET /metrics` (Prometheus), `GET /healthz` (the process runs), `GET /readyz`
+//!   (Postgres answers).
+//!
+//! With `api_token` set, every mutating request (`POST`) must carry
+//! `Authorization: Bearer <token>`, else 401. Reads stay open.
 //!
 //! Errors are JSON: `{"error": {"code": "...", "message": "..."}}`.
 
@@ -15,19 +22,22 @@ use std::net::SocketAddr;
 
 use axum::Router;
 use axum::body::Bytes;
-use axum::extract::rejection::BytesRejection;
-use axum::extract::{DefaultBodyLimit, Path, State};
-use axum::http::{HeaderMap, StatusCode, header};
+use axum::extract::rejection::{BytesRejection, QueryRejection};
+use axum::extract::{DefaultBodyLimit, Path, Query, Request, State};
+use axum::http::{HeaderMap, Method, StatusCode, header};
+use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use chrono::{DateTime, Utc};
 use jobfold_common::accept::{AcceptError, Acceptor, NewJob};
-use jobfold_schemas::event::TraceContext;
+use jobfold_common::config::Sensitive;
+use jobfold_schemas::event::{TRACEPARENT, TRACESTATE, TraceContext};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
+
+use crate::status;
 
 /// What every handler shares.
 #[derive(Debug, Clone)]
@@ -37,6 +47,8 @@ pub struct ApiState {
     /// Appends events (replays).
     pub events: crate::store::Events,
     pub policy: jobfold_common::config::Accept,
+    /// Required on mutating requests when set.
+    pub api_token: Option<Sensitive<String>>,
 }
 
 /// The API's routes; request bodies are limited to `max_body` bytes.
@@ -44,11 +56,52 @@ pub fn router(state: ApiState, max_body: usize) -> Router {
     Router::new()
         .route("/v1/jobs", post(submit))
         .route("/v1/jobs/{id}", get(job))
+        .route("/v1/jobs/{id}/events", get(job_events))
         .route("/v1/jobs/{id}/replay", post(replay))
+        .route("/v1/quarantine", get(quarantine))
+        .route("/metrics", get(metrics))
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(ready))
         .layer(DefaultBodyLimit::max(max_body))
+        .layer(middleware::from_fn_with_state(state.clone(), authorize))
         .with_state(state)
+}
+
+/// Lets a mutating request through only with the configured bearer token.
+async fn authorize(State(state): State<ApiState>, request: Request, next: Next) -> Response {
+    let Some(token) = &state.api_token else { return next.run(request).await };
+    let mutating = !matches!(*request.method(), Method::GET | Method::HEAD | Method::OPTIONS);
+    if !mutating {
+        return next.run(request).await;
+    }
+    let presented = request
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::trim);
+    match presented {
+        Some(presented) if constant_time_eq(presented.as_bytes(), token.expose().as_bytes()) => {
+            next.run(request).await
+        }
+        _ => {
+            let mut response = ApiError::new(
+                StatusCode::UNAUTHORIZED,
+                "unauthorized",
+                "this request needs the header Authorization: Bearer <api_token>",
+            )
+            .into_response();
+            response
+                .headers_mut()
+                .insert(header::WWW_AUTHENTICATE, header::HeaderValue::from_static("Bearer"));
+            response
+        }
+    }
+}
+
+/// Compares without an early exit, so the time taken does not reveal a matching prefix.
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
 /// Serves the API on `addr` until `shutdown` is cancelled.
@@ -139,11 +192,11 @@ struct Submitted {
     created: bool,
 }
 
-/// The W3C trace context of the request, if it sent one.
+/// The W3C trace context of the request, if it sent a valid one.
 fn trace_context(headers: &HeaderMap) -> Option<TraceContext> {
-    let traceparent = headers.get("traceparent")?.to_str().ok()?.to_owned();
-    let tracestate = headers.get("tracestate").and_then(|v| v.to_str().ok()).map(str::to_owned);
-    Some(TraceContext { traceparent, tracestate })
+    let traceparent = headers.get(TRACEPARENT)?.to_str().ok()?;
+    let tracestate = headers.get(TRACESTATE).and_then(|v| v.to_str().ok());
+    TraceContext::from_headers(traceparent, tracestate)
 }
 
 async fn submit(
@@ -203,43 +256,51 @@ async fn submit(
     Ok((status, [(header::LOCATION, location)], axum::Json(body)).into_response())
 }
 
-/// A job as the projection holds it.
-#[derive(Debug, Serialize, sqlx::FromRow)]
-struct JobView {
-    job_id: Uuid,
-    document_id: String,
-    kind: String,
-    input_version: i64,
-    state: String,
-    attempt: i32,
-    generation: i64,
-    lease_until: Option<DateTime<Utc>>,
-    lease_owner: Option<String>,
-    next_attempt_at: Option<DateTime<Utc>>,
-    accepted_at: DateTime<Utc>,
-    finished_at: Option<DateTime<Utc>>,
-    stream_version: i32,
+fn not_found(id: &str) -> ApiError {
+    ApiError::new(StatusCode::NOT_FOUND, "not_found", format!("no job {id}"))
 }
 
 async fn job(
     State(state): State<ApiState>,
     Path(id): Path<String>,
-) -> Result<axum::Json<JobView>, ApiError> {
-    let not_found = || ApiError::new(StatusCode::NOT_FOUND, "not_found", format!("no job {id}"));
-    let job_id = Uuid::parse_str(&id).map_err(|_| not_found())?;
-    // language=PostgreSQL
-    let view: Option<JobView> = sqlx::query_as(
-        r#"
-        SELECT job_id, document_id, kind, input_version, state::text AS state, attempt,
-               generation, lease_until, lease_owner, next_attempt_at, accepted_at,
-               finished_at, stream_version
-        FROM jobs WHERE job_id = $1
-        "#,
-    )
-    .bind(job_id)
-    .fetch_optional(&state.pool)
-    .await?;
-    view.map(axum::Json).ok_or_else(not_found)
+) -> Result<axum::Json<status::JobStatus>, ApiError> {
+    let job_id = Uuid::parse_str(&id).map_err(|_| not_found(&id))?;
+    let view = status::job(&state.pool, job_id).await?;
+    view.map(axum::Json).ok_or_else(|| not_found(&id))
+}
+
+async fn job_events(
+    State(state): State<ApiState>,
+    Path(id): Path<String>,
+) -> Result<axum::Json<Vec<status::EventEntry>>, ApiError> {
+    let job_id = Uuid::parse_str(&id).map_err(|_| not_found(&id))?;
+    match status::events(&state.pool, state.events.codec.decoder(), job_id).await {
+        Ok(Some(events)) => Ok(axum::Json(events)),
+        Ok(None) => Err(not_found(&id)),
+        Err(e) => {
+            tracing::warn!(error = %format!("{e:#}"), %job_id, "Reading the event history failed.");
+            Err(ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "unavailable",
+                "the event history cannot be read now (database or schema registry)",
+            ))
+        }
+    }
+}
+
+async fn quarantine(
+    State(state): State<ApiState>,
+    filter: Result<Query<status::QuarantineFilter>, QueryRejection>,
+) -> Result<axum::Json<Vec<status::Quarantined>>, ApiError> {
+    let Query(filter) =
+        filter.map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, "bad_query", e.body_text()))?;
+    Ok(axum::Json(status::quarantined(&state.pool, &filter).await?))
+}
+
+async fn metrics() -> Result<String, ApiError> {
+    jobfold_common::telemetry::render_metrics().ok_or_else(|| {
+        ApiError::new(StatusCode::NOT_FOUND, "not_found", "no metrics recorder in this process")
+    })
 }
 
 async fn replay(
@@ -248,8 +309,7 @@ async fn replay(
     body: Bytes,
 ) -> Result<Response, ApiError> {
     use crate::store::ReplayError;
-    let not_found = || ApiError::new(StatusCode::NOT_FOUND, "not_found", format!("no job {id}"));
-    let job_id = Uuid::parse_str(&id).map_err(|_| not_found())?;
+    let job_id = Uuid::parse_str(&id).map_err(|_| not_found(&id))?;
     let request: crate::store::Replay = if body.is_empty() {
         crate::store::Replay::default()
     } else {
@@ -267,7 +327,7 @@ async fn replay(
         crate::store::replay(&mut tx, &state.events, &state.policy, job_id, request).await;
     let job = match replayed {
         Ok(job) => job,
-        Err(ReplayError::NotFound(_)) => return Err(not_found()),
+        Err(ReplayError::NotFound(_)) => return Err(not_found(&id)),
         Err(e @ ReplayError::NotQuarantined { .. }) => {
             return Err(ApiError::new(StatusCode::CONFLICT, "not_quarantined", e.to_string()));
         }

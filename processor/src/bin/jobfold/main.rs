@@ -9,11 +9,13 @@ use anyhow::Context;
 use clap::{Parser, Subcommand};
 use jobfold_common::accept::{Acceptor, NewJob};
 use jobfold_common::config::{Config, EXIT_CONFIG};
-use jobfold_common::{db, telemetry};
+use jobfold_common::{db, gauges, telemetry};
+use jobfold_processor::status::{self, QuarantineFilter};
 use jobfold_schemas::codec::registry_settings;
 use jobfold_schemas::{Codec, JobEvent};
 
-/// Operate jobfold: migrate the database, submit jobs, measure.
+/// Operate jobfold: migrate the database, submit jobs, inspect jobs and the unfinished work,
+/// fix quarantined jobs, measure.
 #[derive(Debug, Parser)]
 #[command(version)]
 struct Args {
@@ -45,6 +47,27 @@ enum Command {
         /// Idempotency key: submitting again with it returns the same job.
         #[arg(long)]
         key: Option<String>,
+    },
+    /// A job as Postgres holds it: state, attempts, lease, last error, quarantine.
+    Status {
+        job_id: uuid::Uuid,
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// A job's event history, in stream order.
+    Events {
+        job_id: uuid::Uuid,
+        /// Print the events as JSON lines instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// The unfinished-work gauges from Postgres: what is queued, leased, waiting to retry,
+    /// quarantined, dead-lettered, not yet published.
+    Stats {
+        /// Also count every job per state (a full scan of `jobs`).
+        #[arg(long)]
+        totals: bool,
     },
     /// Quarantined jobs: list them, replay one.
     Quarantine {
@@ -104,7 +127,7 @@ async fn main() -> ExitCode {
             return ExitCode::from(EXIT_CONFIG as u8);
         }
     };
-    telemetry::init_tracing(config.log_json);
+    telemetry::init_tracing_at(config.log_json, "warn");
     match run(config, args.command).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -143,6 +166,9 @@ async fn run(config: Config, command: Command) -> anyhow::Result<()> {
             let what = if accepted.created { "accepted" } else { "already accepted" };
             println!("{} {what}", accepted.job_id);
         }
+        Command::Status { job_id, json } => status(config, job_id, json).await?,
+        Command::Events { job_id, json } => events(config, job_id, json).await?,
+        Command::Stats { totals } => stats(config, totals).await?,
         Command::Quarantine { command } => quarantine(config, command).await?,
         Command::Bench { full, output } => {
             let sizes = if full { bench::Sizes::full() } else { bench::Sizes::quick() };
@@ -161,44 +187,24 @@ async fn quarantine(config: Config, command: QuarantineCommand) -> anyhow::Resul
     let pool = db::connect_and_migrate(&config, 2).await.context("connecting to Postgres")?;
     match command {
         QuarantineCommand::List { owner, kind, reason, limit } => {
-            type Row = (
-                uuid::Uuid,
-                String,
-                String,
-                i64,
-                String,
-                String,
-                i32,
-                String,
-                chrono::DateTime<chrono::Utc>,
-            );
-            // language=PostgreSQL
-            let rows: Vec<Row> = sqlx::query_as(
-                r#"
-                SELECT q.job_id, j.kind, j.document_id, q.input_version, q.error_class, q.owner,
-                       q.attempts, q.reason, q.quarantined_at
-                FROM quarantine q JOIN jobs j USING (job_id)
-                WHERE ($1::text IS NULL OR q.owner = $1)
-                  AND ($2::text IS NULL OR j.kind = $2)
-                  AND ($3::text IS NULL OR q.reason ILIKE '%' || $3 || '%')
-                ORDER BY q.quarantined_at DESC
-                LIMIT $4
-                "#,
-            )
-            .bind(owner)
-            .bind(kind)
-            .bind(reason)
-            .bind(limit)
-            .fetch_all(&pool)
-            .await?;
+            let filter = QuarantineFilter { owner, kind, reason, limit: Some(limit) };
+            let rows = status::quarantined(&pool, &filter).await?;
             println!(
                 "{:<36}  {:<16}  {:<20}  {:>7}  {:<13}  {:<18}  {:>8}  {:<20}  reason",
                 "job", "kind", "document", "version", "class", "owner", "attempts", "since"
             );
-            for (job, kind, doc, version, class, owner, attempts, reason, at) in &rows {
+            for q in &rows {
                 println!(
-                    "{job:<36}  {kind:<16.16}  {doc:<20.20}  {version:>7}  {class:<13}  {owner:<18.18}  {attempts:>8}  {:<20}  {reason}",
-                    at.format("%Y-%m-%d %H:%M:%S")
+                    "{:<36}  {:<16.16}  {:<20.20}  {:>7}  {:<13}  {:<18.18}  {:>8}  {:<20}  {}",
+                    q.job_id,
+                    q.kind,
+                    q.document_id,
+                    q.input_version,
+                    q.error_class,
+                    q.owner,
+                    q.attempts,
+                    q.quarantined_at.format("%Y-%m-%d %H:%M:%S"),
+                    q.reason
                 );
             }
             println!("{} quarantined job(s) shown", rows.len());
@@ -227,6 +233,135 @@ async fn quarantine(config: Config, command: QuarantineCommand) -> anyhow::Resul
             tx.commit().await?;
             println!("{job_id} queued again at input version {}", job.input_version);
         }
+    }
+    Ok(())
+}
+
+async fn status(config: Config, job_id: uuid::Uuid, json: bool) -> anyhow::Result<()> {
+    let pool = db::connect(&config, 1).await.context("connecting to Postgres")?;
+    let Some(job) = status::job(&pool, job_id).await? else {
+        anyhow::bail!("no job {job_id}");
+    };
+    if json {
+        println!("{}", serde_json::to_string_pretty(&job)?);
+        return Ok(());
+    }
+    let time = |t: Option<chrono::DateTime<chrono::Utc>>| {
+        t.map_or_else(|| "-".to_owned(), |t| t.format("%Y-%m-%d %H:%M:%S%.3f UTC").to_string())
+    };
+    let rows: Vec<(&str, String)> = vec![
+        ("job", job.job_id.to_string()),
+        ("document", job.document_id.clone()),
+        ("kind", job.kind.clone()),
+        ("input version", job.input_version.to_string()),
+        ("state", job.state.clone()),
+        ("attempt", format!("{} of {}", job.attempt, job.max_attempts)),
+        ("generation", job.generation.to_string()),
+        (
+            "lease",
+            match (&job.lease_owner, job.lease_until) {
+                (Some(owner), until) => format!("{owner} until {}", time(until)),
+                _ => "-".into(),
+            },
+        ),
+        ("next attempt", time(job.next_attempt_at)),
+        ("deadline", time(job.deadline)),
+        ("accepted", time(Some(job.accepted_at))),
+        ("finished", time(job.finished_at)),
+        ("last error", job.last_error.clone().unwrap_or_else(|| "-".into())),
+        (
+            "quarantine",
+            match (&job.quarantine_owner, &job.quarantine_reason) {
+                (Some(owner), Some(reason)) => format!("{reason} (owner: {owner})"),
+                _ => "-".into(),
+            },
+        ),
+        ("events", job.stream_version.to_string()),
+    ];
+    for (name, value) in rows {
+        println!("{name:<14} {value}");
+    }
+    Ok(())
+}
+
+async fn events(config: Config, job_id: uuid::Uuid, json: bool) -> anyhow::Result<()> {
+    let pool = db::connect(&config, 1).await.context("connecting to Postgres")?;
+    let decoder =
+        jobfold_schemas::Decoder::<JobEvent>::new(registry_settings(&config.schema_registry_url)?);
+    let Some(entries) = status::events(&pool, &decoder, job_id).await? else {
+        anyhow::bail!("no job {job_id}");
+    };
+    if json {
+        for entry in &entries {
+            println!("{}", serde_json::to_string(entry)?);
+        }
+        return Ok(());
+    }
+    println!(
+        "{:>7}  {:>3}  {:<23}  {:<17}  {:<9}  details",
+        "seq", "v", "at", "event", "published"
+    );
+    for entry in &entries {
+        let mut details = entry.event["payload"].clone();
+        if let Some(fields) = details.as_object_mut() {
+            fields.remove("type");
+            // Inputs and results can be long; `--json` shows them whole.
+            for long in ["input", "result", "new_input"] {
+                if let Some(serde_json::Value::String(text)) = fields.get_mut(long)
+                    && text.len() > 60
+                {
+                    text.truncate(text.floor_char_boundary(57));
+                    text.push_str("...");
+                }
+            }
+        }
+        println!(
+            "{:>7}  {:>3}  {:<23}  {:<17}  {:<9}  {details}",
+            entry.seq,
+            entry.stream_version,
+            entry.occurred_at.format("%Y-%m-%d %H:%M:%S%.3f"),
+            entry.kind,
+            if entry.published { "yes" } else { "waiting" },
+        );
+    }
+    Ok(())
+}
+
+async fn stats(config: Config, totals: bool) -> anyhow::Result<()> {
+    let pool = db::connect(&config, 2).await.context("connecting to Postgres")?;
+    let snapshot = gauges::read(&pool).await?;
+    let mut rows: Vec<(String, String)> =
+        vec![("unfinished (accepted, not ended)".into(), snapshot.unfinished().to_string())];
+    for (state, count) in &snapshot.jobs {
+        rows.push((format!("  {state}"), count.to_string()));
+    }
+    rows.extend([
+        ("oldest queued age".into(), format!("{:.1} s", snapshot.oldest_queued_age_seconds)),
+        ("expired leases".into(), snapshot.expired_leases.to_string()),
+        ("quarantined".into(), snapshot.quarantined_total().to_string()),
+    ]);
+    for (owner, count) in &snapshot.quarantined {
+        rows.push((format!("  owner {owner}"), count.to_string()));
+    }
+    rows.extend([
+        ("dead letters".into(), snapshot.dead_letters.to_string()),
+        ("relay backlog".into(), snapshot.relay_backlog.to_string()),
+        (
+            "oldest unpublished age".into(),
+            format!("{:.1} s", snapshot.relay_oldest_unpublished_age_seconds),
+        ),
+    ]);
+    if totals {
+        let counts = gauges::totals(&pool).await?;
+        let accepted: i64 = counts.values().sum();
+        rows.push(("accepted (all time)".into(), accepted.to_string()));
+        for (state, count) in &counts {
+            rows.push((format!("  {state}"), count.to_string()));
+        }
+    }
+    let width = rows.iter().map(|(name, _)| name.len()).max().unwrap_or(0);
+    for (name, value) in rows {
+        println!("{name:<width$}  {value:>10}");
     }
     Ok(())
 }
