@@ -62,7 +62,10 @@ start() {
     mkdir -p "$DIR"
     resolve_jars
     sed -e "s|@PORT@|$JOBFOLD_KAFKA_PORT|g" -e "s|@CONTROLLER_PORT@|$JOBFOLD_KAFKA_CONTROLLER_PORT|g" \
+        -e "s|@SASL_PORT@|$JOBFOLD_KAFKA_SASL_PORT|g" -e "s|@SASL_USER@|$JOBFOLD_KAFKA_SASL_USER|g" \
+        -e "s|@SASL_PASSWORD@|$JOBFOLD_KAFKA_SASL_PASSWORD|g" \
         -e "s|@DATA@|$DATA|g" "$JOBFOLD_ROOT/docker/kafka/server.properties" >"$CONFIG"
+    chmod 600 "$CONFIG"
     if [[ ! -f "$DATA/meta.properties" ]]; then
         local cluster_id
         cluster_id="$(kafka_java kafka.tools.StorageTool random-uuid 2>/dev/null | tail -n 1)"
@@ -77,7 +80,7 @@ start() {
     echo $! >"$PIDFILE"
     wait_until 120 kafka "$LOG" "$PIDFILE" answers_metadata
     say "kafka: $(broker_version) (KRaft, broker+controller) started in $((SECONDS - t0))s (pid $(cat "$PIDFILE")) on $BOOTSTRAP, log $LOG"
-    say "kafka: JOBFOLD_KAFKA_BROKERS=$BOOTSTRAP"
+    say "kafka: JOBFOLD_KAFKA_BROKERS=$BOOTSTRAP (SASL/PLAIN on 127.0.0.1:$JOBFOLD_KAFKA_SASL_PORT)"
 }
 
 status() {

@@ -21,6 +21,10 @@ case "${1:-}" in
 export JOBFOLD_DATABASE_URL=postgres://jobfold:jobfold@127.0.0.1:$JOBFOLD_PG_PORT/jobfold
 export JOBFOLD_KAFKA_BROKERS=127.0.0.1:$JOBFOLD_KAFKA_PORT
 export JOBFOLD_SCHEMA_REGISTRY_URL=http://127.0.0.1:$JOBFOLD_REGISTRY_PORT/apis/ccompat/v7
+# The broker's SASL/PLAIN listener, for running with credentials.
+export JOBFOLD_SASL_BROKERS=127.0.0.1:$JOBFOLD_KAFKA_SASL_PORT
+export JOBFOLD_SASL_USERNAME=$JOBFOLD_KAFKA_SASL_USER
+export JOBFOLD_SASL_PASSWORD=$JOBFOLD_KAFKA_SASL_PASSWORD
 ENV
         say "services: ready; addresses in $JOBFOLD_STATE_DIR/services.env"
         ;;

@@ -3,7 +3,7 @@
 #
 #   docker/test.sh [nextest arguments...]
 #
-# 1. installs cargo-nextest when it is missing (from crates.io);
+# 1. installs cargo-nextest when it is missing (from crates.io), and the OpenSSL headers;
 # 2. starts PostgreSQL, Kafka and the schema registry natively (reusing running ones);
 # 3. runs cargo fmt --check, cargo clippy -D warnings, and every test with cargo nextest;
 # 4. stops the services it started (and only those).
@@ -11,6 +11,16 @@ source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 cd "$JOBFOLD_ROOT"
 
 step() { printf '\n==> %s\n' "$*"; }
+
+# librdkafka is built with TLS (for SASL_SSL/SSL brokers): it links the system OpenSSL.
+if ! pkg-config --exists openssl 2>/dev/null; then
+    step "installing OpenSSL headers (libssl-dev) and pkg-config"
+    if command -v apt-get >/dev/null; then
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -q libssl-dev pkg-config
+    else
+        die "OpenSSL development files are missing: install libssl-dev (or openssl-devel) and pkg-config"
+    fi
+fi
 
 if ! cargo nextest --version >/dev/null 2>&1; then
     step "installing cargo-nextest"

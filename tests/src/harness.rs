@@ -91,6 +91,7 @@ impl Installation {
             acceptor: self.acceptor().await,
             events: self.events().await,
             policy: self.config.accept.clone(),
+            api_token: self.config.api_token.clone(),
         }
     }
 
@@ -182,9 +183,9 @@ impl Service {
         let log =
             std::env::temp_dir().join(format!("{binary_name}-{}.log", Uuid::new_v4().simple()));
         let file = std::fs::File::create(&log).unwrap();
+        env.entry("RUST_LOG".into()).or_insert_with(|| "info".into());
         let child = Command::new(binary(binary_name))
             .envs(&env)
-            .env("RUST_LOG", "info")
             .stdin(Stdio::null())
             .stdout(file.try_clone().unwrap())
             .stderr(file)
@@ -237,15 +238,13 @@ impl Service {
 
     /// The value of an unlabelled metric from this process's `/metrics`, if it answers.
     pub async fn metric(&self, name: &str) -> Option<f64> {
+        metric_value(&self.scrape().await?, name, &[])
+    }
+
+    /// This process's `/metrics` text, if it answers.
+    pub async fn scrape(&self) -> Option<String> {
         let port = self.metrics_port?;
-        let text = reqwest::get(format!("http://127.0.0.1:{port}/metrics"))
-            .await
-            .ok()?
-            .text()
-            .await
-            .ok()?;
-        text.lines()
-            .find_map(|line| line.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+        reqwest::get(format!("http://127.0.0.1:{port}/metrics")).await.ok()?.text().await.ok()
     }
 }
 
@@ -254,6 +253,39 @@ impl Drop for Service {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// Polls `find` every 50 ms until it returns something; panics with `what` after `timeout`.
+pub async fn eventually_some<T, F, Fut>(timeout: Duration, what: &str, mut find: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(found) = find().await {
+            return found;
+        }
+        assert!(Instant::now() < deadline, "timed out after {timeout:?} waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// The value of the sample `name` whose labels include every one of `labels`, in a
+/// Prometheus text exposition.
+pub fn metric_value(text: &str, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
+    text.lines().filter(|line| !line.starts_with('#')).find_map(|line| {
+        let (series, value) = line.rsplit_once(' ')?;
+        let (metric, label_text) = match series.split_once('{') {
+            Some((metric, rest)) => (metric, rest.strip_suffix('}')?),
+            None => (series, ""),
+        };
+        let matches = metric == name
+            && labels
+                .iter()
+                .all(|(k, v)| label_text.split(',').any(|l| l == format!("{k}=\"{v}\"")));
+        if matches { value.parse().ok() } else { None }
+    })
 }
 
 /// Polls `check` every 50 ms until it holds; panics with `what` after `timeout`.

@@ -24,6 +24,16 @@ pub fn schema_registry_url() -> String {
     var("JOBFOLD_SCHEMA_REGISTRY_URL", "http://127.0.0.1:8081/apis/ccompat/v7")
 }
 
+/// The broker's SASL/PLAIN listener (`JOBFOLD_SASL_BROKERS`) and its user
+/// (`JOBFOLD_SASL_USERNAME`, `JOBFOLD_SASL_PASSWORD`), as `docker/kafka.sh` configures them.
+pub fn sasl() -> (String, String, String) {
+    (
+        var("JOBFOLD_SASL_BROKERS", "127.0.0.1:9094"),
+        var("JOBFOLD_SASL_USERNAME", "jobfold"),
+        var("JOBFOLD_SASL_PASSWORD", "local-sasl-password-7f3e"),
+    )
+}
+
 fn var(name: &str, default: &str) -> String {
     std::env::var(name).unwrap_or_else(|_| default.to_owned())
 }
