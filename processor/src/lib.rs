@@ -13,12 +13,15 @@
 //! - [`worker`]: the consumer group member that leases, runs and completes jobs;
 //!   [`offsets`] tracks what may be committed, [`store`] holds its transactions,
 //!   [`reaper`] dispatches expired leases and stalled jobs again.
+//! - [`analytics`]: `jobfold replay` — the event log from Kafka or Postgres, folded,
+//!   verified against the projection, exported as JSON Lines or Parquet.
 //! - [`dead_letter`]: poison messages kept with their coordinates and raw bytes.
 //! - [`handler`]: the trait users implement; [`index`] is the example handler.
 //!
 //! Shutdown: the HTTP server stops accepting connections and finishes requests in flight;
 //! the intake finishes the message in flight and commits its stored offsets.
 
+pub mod analytics;
 pub mod dead_letter;
 pub mod handler;
 pub mod http;

@@ -89,8 +89,13 @@ fn job(i: usize) -> NewJob {
     }
 }
 
-/// Runs the benchmark and returns the results as a markdown table.
-pub(crate) async fn run(mut config: Config, sizes: Sizes) -> anyhow::Result<String> {
+/// Runs `measure` against a database and topics of its own, created here and dropped after
+/// (the configured database is used only to create it).
+pub(crate) async fn in_scratch<T, F, Fut>(mut config: Config, measure: F) -> anyhow::Result<T>
+where
+    F: FnOnce(Config) -> Fut,
+    Fut: std::future::Future<Output = anyhow::Result<T>>,
+{
     let suffix = uuid::Uuid::new_v4().simple().to_string();
     let admin =
         PgPool::connect(config.database_url.expose()).await.context("connecting to Postgres")?;
@@ -106,12 +111,18 @@ pub(crate) async fn run(mut config: Config, sizes: Sizes) -> anyhow::Result<Stri
         config.topics.events = format!("jobfold-bench-events-{suffix}");
         config.topics.requests = format!("jobfold-bench-requests-{suffix}");
         config.relay.lock_key = i64::from(rand::random::<u32>());
-        measure(&config, sizes).await
+        measure(config).await
     }
     .await;
     let _ = sqlx::query(&format!("DROP DATABASE IF EXISTS {database} WITH (FORCE)"))
         .execute(&admin)
         .await;
+    result
+}
+
+/// Runs the benchmark and returns the results as a markdown table.
+pub(crate) async fn run(config: Config, sizes: Sizes) -> anyhow::Result<String> {
+    let result = in_scratch(config, |config| async move { measure(&config, sizes).await }).await;
     let rows = result?;
 
     let mut out = String::new();

@@ -1,6 +1,7 @@
 //! `jobfold`: the operator's command line.
 
 mod bench;
+mod replay_bench;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -69,6 +70,32 @@ enum Command {
         #[arg(long)]
         totals: bool,
     },
+    /// Replay the job event log from Kafka or Postgres: fold it, print a summary, and
+    /// optionally verify the projection or export the log.
+    Replay {
+        /// Where to read the log: the events topic, or the job_events table.
+        #[arg(long, value_enum, default_value_t = From::Kafka)]
+        from: From,
+        /// Only events at or after this time (RFC 3339: 2026-11-29T10:00:00Z).
+        #[arg(long)]
+        since: Option<chrono::DateTime<chrono::Utc>>,
+        /// Compare the folded log with the jobs projection; exit 1 on any difference.
+        #[arg(long)]
+        verify: bool,
+        /// Write one row per event to this file: JSON Lines, or Parquet if it ends in
+        /// `.parquet`.
+        #[arg(long)]
+        export: Option<PathBuf>,
+        /// Export one row per job instead of per event.
+        #[arg(long, requires = "export")]
+        jobs: bool,
+        /// No progress bar.
+        #[arg(long)]
+        no_progress: bool,
+        /// Finished jobs remembered to recognise late duplicates of their events.
+        #[arg(long, default_value_t = jobfold_processor::analytics::DEFAULT_DEDUPE_WINDOW)]
+        dedupe_window: usize,
+    },
     /// Quarantined jobs: list them, replay one.
     Quarantine {
         #[command(subcommand)]
@@ -83,7 +110,18 @@ enum Command {
         /// Also write the table to this file.
         #[arg(long)]
         output: Option<PathBuf>,
+        /// Measure `jobfold replay` instead: speed and resident memory over synthetic logs
+        /// of these sizes (events), from Postgres and from Kafka.
+        #[arg(long, value_delimiter = ',', num_args = 0.., default_missing_value = "100000,1000000")]
+        replay: Option<Vec<usize>>,
     },
+}
+
+/// Where `jobfold replay` reads the log.
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+enum From {
+    Kafka,
+    Postgres,
 }
 
 #[derive(Debug, Subcommand)]
@@ -170,9 +208,48 @@ async fn run(config: Config, command: Command) -> anyhow::Result<()> {
         Command::Events { job_id, json } => events(config, job_id, json).await?,
         Command::Stats { totals } => stats(config, totals).await?,
         Command::Quarantine { command } => quarantine(config, command).await?,
-        Command::Bench { full, output } => {
-            let sizes = if full { bench::Sizes::full() } else { bench::Sizes::quick() };
-            let table = bench::run(config, sizes).await?;
+        Command::Replay { from, since, verify, export, jobs, no_progress, dedupe_window } => {
+            use jobfold_processor::analytics::{self, Export, Format, Options, Rows, Source};
+            let pool = db::connect(&config, 2).await.context("connecting to Postgres")?;
+            let decoder = jobfold_schemas::Decoder::<JobEvent>::new(registry_settings(
+                &config.schema_registry_url,
+            )?);
+            let options = Options {
+                source: match from {
+                    From::Kafka => Source::Kafka,
+                    From::Postgres => Source::Postgres,
+                },
+                since,
+                verify,
+                export: export.map(|path| Export {
+                    format: Format::from_path(&path),
+                    rows: if jobs { Rows::Jobs } else { Rows::Events },
+                    path,
+                }),
+                progress: !no_progress,
+                dedupe_window,
+            };
+            let report = analytics::replay(&config, &pool, &decoder, &options).await?;
+            print!("{report}");
+            if let Some(export) = &options.export {
+                println!("exported to {}", export.path.display());
+            }
+            if verify && !report.is_clean() {
+                anyhow::bail!(
+                    "verify failed: {} differences, {} anomalies",
+                    report.difference_count,
+                    report.anomaly_count
+                );
+            }
+        }
+        Command::Bench { full, output, replay } => {
+            let table = match replay {
+                Some(sizes) => replay_bench::run(config, &sizes).await?,
+                None => {
+                    let sizes = if full { bench::Sizes::full() } else { bench::Sizes::quick() };
+                    bench::run(config, sizes).await?
+                }
+            };
             println!("{table}");
             if let Some(path) = output {
                 std::fs::write(&path, &table)
