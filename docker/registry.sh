@@ -26,12 +26,15 @@ start() {
     port_open "$JOBFOLD_REGISTRY_PORT" && die "registry: 127.0.0.1:$JOBFOLD_REGISTRY_PORT is taken by another process (set JOBFOLD_REGISTRY_PORT)"
     local t0=$SECONDS
     mkdir -p "$DIR"
-    say "registry: building jobfold-registry-standin"
-    (cd "$JOBFOLD_ROOT" && cargo build --quiet -p jobfold-tests --bin jobfold-registry-standin) \
+    # JOBFOLD_REGISTRY_PROFILE=release reuses a `cargo build --release` (as `jobfold demo` does).
+    local profile="${JOBFOLD_REGISTRY_PROFILE:-debug}" flag=()
+    [[ "$profile" == release ]] && flag=(--release)
+    say "registry: building jobfold-registry-standin ($profile)"
+    (cd "$JOBFOLD_ROOT" && cargo build --quiet "${flag[@]}" -p jobfold-tests --bin jobfold-registry-standin) \
         || die "registry: building the stand-in failed"
     local bin
     bin="$(cd "$JOBFOLD_ROOT" && cargo metadata --format-version 1 --no-deps \
-        | sed -n 's/.*"target_directory":"\([^"]*\)".*/\1/p')/debug/jobfold-registry-standin"
+        | sed -n 's/.*"target_directory":"\([^"]*\)".*/\1/p')/$profile/jobfold-registry-standin"
     setsid "$bin" --listen "127.0.0.1:$JOBFOLD_REGISTRY_PORT" --state-file "$DIR/registry.json" \
         >>"$LOG" 2>&1 </dev/null &
     echo $! >"$PIDFILE"

@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
 use rdkafka::client::DefaultClientContext;
-use rdkafka::consumer::{CommitMode, Consumer, ConsumerContext};
+use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, ConsumerContext};
 use rdkafka::error::{KafkaError, KafkaResult};
 use rdkafka::types::RDKafkaErrorCode;
 
@@ -67,9 +67,29 @@ pub fn jobfold_topics(config: &Config) -> Vec<TopicSpec<'_>> {
 /// # Errors
 /// The broker is unreachable or refuses a topic.
 pub async fn ensure_topics(config: &Config, topics: &[TopicSpec<'_>]) -> anyhow::Result<()> {
+    // Look first: where topics exist, no CreateTopics request is made at all (a principal
+    // without the right to create topics, or a broker without the API, still runs).
+    let names: Vec<String> = topics.iter().map(|t| t.name.to_owned()).collect();
+    let client = config.kafka_client();
+    let missing: Vec<String> = tokio::task::spawn_blocking(move || -> KafkaResult<Vec<String>> {
+        let consumer: BaseConsumer = client.create()?;
+        let metadata = consumer.fetch_metadata(None, Duration::from_secs(30))?;
+        let existing: std::collections::HashSet<&str> = metadata
+            .topics()
+            .iter()
+            .filter(|t| t.error().is_none() && !t.partitions().is_empty())
+            .map(|t| t.name())
+            .collect();
+        Ok(names.into_iter().filter(|n| !existing.contains(n.as_str())).collect())
+    })
+    .await??;
+    if missing.is_empty() {
+        return Ok(());
+    }
     let admin: AdminClient<DefaultClientContext> = config.kafka_client().create()?;
     let new: Vec<NewTopic<'_>> = topics
         .iter()
+        .filter(|t| missing.iter().any(|m| m == t.name))
         .map(|t| {
             let mut topic =
                 NewTopic::new(t.name, t.partitions, TopicReplication::Fixed(t.replication_factor));

@@ -445,14 +445,11 @@ impl Reader {
                     .set("enable.auto.offset.store", "false")
                     .set("enable.partition.eof", "false")
                     // Bounded prefetch: memory stays flat however long the topic.
-                    .set("queued.min.messages", "10000")
-                    .set("queued.max.messages.kbytes", "8192")
-                    .set("fetch.max.bytes", "4194304")
+                    .set("queued.max.messages.kbytes", "16384")
                     .create()
                     .context("creating the Kafka reader")?;
-                let (reader, estimate) =
-                    tokio::task::block_in_place(|| Self::assign(consumer, &topic, since))?;
-                Ok((reader, estimate))
+                // Metadata, watermarks and offsets by time are blocking calls.
+                tokio::task::spawn_blocking(move || Self::assign(consumer, &topic, since)).await?
             }
         }
     }

@@ -1,6 +1,7 @@
 //! `jobfold`: the operator's command line.
 
 mod bench;
+mod demo;
 mod replay_bench;
 
 use std::path::PathBuf;
@@ -100,6 +101,22 @@ enum Command {
     Quarantine {
         #[command(subcommand)]
         command: QuarantineCommand,
+    },
+    /// Run the whole pipeline here: services, a relay and two processors, a workload, a
+    /// processor killed midway, and a summary that checks the run. Ctrl-C stops it all.
+    Demo {
+        /// A smaller workload, and exit after the summary (for tests).
+        #[arg(long)]
+        short: bool,
+        /// Documents in the workload (1-3 versions each).
+        #[arg(long)]
+        documents: Option<usize>,
+        /// Which Kafka: the configured or native broker (auto), or librdkafka's mock cluster.
+        #[arg(long, value_enum, default_value_t = demo::KafkaChoice::Auto)]
+        kafka: demo::KafkaChoice,
+        /// Exit after the summary instead of running until Ctrl-C.
+        #[arg(long)]
+        exit: bool,
     },
     /// Measure accept and relay on this machine next to its raw Kafka producer rate, in a
     /// database and topics of their own; prints a markdown table.
@@ -241,6 +258,10 @@ async fn run(config: Config, command: Command) -> anyhow::Result<()> {
                     report.anomaly_count
                 );
             }
+        }
+        Command::Demo { short, documents, kafka, exit } => {
+            let documents = documents.unwrap_or(if short { 40 } else { 150 });
+            demo::run(config, demo::Size { documents, exit: exit || short }, kafka).await?;
         }
         Command::Bench { full, output, replay } => {
             let table = match replay {

@@ -1,0 +1,752 @@
+//! `jobfold demo`: the whole pipeline on this machine, a processor killed midway, and a
+//! summary that checks the run.
+//!
+//! It starts what is not running yet (the native Postgres, Kafka and registry scripts
+//! under `docker/`; without Java, librdkafka's in-process mock cluster as Kafka), creates a
+//! database and topics of its own, starts a relay and two processors as separate processes,
+//! submits document-indexing jobs over HTTP, shows live progress, kills one processor with
+//! SIGKILL, waits for every job to settle and checks the outcome from Postgres and the log.
+//! Ctrl-C stops everything it started.
+
+use std::collections::BTreeMap;
+use std::io::IsTerminal;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use jobfold_common::config::{Config, Sensitive};
+use jobfold_common::gauges;
+use jobfold_processor::analytics::{self, Options, Source};
+use jobfold_schemas::codec::registry_settings;
+use jobfold_schemas::{Decoder, JobEvent};
+use rand::Rng;
+use serde_json::json;
+use sqlx::PgPool;
+use tokio::process::{Child, Command};
+
+/// The processors' lease in the demo: a dead worker's jobs move on within seconds.
+const LEASE_TTL: Duration = Duration::from_secs(4);
+
+/// How big a run.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Size {
+    pub(crate) documents: usize,
+    /// Stop as soon as the summary is printed (tests), instead of running until Ctrl-C.
+    pub(crate) exit: bool,
+}
+
+/// Which Kafka to use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum KafkaChoice {
+    /// The configured brokers if they answer, else the native broker (Java), else the mock.
+    Auto,
+    /// librdkafka's in-process mock cluster.
+    Mock,
+}
+
+/// One started child process.
+struct Process {
+    child: Child,
+    log: PathBuf,
+    http: u16,
+    metrics: u16,
+}
+
+/// What the demo started, stopped again at the end.
+#[derive(Default)]
+struct Started {
+    scripts: Vec<(PathBuf, &'static str)>,
+    processes: Vec<Process>,
+}
+
+impl Started {
+    async fn stop(&mut self) {
+        for p in &mut self.processes {
+            if let Some(pid) = p.child.id() {
+                let _ = Command::new("kill").args(["-TERM", &pid.to_string()]).status().await;
+            }
+        }
+        for p in &mut self.processes {
+            if tokio::time::timeout(Duration::from_secs(15), p.child.wait()).await.is_err() {
+                let _ = p.child.kill().await;
+            }
+        }
+        for (root, service) in self.scripts.iter().rev() {
+            let script = root.join(format!("docker/{service}.sh"));
+            let _ = Command::new("bash").arg(script).arg("stop").status().await;
+        }
+    }
+}
+
+/// Runs the demo; `Ok` when every check of the summary held.
+pub(crate) async fn run(config: Config, size: Size, kafka: KafkaChoice) -> anyhow::Result<()> {
+    let mut started = Started::default();
+    let result = tokio::select! {
+        result = demo(config, size, kafka, &mut started) => result,
+        _ = tokio::signal::ctrl_c() => {
+            println!("\nCtrl-C: stopping everything the demo started.");
+            Ok(())
+        }
+    };
+    started.stop().await;
+    if !started.processes.is_empty() || !started.scripts.is_empty() {
+        println!("Stopped what the demo started.");
+    }
+    result
+}
+
+async fn demo(
+    mut config: Config,
+    size: Size,
+    kafka: KafkaChoice,
+    started: &mut Started,
+) -> anyhow::Result<()> {
+    let t0 = Instant::now();
+    println!("jobfold demo: document indexing, end to end, with a processor killed midway.\n");
+
+    // 1. Services, for topics and groups of the demo's own.
+    let run_id = chrono::Utc::now().format("%Y%m%d%H%M%S").to_string();
+    config.topics.events = format!("jobfold-demo-{run_id}.job-events");
+    config.topics.requests = format!("jobfold-demo-{run_id}.job-requests");
+    config.processor.group = format!("jobfold-demo-{run_id}-processors");
+    config.intake.group = format!("jobfold-demo-{run_id}-intake");
+    config.relay.lock_key = i64::from(rand::random::<u32>());
+    let root = repository_root();
+    let _mock = services(&mut config, kafka, root.as_deref(), started).await?;
+
+    // 2. A database of the demo's own.
+    let admin =
+        PgPool::connect(config.database_url.expose()).await.context("connecting to Postgres")?;
+    let database = format!("jobfold_demo_{run_id}");
+    sqlx::query(&format!("CREATE DATABASE {database}")).execute(&admin).await?;
+    admin.close().await;
+    let url = config.database_url.expose().rsplit_once('/').map(|(b, _)| format!("{b}/{database}"));
+    config.database_url = Sensitive::new(url.context("the database URL names no database")?);
+    let pool = jobfold_common::db::connect_and_migrate(&config, 4).await?;
+    jobfold_common::kafka::ensure_topics(&config, &jobfold_common::kafka::jobfold_topics(&config))
+        .await?;
+    println!(
+        "database {database}, topics {} ({} partitions)",
+        config.topics.events, config.topics.partitions
+    );
+
+    // 3. A relay and two processors, separate processes.
+    let logs = std::env::temp_dir().join(format!("jobfold-demo-{run_id}"));
+    std::fs::create_dir_all(&logs)?;
+    let bin = std::env::current_exe()?.parent().context("the binary's directory")?.to_path_buf();
+    for (name, binary) in [
+        ("relay-1", "jobfold-relay"),
+        ("processor-a", "jobfold-processor"),
+        ("processor-b", "jobfold-processor"),
+        ("relay-2", "jobfold-relay"),
+    ] {
+        // relay-1 crashes after producing its 12th batch and before marking it: relay-2,
+        // standing by, takes over and publishes those events again.
+        let failpoint = (name == "relay-1")
+            .then(|| format!("{}@12", jobfold_common::failpoint::RELAY_AFTER_PRODUCE_BEFORE_MARK));
+        let process = spawn(&config, &bin.join(binary), name, &logs, failpoint)?;
+        println!(
+            "started {name:<12} pid {:>7}  log {}",
+            process.child.id().unwrap_or(0),
+            process.log.display()
+        );
+        if name == "relay-1" {
+            // relay-1 holds the lock before relay-2 starts, which then stands by.
+            let deadline = Instant::now() + Duration::from_secs(60);
+            while count_lines(&process.log, "Active: relaying") == 0 {
+                anyhow::ensure!(Instant::now() < deadline, "relay-1 did not become active");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+        started.processes.push(process);
+    }
+    for p in &started.processes[1..3] {
+        wait_ready(p.http).await?;
+    }
+    println!("services up after {:.1} s\n", t0.elapsed().as_secs_f64());
+
+    // 4. The workload, submitted over HTTP to both processors while they work.
+    let plan = plan(size.documents);
+    let planned = plan.len();
+    let ports = [started.processes[1].http, started.processes[2].http];
+    println!(
+        "submitting {planned} jobs for {} documents: 1-3 versions each, {} invalid, {} with transient failures, idempotent retries of {}\n",
+        size.documents,
+        plan.iter().filter(|j| j.invalid).count(),
+        plan.iter().filter(|j| j.fail_attempts > 0).count(),
+        plan.iter().filter(|j| j.retry_submit).count(),
+    );
+    let mut submitter = Some(tokio::spawn(submit(plan, ports)));
+
+    // 5. Live progress; kill processor-b once a third of the jobs ended.
+    let terminal = std::io::stdout().is_terminal();
+    let mut metrics = MetricsSeen::default();
+    let mut killed: Option<(Instant, usize)> = None;
+    let mut taken_over = false;
+    let mut relay_crashed = false;
+    let mut last_line = Instant::now() - Duration::from_secs(10);
+    let mut submitted: Option<Submitted> = None;
+    loop {
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        if let Some(handle) = submitter.take_if(|h| h.is_finished()) {
+            submitted = Some(handle.await.context("the submitter panicked")??);
+        }
+        let progress = Progress::read(&pool).await?;
+        for (i, p) in started.processes.iter().enumerate().skip(1) {
+            if let Some(text) = scrape(p.metrics).await {
+                metrics.update(i, &text);
+            }
+        }
+        let line = progress.line(&metrics);
+        if terminal {
+            print!("\r\x1b[2K{line}");
+            let _ = std::io::Write::flush(&mut std::io::stdout());
+        } else if last_line.elapsed() >= Duration::from_secs(2) {
+            println!("{line}");
+            last_line = Instant::now();
+        }
+        if !relay_crashed && let Ok(Some(status)) = started.processes[0].child.try_wait() {
+            relay_crashed = true;
+            if terminal {
+                println!();
+            }
+            println!(
+                "\n>>> relay-1 crashed between producing a batch and marking it ({status}, a failpoint): relay-2 takes the lock and publishes those events again — duplicates the processors must skip\n"
+            );
+        }
+        if killed.is_none() && progress.ended() * 3 >= planned {
+            let victim = &mut started.processes[2];
+            let pid = victim.child.id().unwrap_or(0);
+            victim.child.start_kill()?;
+            let assigned = count_lines(&started.processes[1].log, "Partitions assigned");
+            if terminal {
+                println!();
+            }
+            println!(
+                "\n>>> kill -9 processor-b (pid {pid}) with {} jobs ended of {planned}: its leases expire in {:?}, its partitions move to processor-a after the session timeout\n",
+                progress.ended(),
+                LEASE_TTL
+            );
+            killed = Some((Instant::now(), assigned));
+        }
+        if let Some((at, assigned)) = killed
+            && !taken_over
+            && count_lines(&started.processes[1].log, "Partitions assigned") > assigned
+        {
+            taken_over = true;
+            if terminal {
+                println!();
+            }
+            println!(
+                "\n>>> processor-a took over processor-b's partitions {:.1} s after the kill\n",
+                at.elapsed().as_secs_f64()
+            );
+        }
+        if let Some(s) = &submitted
+            && progress.ended() as u64 == s.accepted
+            && progress.unpublished == 0
+        {
+            if terminal {
+                println!("\r\x1b[2K{}", progress.line(&metrics));
+            } else {
+                println!("{}", progress.line(&metrics));
+            }
+            break;
+        }
+        anyhow::ensure!(
+            t0.elapsed() < Duration::from_secs(600),
+            "the jobs did not settle within 10 minutes; logs in {}",
+            logs.display()
+        );
+    }
+
+    // 6. The summary, checked.
+    let submitted = submitted.expect("set before the loop ends");
+    let ok =
+        summary(&config, &pool, &submitted, &metrics, t0.elapsed(), killed.is_some(), taken_over)
+            .await?;
+
+    // 7. Where to look next.
+    let a = &started.processes[1];
+    println!("\nWhere to look next (processor-a keeps serving until Ctrl-C):");
+    println!("  metrics        http://127.0.0.1:{}/metrics", a.metrics);
+    println!("  status API     http://127.0.0.1:{}/v1/jobs/{}", a.http, submitted.sample_job);
+    println!(
+        "  events API     http://127.0.0.1:{}/v1/jobs/{}/events",
+        a.http, submitted.sample_job
+    );
+    println!("  quarantine     http://127.0.0.1:{}/v1/quarantine", a.http);
+    println!("  with this environment:");
+    println!(
+        "    export JOBFOLD_DATABASE_URL='{}' JOBFOLD_KAFKA_BROKERS='{}' JOBFOLD_SCHEMA_REGISTRY_URL='{}' JOBFOLD_TOPICS__EVENTS='{}'",
+        config.database_url.expose(),
+        config.kafka_brokers,
+        config.schema_registry_url,
+        config.topics.events
+    );
+    println!(
+        "  jobfold stats | jobfold quarantine list | jobfold replay --verify | jobfold status JOB_ID"
+    );
+    println!("  logs           {}", logs.display());
+    if !ok {
+        anyhow::bail!("a check of the summary failed; logs in {}", logs.display());
+    }
+    if !size.exit {
+        println!("\nRunning until Ctrl-C.");
+        std::future::pending::<()>().await;
+    }
+    Ok(())
+}
+
+/// The checkout holding `docker/`: `JOBFOLD_ROOT`, else above the binary, else here.
+fn repository_root() -> Option<PathBuf> {
+    let candidates = std::env::var_os("JOBFOLD_ROOT")
+        .map(PathBuf::from)
+        .into_iter()
+        .chain(std::env::current_exe().ok().into_iter().flat_map(|exe| {
+            exe.ancestors().skip(1).take(4).map(Path::to_path_buf).collect::<Vec<_>>()
+        }))
+        .chain(std::env::current_dir().ok());
+    candidates.into_iter().find(|dir| dir.join("docker/services.sh").is_file())
+}
+
+fn reachable(host_port: &str) -> bool {
+    use std::net::ToSocketAddrs;
+    host_port
+        .to_socket_addrs()
+        .ok()
+        .into_iter()
+        .flatten()
+        .any(|addr| std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(1)).is_ok())
+}
+
+fn host_port(url: &str) -> String {
+    let rest = url.split_once("://").map_or(url, |(_, r)| r);
+    let authority = rest.split('/').next().unwrap_or(rest);
+    authority.rsplit_once('@').map_or(authority, |(_, hp)| hp).to_owned()
+}
+
+/// Starts what does not answer yet; returns the mock cluster if Kafka is the mock.
+async fn services(
+    config: &mut Config,
+    kafka: KafkaChoice,
+    root: Option<&Path>,
+    started: &mut Started,
+) -> anyhow::Result<
+    Option<rdkafka::mocking::MockCluster<'static, rdkafka::producer::DefaultProducerContext>>,
+> {
+    let release = std::env::current_exe()?.components().any(|c| c.as_os_str() == "release");
+    let mut script = |service: &'static str| -> anyhow::Result<()> {
+        let root = root.context(
+            "services are not running and docker/ was not found: run the demo from the jobfold checkout (or set JOBFOLD_ROOT)",
+        )?;
+        let status = std::process::Command::new("bash")
+            .arg(root.join(format!("docker/{service}.sh")))
+            .arg("start")
+            .env("JOBFOLD_REGISTRY_PROFILE", if release { "release" } else { "debug" })
+            .status()?;
+        anyhow::ensure!(status.success(), "docker/{service}.sh start failed");
+        started.scripts.push((root.to_path_buf(), service));
+        Ok(())
+    };
+    if reachable(&host_port(config.database_url.expose())) {
+        println!("postgres: using {}", host_port(config.database_url.expose()));
+    } else {
+        script("postgres")?;
+    }
+    let mut mock = None;
+    let brokers_up = config.kafka_brokers.split(',').any(reachable);
+    let java = std::process::Command::new("java")
+        .arg("-version")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if kafka == KafkaChoice::Mock || (!brokers_up && !java) {
+        let cluster = rdkafka::mocking::MockCluster::new(1).context("starting the mock cluster")?;
+        config.kafka_brokers = cluster.bootstrap_servers();
+        println!(
+            "kafka: librdkafka's in-process MOCK cluster at {} ({}) — not a real broker; install Java 17 and Maven for Apache Kafka",
+            config.kafka_brokers,
+            if kafka == KafkaChoice::Mock {
+                "asked for with --kafka mock"
+            } else {
+                "Java is missing"
+            }
+        );
+        // The mock answers no CreateTopics: its topics are made here, and every client
+        // finds them existing.
+        let partitions = config.topics.partitions;
+        for topic in [&config.topics.events, &config.topics.requests] {
+            cluster.create_topic(topic, partitions, 1).context("creating a mock topic")?;
+        }
+        mock = Some(cluster);
+    } else if brokers_up {
+        println!("kafka: using {}", config.kafka_brokers);
+    } else {
+        script("kafka")?;
+    }
+    if reachable(&host_port(&config.schema_registry_url)) {
+        println!("registry: using {}", config.schema_registry_url);
+    } else {
+        script("registry")?;
+    }
+    Ok(mock)
+}
+
+fn free_port() -> anyhow::Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+fn spawn(
+    config: &Config,
+    binary: &Path,
+    name: &str,
+    logs: &Path,
+    failpoint: Option<String>,
+) -> anyhow::Result<Process> {
+    let (http, metrics) = (free_port()?, free_port()?);
+    let log = logs.join(format!("{name}.log"));
+    let file = std::fs::File::create(&log)?;
+    let mut command = Command::new(binary);
+    command
+        .env("JOBFOLD_DATABASE_URL", config.database_url.expose())
+        .env("JOBFOLD_KAFKA_BROKERS", &config.kafka_brokers)
+        .env("JOBFOLD_SCHEMA_REGISTRY_URL", &config.schema_registry_url)
+        .env("JOBFOLD_TOPICS__EVENTS", &config.topics.events)
+        .env("JOBFOLD_TOPICS__REQUESTS", &config.topics.requests)
+        .env("JOBFOLD_PROCESSOR__GROUP", &config.processor.group)
+        .env("JOBFOLD_INTAKE__GROUP", &config.intake.group)
+        .env("JOBFOLD_RELAY__LOCK_KEY", config.relay.lock_key.to_string())
+        .env("JOBFOLD_HTTP_ADDR", format!("127.0.0.1:{http}"))
+        .env("JOBFOLD_METRICS_ADDR", format!("127.0.0.1:{metrics}"))
+        // Demo timings: a dead worker's jobs move on within seconds.
+        .env("JOBFOLD_PROCESSOR__LEASE_TTL", format!("{}s", LEASE_TTL.as_secs()))
+        .env("JOBFOLD_PROCESSOR__HEARTBEAT", "1s")
+        .env("JOBFOLD_PROCESSOR__REAPER_INTERVAL", "1s")
+        .env("JOBFOLD_PROCESSOR__REAPER_GRACE", "1s")
+        .env("JOBFOLD_PROCESSOR__RETRY_BASE", "200ms")
+        .env("JOBFOLD_PROCESSOR__RETRY_CAP", "1s")
+        .env("JOBFOLD_PROCESSOR__GAUGE_INTERVAL", "500ms")
+        .env("JOBFOLD_RELAY__POLL_INTERVAL", "200ms")
+        .env("RUST_LOG", "info")
+        .stdin(Stdio::null())
+        .stdout(file.try_clone()?)
+        .stderr(file)
+        .kill_on_drop(true);
+    if name.starts_with("processor") {
+        // A killed member's partitions move after 6 s (the broker's minimum), not 45 s.
+        command.env("JOBFOLD_KAFKA__SESSION_TIMEOUT_MS", "6000");
+    }
+    if let Some(failpoint) = failpoint {
+        command.env("JOBFOLD_FAILPOINT", failpoint);
+    }
+    for (key, value) in &config.kafka.0 {
+        command.env(format!("JOBFOLD_KAFKA__{}", key.replace('.', "_").to_uppercase()), value);
+    }
+    let child = command.spawn().with_context(|| format!("starting {}", binary.display()))?;
+    Ok(Process { child, log, http, metrics })
+}
+
+async fn wait_ready(http: u16) -> anyhow::Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        if let Ok(r) = reqwest::get(format!("http://127.0.0.1:{http}/readyz")).await
+            && r.status().is_success()
+        {
+            return Ok(());
+        }
+        anyhow::ensure!(Instant::now() < deadline, "a processor did not become ready in 60 s");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// One job to submit.
+#[derive(Debug, Clone)]
+struct Planned {
+    document: String,
+    version: i64,
+    invalid: bool,
+    fail_attempts: i64,
+    sleep_ms: u64,
+    /// Submit it a second time with the same Idempotency-Key.
+    retry_submit: bool,
+}
+
+fn plan(documents: usize) -> Vec<Planned> {
+    let mut rng = rand::rng();
+    let mut jobs = Vec::new();
+    for d in 0..documents {
+        let versions = rng.random_range(1..=3);
+        for version in 1..=versions {
+            jobs.push(Planned {
+                document: format!("doc-{d:04}"),
+                version,
+                invalid: d % 20 == 7 && version == 1,
+                fail_attempts: if d % 10 == 3 { rng.random_range(1..=2) } else { 0 },
+                sleep_ms: rng.random_range(20..120),
+                retry_submit: d % 12 == 5,
+            });
+        }
+    }
+    jobs
+}
+
+/// What the submitter did.
+#[derive(Debug, Clone)]
+struct Submitted {
+    accepted: u64,
+    idempotent_replays: u64,
+    sample_job: String,
+}
+
+async fn submit(plan: Vec<Planned>, ports: [u16; 2]) -> anyhow::Result<Submitted> {
+    let client = reqwest::Client::new();
+    let mut out = Submitted { accepted: 0, idempotent_replays: 0, sample_job: String::new() };
+    // Spread over a few seconds, so the kill lands while jobs run.
+    let pause = Duration::from_micros((4_000_000 / plan.len().max(1)) as u64);
+    for (i, job) in plan.iter().enumerate() {
+        let input = if job.invalid {
+            json!({"title": "no text field"})
+        } else {
+            json!({"text": format!("{} version {} of a document", job.document, job.version),
+                   "simulate": {"fail_attempts": job.fail_attempts, "sleep_ms": job.sleep_ms}})
+        };
+        let body = json!({"document_id": job.document, "kind": "index-document",
+                          "input_version": job.version, "input": input});
+        let key = format!("demo-{}-v{}", job.document, job.version);
+        for attempt in 0..if job.retry_submit { 2 } else { 1 } {
+            // Alternate between the processors; one that does not answer (killed) is skipped,
+            // and the Idempotency-Key makes the retry safe.
+            let mut response = None;
+            for port in [ports[(i + attempt) % 2], ports[(i + attempt + 1) % 2]] {
+                match client
+                    .post(format!("http://127.0.0.1:{port}/v1/jobs"))
+                    .header("content-type", "application/json")
+                    .header("idempotency-key", &key)
+                    .body(body.to_string())
+                    .send()
+                    .await
+                {
+                    Ok(r) => {
+                        response = Some(r);
+                        break;
+                    }
+                    Err(e) if e.is_connect() => continue,
+                    Err(e) => return Err(e.into()),
+                }
+            }
+            let response = response.context("no processor answers HTTP")?;
+            match response.status().as_u16() {
+                201 => {
+                    out.accepted += 1;
+                    let created: serde_json::Value = response.json().await?;
+                    if out.sample_job.is_empty() {
+                        out.sample_job = created["job_id"].as_str().unwrap_or_default().to_owned();
+                    }
+                }
+                200 => out.idempotent_replays += 1,
+                status => {
+                    anyhow::bail!("submitting {key}: HTTP {status}: {}", response.text().await?)
+                }
+            }
+        }
+        tokio::time::sleep(pause).await;
+    }
+    Ok(out)
+}
+
+/// Counts from Postgres.
+#[derive(Debug, Default)]
+struct Progress {
+    states: BTreeMap<String, i64>,
+    unpublished: i64,
+    published: i64,
+}
+
+impl Progress {
+    async fn read(pool: &PgPool) -> anyhow::Result<Self> {
+        let states = gauges::totals(pool).await?;
+        // language=PostgreSQL
+        let (unpublished, published): (i64, i64) = sqlx::query_as(
+            "SELECT count(*) FILTER (WHERE published_at IS NULL), count(*) FILTER (WHERE published_at IS NOT NULL) FROM outbox",
+        )
+        .fetch_one(pool)
+        .await?;
+        Ok(Self { states, unpublished, published })
+    }
+
+    fn get(&self, state: &str) -> i64 {
+        self.states.get(state).copied().unwrap_or(0)
+    }
+
+    fn accepted(&self) -> i64 {
+        self.states.values().sum()
+    }
+
+    fn ended(&self) -> usize {
+        usize::try_from(self.get("succeeded") + self.get("quarantined") + self.get("superseded"))
+            .unwrap_or(0)
+    }
+
+    fn line(&self, m: &MetricsSeen) -> String {
+        format!(
+            "accepted {:>4} | published {:>5} | in flight {:>3} | succeeded {:>4} | retrying {:>3} | quarantined {:>3} | superseded {:>3} | duplicates skipped {:>3}",
+            self.accepted(),
+            self.published,
+            self.get("leased"),
+            self.get("succeeded"),
+            self.get("retry_wait"),
+            self.get("quarantined"),
+            self.get("superseded"),
+            m.sum("jobfold_duplicates_skipped_total"),
+        )
+    }
+}
+
+/// The last counter values scraped from each processor (a killed one keeps its last).
+#[derive(Debug, Default)]
+struct MetricsSeen {
+    by_process: BTreeMap<usize, BTreeMap<String, f64>>,
+}
+
+const COUNTERS: [&str; 4] = [
+    "jobfold_duplicates_skipped_total",
+    "jobfold_fenced_completions_total",
+    "jobfold_handler_runs_total",
+    "jobfold_completed_total",
+];
+
+impl MetricsSeen {
+    fn update(&mut self, process: usize, text: &str) {
+        let values = self.by_process.entry(process).or_default();
+        for name in COUNTERS {
+            let total: f64 = text
+                .lines()
+                .filter(|l| !l.starts_with('#'))
+                .filter_map(|l| {
+                    let (series, value) = l.rsplit_once(' ')?;
+                    let metric = series.split('{').next()?;
+                    (metric == name).then(|| value.parse::<f64>().ok()).flatten()
+                })
+                .sum();
+            values.insert(name.to_owned(), total);
+        }
+    }
+
+    fn sum(&self, name: &str) -> u64 {
+        self.by_process.values().filter_map(|v| v.get(name)).sum::<f64>() as u64
+    }
+}
+
+async fn scrape(port: u16) -> Option<String> {
+    let client = reqwest::Client::builder().timeout(Duration::from_millis(500)).build().ok()?;
+    client.get(format!("http://127.0.0.1:{port}/metrics")).send().await.ok()?.text().await.ok()
+}
+
+fn count_lines(log: &Path, needle: &str) -> usize {
+    std::fs::read_to_string(log).map(|t| t.matches(needle).count()).unwrap_or(0)
+}
+
+/// Prints the checks of this run; whether all held.
+async fn summary(
+    config: &Config,
+    pool: &PgPool,
+    submitted: &Submitted,
+    metrics: &MetricsSeen,
+    took: Duration,
+    killed: bool,
+    taken_over: bool,
+) -> anyhow::Result<bool> {
+    let progress = Progress::read(pool).await?;
+    let check = |ok: bool| if ok { "ok  " } else { "FAIL" };
+    let mut all = true;
+    let mut line = |ok: bool, text: String| {
+        all &= ok;
+        println!("  [{}] {text}", check(ok));
+    };
+    println!("\nSummary ({:.1} s)", took.as_secs_f64());
+    let (s, q, x) =
+        (progress.get("succeeded"), progress.get("quarantined"), progress.get("superseded"));
+    let accepted = i64::try_from(submitted.accepted).unwrap_or(i64::MAX);
+    line(
+        s + q + x == accepted && progress.accepted() == accepted,
+        format!(
+            "every accepted job accounted for: {accepted} accepted = {s} succeeded + {q} quarantined + {x} superseded ({} idempotent resubmissions answered 200, no new job)",
+            submitted.idempotent_replays
+        ),
+    );
+    // language=PostgreSQL
+    let doubled: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM (SELECT 1 FROM index_writes GROUP BY job_id, input_version HAVING count(*) > 1) d",
+    )
+    .fetch_one(pool)
+    .await?;
+    // language=PostgreSQL
+    let writes: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM index_writes").fetch_one(pool).await?;
+    line(
+        doubled == 0 && writes == s,
+        format!(
+            "{doubled} duplicate business writes: {writes} index writes for {s} succeeded jobs"
+        ),
+    );
+    line(
+        killed && taken_over,
+        "processor-b was killed with SIGKILL midway and processor-a took over its partitions"
+            .into(),
+    );
+    // language=PostgreSQL
+    let (documents, wrong): (i64, i64) = sqlx::query_as(
+        r#"
+        WITH best AS (
+            SELECT document_id, max(input_version) AS v FROM jobs
+            WHERE state = 'succeeded' GROUP BY document_id
+        )
+        SELECT count(*), count(*) FILTER (WHERE d.version IS DISTINCT FROM b.v)
+        FROM best b LEFT JOIN document_index d USING (document_id)
+        "#,
+    )
+    .fetch_one(pool)
+    .await?;
+    line(
+        wrong == 0,
+        format!(
+            "the highest succeeded version is the one indexed for all {documents} documents ({wrong} wrong)"
+        ),
+    );
+    let decoder = Decoder::<JobEvent>::new(registry_settings(&config.schema_registry_url)?);
+    let mut on_topic = 0;
+    for source in [Source::Postgres, Source::Kafka] {
+        let options = Options {
+            source,
+            since: None,
+            verify: true,
+            export: None,
+            progress: false,
+            dedupe_window: analytics::DEFAULT_DEDUPE_WINDOW,
+        };
+        let report = analytics::replay(config, pool, &decoder, &options).await?;
+        if source == Source::Kafka {
+            on_topic = report.duplicates;
+        }
+        line(
+            report.is_clean(),
+            format!(
+                "replay --verify from {source:?}: {} events fold into the projection, {} differences",
+                report.events, report.difference_count
+            ),
+        );
+    }
+    line(
+        on_topic > 0,
+        format!(
+            "duplicates delivered: {on_topic} event(s) twice on the topic (the relay crash); the processors skipped {} redelivered dispatches by their dedupe row and fenced {} completions; {} handler runs",
+            metrics.sum("jobfold_duplicates_skipped_total"),
+            metrics.sum("jobfold_fenced_completions_total"),
+            metrics.sum("jobfold_handler_runs_total"),
+        ),
+    );
+    Ok(all)
+}

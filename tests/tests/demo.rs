@@ -1,0 +1,38 @@
+//! `jobfold demo --short`, the README's first command in its test size: it runs against the
+//! test services, kills a processor and crashes a relay midway, and its own summary checks
+//! the run. The test reads that summary.
+
+use std::process::Command;
+
+use jobfold_tests::harness::binary;
+use jobfold_tests::services;
+
+#[test]
+fn the_demo_runs_end_to_end_and_its_summary_checks_out() {
+    services::require_all();
+    let output = Command::new(binary("jobfold"))
+        .args(["demo", "--short"])
+        .env("JOBFOLD_DATABASE_URL", services::database_url())
+        .env("JOBFOLD_KAFKA_BROKERS", services::kafka_brokers())
+        .env("JOBFOLD_SCHEMA_REGISTRY_URL", services::schema_registry_url())
+        .output()
+        .expect("running jobfold demo");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "the demo failed:\n{stdout}\n{stderr}");
+    for expected in [
+        "[ok  ] every accepted job accounted for",
+        "[ok  ] 0 duplicate business writes",
+        "[ok  ] processor-b was killed with SIGKILL midway and processor-a took over",
+        "[ok  ] the highest succeeded version is the one indexed",
+        "[ok  ] replay --verify from Postgres",
+        "[ok  ] replay --verify from Kafka",
+        "[ok  ] duplicates delivered",
+        ">>> relay-1 crashed between producing a batch and marking it",
+        "Where to look next",
+        "Stopped what the demo started.",
+    ] {
+        assert!(stdout.contains(expected), "missing {expected:?} in:\n{stdout}");
+    }
+    assert!(!stdout.contains("[FAIL]"), "{stdout}");
+}
