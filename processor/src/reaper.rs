@@ -5,6 +5,11 @@
 //! Every processor runs it; `FOR UPDATE SKIP LOCKED` and `next_attempt_at` (set to the next
 //! look) keep them from dispatching the same job twice in one round. A second dispatch would
 //! be harmless anyway: the lease transaction skips what is already running or done.
+//!
+//! A job the reaper dispatched is not looked at again for `processor.stall_after`: its
+//! dispatch waits its turn in its partition (behind a backlog, or until the group moves a
+//! frozen member's partitions). Looking sooner only adds events to that backlog — under load
+//! a re-dispatch every grace period feeds on itself.
 
 use chrono::{DateTime, Utc};
 use jobfold_common::config::Config;
@@ -74,7 +79,7 @@ pub async fn reap(config: &Config, pool: &PgPool, events: &Events) -> anyhow::Re
             (DispatchReason::Stalled, "stalled")
         };
         let next_look: DateTime<Utc> =
-            Utc::now() + chrono::Duration::from_std(config.processor.reaper_grace)?;
+            Utc::now() + chrono::Duration::from_std(config.processor.stall_after)?;
         // language=PostgreSQL
         sqlx::query("UPDATE jobs SET next_attempt_at = $2 WHERE job_id = $1")
             .bind(job.job_id)
