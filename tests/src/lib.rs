@@ -11,8 +11,12 @@
 //!   jobfold's binaries as child processes a test can kill.
 //! - [`kafka`]: per-test topics and clients.
 //! - [`registry_standin`]: the stand-in Confluent-compatible registry server.
+//! - [`campaign`]: the fault campaign (also the `jobfold-campaign` command), and
+//!   [`history`]: the checker of what a run left in Postgres and on the topic.
 
+pub mod campaign;
 pub mod harness;
+pub mod history;
 pub mod kafka;
 pub mod registry_standin;
 pub mod services;

@@ -131,7 +131,11 @@ async fn demo(
         config.topics.events, config.topics.partitions
     );
 
-    // 3. A relay and two processors, separate processes.
+    // 3. Two relays and two processors, separate processes; the workload is planned first,
+    // so relay-1's crash lands early in it whatever its size.
+    let plan = plan(size.documents);
+    let planned = plan.len();
+    let crash_at = (planned / 8).clamp(2, 12);
     let logs = std::env::temp_dir().join(format!("jobfold-demo-{run_id}"));
     std::fs::create_dir_all(&logs)?;
     let bin = std::env::current_exe()?.parent().context("the binary's directory")?.to_path_buf();
@@ -141,10 +145,11 @@ async fn demo(
         ("processor-b", "jobfold-processor"),
         ("relay-2", "jobfold-relay"),
     ] {
-        // relay-1 crashes after producing its 12th batch and before marking it: relay-2,
+        // relay-1 crashes after producing its nth batch and before marking it: relay-2,
         // standing by, takes over and publishes those events again.
-        let failpoint = (name == "relay-1")
-            .then(|| format!("{}@12", jobfold_common::failpoint::RELAY_AFTER_PRODUCE_BEFORE_MARK));
+        let failpoint = (name == "relay-1").then(|| {
+            format!("{}@{crash_at}", jobfold_common::failpoint::RELAY_AFTER_PRODUCE_BEFORE_MARK)
+        });
         let process = spawn(&config, &bin.join(binary), name, &logs, failpoint)?;
         println!(
             "started {name:<12} pid {:>7}  log {}",
@@ -167,8 +172,6 @@ async fn demo(
     println!("services up after {:.1} s\n", t0.elapsed().as_secs_f64());
 
     // 4. The workload, submitted over HTTP to both processors while they work.
-    let plan = plan(size.documents);
-    let planned = plan.len();
     let ports = [started.processes[1].http, started.processes[2].http];
     println!(
         "submitting {planned} jobs for {} documents: 1-3 versions each, {} invalid, {} with transient failures, idempotent retries of {}\n",

@@ -1,0 +1,57 @@
+//! `jobfold-campaign`: the fault campaign with the history checker, as a command.
+//!
+//! ```sh
+//! cargo run -p jobfold-tests --bin jobfold-campaign -- --faults 200          # a random seed
+//! cargo run -p jobfold-tests --bin jobfold-campaign -- --seed 42 --faults 20 # replay a run
+//! ```
+//!
+//! It starts its own Postgres, Kafka and registry on ports from `--port-base` (the
+//! `docker/` scripts; Java, Maven and the PostgreSQL server binaries must be installed),
+//! and exits 1 if the history shows a lost job, a duplicate effect or no duplicate at all.
+
+use std::process::ExitCode;
+
+use clap::Parser;
+use jobfold_tests::campaign::{self, Plan};
+
+#[derive(Debug, Parser)]
+struct Args {
+    /// Seed of every random choice; random if absent (printed either way).
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Faults to inject.
+    #[arg(long, default_value_t = 200)]
+    faults: usize,
+    /// Shortest and longest pause between faults, in milliseconds.
+    #[arg(long, value_delimiter = ',', default_value = "500,2500")]
+    gap_ms: Vec<u64>,
+    /// Jobs per second from each of the three producers.
+    #[arg(long, default_value_t = 5.0)]
+    rate: f64,
+    /// Ports of the campaign's own services start above this one.
+    #[arg(long, default_value_t = 25_400)]
+    port_base: u16,
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let args = Args::parse();
+    let seed = args.seed.unwrap_or_else(rand::random);
+    println!("campaign seed {seed}, {} faults", args.faults);
+    let plan = Plan {
+        gap_ms: (args.gap_ms[0], *args.gap_ms.get(1).unwrap_or(&args.gap_ms[0])),
+        rate: args.rate,
+        port_base: args.port_base,
+        ..Plan::long(seed, args.faults)
+    };
+    match campaign::run(&plan).await {
+        Ok(outcome) => {
+            print!("{outcome}");
+            if outcome.held() { ExitCode::SUCCESS } else { ExitCode::FAILURE }
+        }
+        Err(e) => {
+            eprintln!("campaign seed {seed} could not run: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,772 @@
+//! The fault campaign: the whole system under load while faults land anywhere, any time —
+//! then the [`history`](crate::history) checker.
+//!
+//! It starts its own Postgres, Kafka and registry (the `docker/` scripts, on ports and a
+//! state directory of its own, so its crashes touch nothing else), 2 relays and 2–3
+//! processors as OS processes, and three producers at once: the HTTP API, the intake topic
+//! and the Rust API, with several versions per document and shares of transient failures,
+//! invalid inputs and slow jobs. Meanwhile it injects, at seeded random times:
+//!
+//! - `kill-processor`, `kill-relay`: SIGKILL at a random moment; the replacement may start
+//!   with a random failpoint armed (it then aborts itself at that crash window: counted as
+//!   `failpoint <name>`);
+//! - `pause-processor`: SIGSTOP past its lease expiry, then SIGCONT (a zombie worker);
+//! - `restart-kafka`: SIGKILL of the broker, restart;
+//! - `restart-postgres`: immediate-mode stop (no checkpoint) and restart;
+//! - `add-processor`, `remove-processor`: consumer group rebalances.
+//!
+//! Then it lets the system drain, checks the history and stops everything it started.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use jobfold_common::accept::NewJob;
+use jobfold_common::config::{Config, Sensitive};
+use jobfold_common::failpoint;
+use jobfold_schemas::codec::registry_settings;
+use jobfold_schemas::{Codec, JobRequest};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use serde_json::json;
+use sqlx::PgPool;
+use uuid::Uuid;
+
+use crate::harness::{Service, free_port, metric_value};
+use crate::history::{self, Acknowledged, History};
+
+/// What to run.
+#[derive(Debug, Clone)]
+pub struct Plan {
+    pub seed: u64,
+    /// Faults to inject (failpoints that fire on their own come on top).
+    pub faults: usize,
+    /// Pause between faults, in milliseconds, drawn uniformly.
+    pub gap_ms: (u64, u64),
+    /// Jobs each producer submits per second.
+    pub rate: f64,
+    /// Port base: Postgres on base+1, Kafka on base+2..4, the registry on base+5.
+    pub port_base: u16,
+    /// Time to drain after the last fault.
+    pub drain_timeout: Duration,
+}
+
+impl Plan {
+    /// The CI size: about 20 faults in a few minutes.
+    pub fn short(seed: u64) -> Self {
+        Self {
+            seed,
+            faults: 20,
+            gap_ms: (500, 2500),
+            rate: 5.0,
+            port_base: 25_400,
+            drain_timeout: Duration::from_secs(180),
+        }
+    }
+
+    /// The long run: `faults` faults.
+    pub fn long(seed: u64, faults: usize) -> Self {
+        Self { faults, ..Self::short(seed) }
+    }
+}
+
+/// What happened, and the checker's verdict.
+#[derive(Debug, Default)]
+pub struct Outcome {
+    pub seed: u64,
+    pub faults: BTreeMap<String, u64>,
+    pub duplicates_skipped: u64,
+    pub fenced_completions: u64,
+    pub handler_runs: u64,
+    pub intake_duplicates: u64,
+    pub elapsed: Duration,
+    pub history: History,
+}
+
+impl Outcome {
+    /// No finding, and duplicates were delivered (a run without any proves nothing).
+    pub fn held(&self) -> bool {
+        self.history.findings.is_empty() && self.duplicates_delivered() > 0
+    }
+
+    pub fn duplicates_delivered(&self) -> u64 {
+        self.history.duplicates_on_topic + self.duplicates_skipped + self.intake_duplicates
+    }
+}
+
+impl std::fmt::Display for Outcome {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let injected: u64 = self.faults.values().sum();
+        writeln!(
+            f,
+            "campaign seed {} — {injected} faults in {:.0} s",
+            self.seed,
+            self.elapsed.as_secs_f64()
+        )?;
+        for (kind, n) in &self.faults {
+            writeln!(f, "  {kind:<48} {n:>5}")?;
+        }
+        writeln!(
+            f,
+            "duplicates: {} on the topic, {} dispatches skipped by the processors, {} intake requests skipped",
+            self.history.duplicates_on_topic, self.duplicates_skipped, self.intake_duplicates
+        )?;
+        writeln!(
+            f,
+            "fenced completions {}, handler runs {} for {} business writes",
+            self.fenced_completions, self.handler_runs, self.history.business_writes
+        )?;
+        write!(f, "{}", self.history)?;
+        if self.duplicates_delivered() == 0 {
+            writeln!(f, "FINDING: no duplicate was delivered: this run proves nothing about them")?;
+        }
+        if !self.held() {
+            writeln!(
+                f,
+                "rerun: cargo run -p jobfold-tests --bin jobfold-campaign -- --seed {}",
+                self.seed
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// The campaign's own services.
+struct Services {
+    root: PathBuf,
+    env: Vec<(String, String)>,
+}
+
+impl Services {
+    fn new(plan: &Plan) -> Self {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+        let b = plan.port_base;
+        let state = std::env::temp_dir().join(format!(
+            "jobfold-campaign-{}-{}",
+            plan.seed,
+            std::process::id()
+        ));
+        let env = vec![
+            ("JOBFOLD_STATE_DIR".into(), state.display().to_string()),
+            ("JOBFOLD_PG_PORT".into(), (b + 1).to_string()),
+            ("JOBFOLD_KAFKA_PORT".into(), (b + 2).to_string()),
+            ("JOBFOLD_KAFKA_CONTROLLER_PORT".into(), (b + 3).to_string()),
+            ("JOBFOLD_KAFKA_SASL_PORT".into(), (b + 4).to_string()),
+            ("JOBFOLD_REGISTRY_PORT".into(), (b + 5).to_string()),
+        ];
+        Self { root, env }
+    }
+
+    fn script(&self, service: &str, action: &str) -> anyhow::Result<()> {
+        let output = std::process::Command::new("bash")
+            .arg(self.root.join(format!("docker/{service}.sh")))
+            .arg(action)
+            .envs(self.env.iter().cloned())
+            .stdin(std::process::Stdio::null())
+            .output()?;
+        anyhow::ensure!(
+            output.status.success(),
+            "docker/{service}.sh {action} failed: {}{}",
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        );
+        Ok(())
+    }
+
+    fn port(&self, n: u16) -> u16 {
+        self.env[1].1.parse::<u16>().expect("a port") - 1 + n
+    }
+}
+
+impl Drop for Services {
+    fn drop(&mut self) {
+        for service in ["registry", "kafka", "postgres"] {
+            let _ = self.script(service, "stop");
+        }
+        let _ = std::fs::remove_dir_all(&self.env[0].1);
+    }
+}
+
+/// One relay or processor slot: its running process, and the counters of the ones before.
+struct Slot {
+    binary: &'static str,
+    service: Option<Service>,
+    http: u16,
+    armed: Option<String>,
+    paused_until: Option<Instant>,
+    last: BTreeMap<&'static str, f64>,
+}
+
+const COUNTERS: [&str; 4] = [
+    "jobfold_duplicates_skipped_total",
+    "jobfold_fenced_completions_total",
+    "jobfold_handler_runs_total",
+    "jobfold_intake_duplicates_total",
+];
+
+const PROCESSOR_FAILPOINTS: [&str; 3] = [
+    failpoint::PROCESSOR_AFTER_LEASE_COMMIT,
+    failpoint::PROCESSOR_IN_HANDLER,
+    failpoint::PROCESSOR_AFTER_COMPLETION_BEFORE_OFFSET,
+];
+
+struct Fleet {
+    env: std::collections::HashMap<String, String>,
+    slots: Vec<Slot>,
+    banked: BTreeMap<&'static str, f64>,
+    faults: BTreeMap<String, u64>,
+    ports: Arc<Mutex<Vec<u16>>>,
+}
+
+impl Fleet {
+    fn start(&mut self, binary: &'static str, armed: Option<String>) -> usize {
+        let http = free_port();
+        let mut env = self.env.clone();
+        env.insert("JOBFOLD_HTTP_ADDR".into(), format!("127.0.0.1:{http}"));
+        if let Some(armed) = &armed {
+            env.insert("JOBFOLD_FAILPOINT".into(), armed.clone());
+        }
+        let service = Service::start(binary, &env);
+        self.slots.push(Slot {
+            binary,
+            service: Some(service),
+            http,
+            armed,
+            paused_until: None,
+            last: BTreeMap::new(),
+        });
+        self.publish_ports();
+        self.slots.len() - 1
+    }
+
+    fn publish_ports(&self) {
+        let ports = self
+            .slots
+            .iter()
+            .filter(|s| {
+                s.binary == "jobfold-processor" && s.service.is_some() && s.paused_until.is_none()
+            })
+            .map(|s| s.http)
+            .collect();
+        *self.ports.lock().expect("ports") = ports;
+    }
+
+    fn live(&self, binary: &str) -> Vec<usize> {
+        (0..self.slots.len())
+            .filter(|i| {
+                let s = &self.slots[*i];
+                s.binary == binary && s.service.is_some() && s.paused_until.is_none()
+            })
+            .collect()
+    }
+
+    fn bank(&mut self, i: usize) {
+        for (name, value) in std::mem::take(&mut self.slots[i].last) {
+            *self.banked.entry(name).or_default() += value;
+        }
+    }
+
+    fn count(&mut self, kind: impl Into<String>) {
+        *self.faults.entry(kind.into()).or_default() += 1;
+    }
+
+    /// Scrapes counters, resumes paused processes, restarts what died on its own.
+    async fn tend(&mut self, rng: &mut StdRng, arm: bool) {
+        for i in 0..self.slots.len() {
+            if let Some(until) = self.slots[i].paused_until
+                && Instant::now() >= until
+                && let Some(s) = &self.slots[i].service
+            {
+                s.signal("CONT");
+                self.slots[i].paused_until = None;
+                self.publish_ports();
+            }
+            let paused = self.slots[i].paused_until.is_some();
+            let Some(service) = self.slots[i].service.as_mut() else { continue };
+            if !paused && let Some(text) = service.scrape().await {
+                for name in COUNTERS {
+                    if let Some(v) = metric_sum(&text, name) {
+                        self.slots[i].last.insert(name, v);
+                    }
+                }
+            }
+            let service = self.slots[i].service.as_mut().expect("present");
+            if let Some(status) = service.wait_exit(Duration::ZERO) {
+                let binary = self.slots[i].binary;
+                let kind = match &self.slots[i].armed {
+                    Some(armed) => {
+                        format!("failpoint {}", armed.split('@').next().unwrap_or(armed))
+                    }
+                    None => format!("{binary} exited by itself ({status})"),
+                };
+                self.count(kind);
+                self.bank(i);
+                self.slots[i].service = None;
+                let armed = if arm { self.arm(rng, binary) } else { None };
+                self.replace(i, armed);
+            }
+        }
+    }
+
+    fn arm(&self, rng: &mut StdRng, binary: &str) -> Option<String> {
+        if !rng.random_bool(0.5) {
+            return None;
+        }
+        let name = if binary == "jobfold-relay" {
+            failpoint::RELAY_AFTER_PRODUCE_BEFORE_MARK
+        } else {
+            PROCESSOR_FAILPOINTS[rng.random_range(0..PROCESSOR_FAILPOINTS.len())]
+        };
+        Some(format!("{name}@{}", rng.random_range(1..=6)))
+    }
+
+    /// Starts a new process in slot `i`'s place.
+    fn replace(&mut self, i: usize, armed: Option<String>) {
+        let binary = self.slots[i].binary;
+        let new = self.start(binary, armed);
+        self.slots.swap(i, new);
+        self.slots.pop();
+        self.publish_ports();
+    }
+
+    fn counter(&self, name: &str) -> u64 {
+        let live: f64 = self.slots.iter().filter_map(|s| s.last.get(name)).sum();
+        (live + self.banked.get(name).copied().unwrap_or(0.0)) as u64
+    }
+}
+
+fn metric_sum(text: &str, name: &str) -> Option<f64> {
+    let mut found = None;
+    for line in text.lines().filter(|l| !l.starts_with('#')) {
+        let Some((series, value)) = line.rsplit_once(' ') else { continue };
+        if series.split('{').next() == Some(name) {
+            *found.get_or_insert(0.0) += value.parse::<f64>().unwrap_or(0.0);
+        }
+    }
+    found.or_else(|| metric_value(text, name, &[]))
+}
+
+/// The input of job `n`: a share of invalid, transient-failure and slow jobs.
+fn input(rng: &mut StdRng, n: u64) -> serde_json::Value {
+    let roll: f64 = rng.random();
+    if roll < 0.06 {
+        json!({"title": "no text", "n": n})
+    } else if roll < 0.20 {
+        json!({"text": format!("flaky {n}"), "simulate": {"fail_attempts": rng.random_range(1..=2)}})
+    } else if roll < 0.30 {
+        json!({"text": format!("slow {n}"), "simulate": {"sleep_ms": rng.random_range(1_500..4_000)}})
+    } else {
+        json!({"text": format!("document {n}"), "simulate": {"sleep_ms": rng.random_range(5..60)}})
+    }
+}
+
+/// Job `n`'s document and version: 40 documents, versions rising.
+fn target(n: u64) -> (String, i64) {
+    (format!("doc-{:02}", n % 40), (n / 40 + 1) as i64)
+}
+
+/// Runs the campaign; the outcome says whether the history held.
+///
+/// # Errors
+/// The services or the processes could not be started at all.
+pub async fn run(plan: &Plan) -> anyhow::Result<Outcome> {
+    let started = Instant::now();
+    let mut rng = StdRng::seed_from_u64(plan.seed);
+    let services = Services::new(plan);
+    for service in ["postgres", "kafka", "registry"] {
+        services.script(service, "start")?;
+    }
+    let mut config = Config::load(None).expect("the defaults load");
+    config.database_url = Sensitive::new(format!(
+        "postgres://jobfold:jobfold@127.0.0.1:{}/jobfold",
+        services.port(1)
+    ));
+    config.kafka_brokers = format!("127.0.0.1:{}", services.port(2));
+    config.schema_registry_url = format!("http://127.0.0.1:{}/apis/ccompat/v7", services.port(5));
+    let pool = jobfold_common::db::connect_and_migrate(&config, 8).await?;
+    jobfold_common::kafka::ensure_topics(&config, &jobfold_common::kafka::jobfold_topics(&config))
+        .await?;
+
+    let env: std::collections::HashMap<String, String> = [
+        ("JOBFOLD_DATABASE_URL", config.database_url.expose().clone()),
+        ("JOBFOLD_KAFKA_BROKERS", config.kafka_brokers.clone()),
+        ("JOBFOLD_SCHEMA_REGISTRY_URL", config.schema_registry_url.clone()),
+        ("JOBFOLD_PROCESSOR__LEASE_TTL", "3s".into()),
+        ("JOBFOLD_PROCESSOR__HEARTBEAT", "1s".into()),
+        ("JOBFOLD_PROCESSOR__RETRY_BASE", "100ms".into()),
+        ("JOBFOLD_PROCESSOR__RETRY_CAP", "500ms".into()),
+        ("JOBFOLD_PROCESSOR__REAPER_INTERVAL", "500ms".into()),
+        ("JOBFOLD_PROCESSOR__REAPER_GRACE", "1s".into()),
+        ("JOBFOLD_PROCESSOR__REVOKE_TIMEOUT", "3s".into()),
+        ("JOBFOLD_PROCESSOR__STALL_AFTER", "2min".into()),
+        ("JOBFOLD_PROCESSOR__GAUGE_INTERVAL", "1s".into()),
+        ("JOBFOLD_RELAY__STANDBY_RETRY", "200ms".into()),
+        ("JOBFOLD_RELAY__POLL_INTERVAL", "200ms".into()),
+        ("JOBFOLD_KAFKA__SESSION_TIMEOUT_MS", "6000".into()),
+        ("RUST_LOG", "info".into()),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_owned(), v))
+    .collect();
+    let ports = Arc::new(Mutex::new(Vec::new()));
+    let mut fleet = Fleet {
+        env,
+        slots: Vec::new(),
+        banked: BTreeMap::new(),
+        faults: BTreeMap::new(),
+        ports: Arc::clone(&ports),
+    };
+    for binary in ["jobfold-relay", "jobfold-relay", "jobfold-processor", "jobfold-processor"] {
+        fleet.start(binary, None);
+    }
+
+    // Producers.
+    let stop = Arc::new(AtomicBool::new(false));
+    let next = Arc::new(AtomicU64::new(0));
+    let acknowledged = Arc::new(Mutex::new(Acknowledged::default()));
+    let producers = vec![
+        tokio::spawn(http_producer(
+            plan.clone(),
+            Arc::clone(&ports),
+            Arc::clone(&next),
+            Arc::clone(&acknowledged),
+            Arc::clone(&stop),
+        )),
+        tokio::spawn(api_producer(
+            plan.clone(),
+            config.clone(),
+            pool.clone(),
+            Arc::clone(&next),
+            Arc::clone(&acknowledged),
+            Arc::clone(&stop),
+        )),
+        tokio::spawn(intake_producer(
+            plan.clone(),
+            config.clone(),
+            Arc::clone(&next),
+            Arc::clone(&acknowledged),
+            Arc::clone(&stop),
+        )),
+    ];
+
+    // Faults.
+    let mut injected = 0;
+    let mut next_fault = Instant::now() + Duration::from_secs(3);
+    while injected < plan.faults {
+        fleet.tend(&mut rng, true).await;
+        if Instant::now() < next_fault {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            continue;
+        }
+        inject(&mut fleet, &services, &mut rng).await?;
+        injected += 1;
+        next_fault =
+            Instant::now() + Duration::from_millis(rng.random_range(plan.gap_ms.0..=plan.gap_ms.1));
+    }
+
+    // Drain: producers stop, every process runs unarmed, the work settles.
+    stop.store(true, Ordering::SeqCst);
+    for producer in producers {
+        producer.await.context("a producer panicked")??;
+    }
+    let deadline = Instant::now() + plan.drain_timeout;
+    for i in 0..fleet.slots.len() {
+        if fleet.slots[i].paused_until.take().is_some()
+            && let Some(s) = &fleet.slots[i].service
+        {
+            s.signal("CONT");
+        }
+        if fleet.slots[i].armed.is_some() {
+            fleet.bank(i);
+            if let Some(mut s) = fleet.slots[i].service.take() {
+                s.kill9();
+            }
+            fleet.replace(i, None);
+        }
+    }
+    while fleet.live("jobfold-processor").len() < 2 {
+        fleet.start("jobfold-processor", None);
+    }
+    let acknowledged = acknowledged.lock().expect("acknowledged").clone();
+    loop {
+        fleet.tend(&mut rng, false).await;
+        if settled(&pool, &acknowledged).await.unwrap_or(false) || Instant::now() >= deadline {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    // The last counters, then a graceful stop.
+    fleet.tend(&mut rng, false).await;
+    for slot in &fleet.slots {
+        if let Some(s) = &slot.service {
+            s.signal("TERM");
+        }
+    }
+    for slot in &mut fleet.slots {
+        if let Some(s) = slot.service.as_mut()
+            && s.wait_exit(Duration::from_secs(20)).is_none()
+        {
+            s.kill9();
+        }
+    }
+
+    let history = history::check(&config, &pool, &acknowledged).await?;
+    pool.close().await;
+    drop(services);
+    Ok(Outcome {
+        seed: plan.seed,
+        faults: fleet.faults.clone(),
+        duplicates_skipped: fleet.counter("jobfold_duplicates_skipped_total"),
+        fenced_completions: fleet.counter("jobfold_fenced_completions_total"),
+        handler_runs: fleet.counter("jobfold_handler_runs_total"),
+        intake_duplicates: fleet.counter("jobfold_intake_duplicates_total"),
+        elapsed: started.elapsed(),
+        history,
+    })
+}
+
+/// Every acknowledged intake request has its job, and nothing is unfinished or unpublished.
+async fn settled(pool: &PgPool, acknowledged: &Acknowledged) -> anyhow::Result<bool> {
+    let keys: Vec<String> = acknowledged.requests.iter().map(|r| format!("request:{r}")).collect();
+    // language=PostgreSQL
+    let (missing, unfinished, unpublished): (i64, i64, i64) = sqlx::query_as(
+        r#"
+        SELECT (SELECT count(*) FROM unnest($1::text[]) k WHERE NOT EXISTS
+                    (SELECT 1 FROM jobs WHERE idempotency_key = k)),
+               (SELECT count(*) FROM jobs WHERE state IN ('queued', 'leased', 'retry_wait')),
+               (SELECT count(*) FROM outbox WHERE published_at IS NULL)
+        "#,
+    )
+    .bind(&keys)
+    .fetch_one(pool)
+    .await?;
+    Ok(missing == 0 && unfinished == 0 && unpublished == 0)
+}
+
+async fn inject(fleet: &mut Fleet, services: &Services, rng: &mut StdRng) -> anyhow::Result<()> {
+    let roll = rng.random_range(0..100);
+    let processors = fleet.live("jobfold-processor");
+    let relays = fleet.live("jobfold-relay");
+    match roll {
+        0..=29 if !processors.is_empty() => {
+            let i = processors[rng.random_range(0..processors.len())];
+            fleet.bank(i);
+            if let Some(mut s) = fleet.slots[i].service.take() {
+                s.kill9();
+            }
+            let armed = fleet.arm(rng, "jobfold-processor");
+            fleet.replace(i, armed);
+            fleet.count("kill -9 processor");
+        }
+        30..=44 if !relays.is_empty() => {
+            let i = relays[rng.random_range(0..relays.len())];
+            fleet.bank(i);
+            if let Some(mut s) = fleet.slots[i].service.take() {
+                s.kill9();
+            }
+            let armed = fleet.arm(rng, "jobfold-relay");
+            fleet.replace(i, armed);
+            fleet.count("kill -9 relay");
+        }
+        45..=59 if processors.len() >= 2 => {
+            let i = processors[rng.random_range(0..processors.len())];
+            if let Some(s) = &fleet.slots[i].service {
+                s.signal("STOP");
+                // Past the 3 s lease and the 6 s session: the group moves its partitions,
+                // another member leases its jobs again, and its completions are fenced.
+                fleet.slots[i].paused_until =
+                    Some(Instant::now() + Duration::from_millis(rng.random_range(8_000..12_000)));
+                fleet.publish_ports();
+                fleet.count("SIGSTOP processor past its lease, then SIGCONT");
+            }
+        }
+        60..=69 => {
+            services.script("kafka", "kill")?;
+            tokio::time::sleep(Duration::from_millis(rng.random_range(500..3_000))).await;
+            services.script("kafka", "start")?;
+            fleet.count("kill -9 Kafka broker, restart");
+        }
+        70..=79 => {
+            services.script("postgres", "restart-immediate")?;
+            fleet.count("Postgres immediate restart");
+        }
+        _ => {
+            if processors.len() < 3 {
+                fleet.start("jobfold-processor", None);
+                fleet.count("add processor (rebalance)");
+            } else {
+                let i = processors[rng.random_range(0..processors.len())];
+                fleet.bank(i);
+                if let Some(mut s) = fleet.slots[i].service.take() {
+                    s.signal("TERM");
+                    if s.wait_exit(Duration::from_secs(20)).is_none() {
+                        s.kill9();
+                    }
+                }
+                fleet.slots.remove(i);
+                fleet.publish_ports();
+                fleet.count("remove processor (rebalance)");
+            }
+        }
+    }
+    Ok(())
+}
+
+fn pace(plan: &Plan) -> Duration {
+    Duration::from_secs_f64(1.0 / plan.rate.max(0.1))
+}
+
+async fn http_producer(
+    plan: Plan,
+    ports: Arc<Mutex<Vec<u16>>>,
+    next: Arc<AtomicU64>,
+    acknowledged: Arc<Mutex<Acknowledged>>,
+    stop: Arc<AtomicBool>,
+) -> anyhow::Result<()> {
+    let mut rng = StdRng::seed_from_u64(plan.seed ^ 1);
+    let client = reqwest::Client::builder().timeout(Duration::from_secs(10)).build()?;
+    while !stop.load(Ordering::SeqCst) {
+        let n = next.fetch_add(1, Ordering::SeqCst);
+        let (document, version) = target(n);
+        let body = json!({"document_id": document, "kind": "index-document",
+                          "input_version": version, "input": input(&mut rng, n)})
+        .to_string();
+        let key = format!("http-{n}");
+        // Retried with the same key until answered: the answer is the acknowledgment.
+        loop {
+            let port = ports.lock().expect("ports").first().copied();
+            let answer = match port {
+                Some(port) => client
+                    .post(format!("http://127.0.0.1:{port}/v1/jobs"))
+                    .header("content-type", "application/json")
+                    .header("idempotency-key", &key)
+                    .body(body.clone())
+                    .send()
+                    .await
+                    .ok(),
+                None => None,
+            };
+            if let Some(answer) = answer
+                && matches!(answer.status().as_u16(), 200 | 201)
+                && let Ok(created) = answer.json::<serde_json::Value>().await
+                && let Some(id) = created["job_id"].as_str().and_then(|s| Uuid::parse_str(s).ok())
+            {
+                acknowledged.lock().expect("acknowledged").jobs.push(id);
+                break;
+            }
+            ports.lock().expect("ports").rotate_left(1);
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        tokio::time::sleep(pace(&plan)).await;
+    }
+    Ok(())
+}
+
+async fn api_producer(
+    plan: Plan,
+    config: Config,
+    pool: PgPool,
+    next: Arc<AtomicU64>,
+    acknowledged: Arc<Mutex<Acknowledged>>,
+    stop: Arc<AtomicBool>,
+) -> anyhow::Result<()> {
+    let mut rng = StdRng::seed_from_u64(plan.seed ^ 2);
+    let codec =
+        Codec::connect(registry_settings(&config.schema_registry_url)?, &config.topics.events)
+            .await?;
+    let acceptor = jobfold_common::accept::Acceptor::new(
+        codec,
+        config.accept.clone(),
+        &config.topics.events,
+        "campaign",
+    );
+    while !stop.load(Ordering::SeqCst) {
+        let n = next.fetch_add(1, Ordering::SeqCst);
+        let (document, version) = target(n);
+        let job = NewJob {
+            document_id: document,
+            kind: "index-document".into(),
+            input_version: version,
+            input: input(&mut rng, n),
+            idempotency_key: Some(format!("api-{n}")),
+            trace: None,
+        };
+        // A commit lost with its connection is ambiguous: the retry with the same key
+        // finds the job or makes it, and only an answer counts as acknowledged.
+        loop {
+            match acceptor.accept(&pool, &job).await {
+                Ok(accepted) => {
+                    acknowledged.lock().expect("acknowledged").jobs.push(accepted.job_id);
+                    break;
+                }
+                Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
+            }
+        }
+        tokio::time::sleep(pace(&plan)).await;
+    }
+    Ok(())
+}
+
+async fn intake_producer(
+    plan: Plan,
+    config: Config,
+    next: Arc<AtomicU64>,
+    acknowledged: Arc<Mutex<Acknowledged>>,
+    stop: Arc<AtomicBool>,
+) -> anyhow::Result<()> {
+    let mut rng = StdRng::seed_from_u64(plan.seed ^ 3);
+    let codec = Codec::<JobRequest>::connect(
+        registry_settings(&config.schema_registry_url)?,
+        &config.topics.requests,
+    )
+    .await?;
+    let producer: FutureProducer = config
+        .kafka_client_with(jobfold_relay::publish::PRODUCER_DEFAULTS)
+        .set("message.timeout.ms", "120000")
+        .create()?;
+    let mut deliveries = Vec::new();
+    while !stop.load(Ordering::SeqCst) {
+        let n = next.fetch_add(1, Ordering::SeqCst);
+        let (document, version) = target(n);
+        let request = JobRequest {
+            request_id: Uuid::now_v7(),
+            document_id: document.clone(),
+            job_kind: "index-document".into(),
+            input_version: version,
+            input: input(&mut rng, n).to_string(),
+            requested_at: chrono::Utc::now(),
+            producer: "campaign".into(),
+            trace: None,
+        };
+        let body = codec.encode(&request)?;
+        let record = FutureRecord::to(&config.topics.requests).key(&document).payload(&body);
+        match producer.send_result(record) {
+            Ok(delivery) => deliveries.push((request.request_id, delivery)),
+            Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+        }
+        // An upstream producer resends what was not acknowledged; here, only acknowledged
+        // requests are expected to become jobs.
+        let mut still = Vec::new();
+        for (id, mut delivery) in deliveries.drain(..) {
+            match futures::poll!(&mut delivery) {
+                std::task::Poll::Ready(Ok(Ok(_))) => {
+                    acknowledged.lock().expect("acknowledged").requests.push(id)
+                }
+                std::task::Poll::Ready(_) => {}
+                std::task::Poll::Pending => still.push((id, delivery)),
+            }
+        }
+        deliveries = still;
+        tokio::time::sleep(pace(&plan)).await;
+    }
+    for (id, delivery) in deliveries {
+        if let Ok(Ok(_)) = delivery.await {
+            acknowledged.lock().expect("acknowledged").requests.push(id);
+        }
+    }
+    Ok(())
+}
