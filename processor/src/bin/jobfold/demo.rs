@@ -505,7 +505,7 @@ struct Submitted {
 }
 
 async fn submit(plan: Vec<Planned>, ports: [u16; 2]) -> anyhow::Result<Submitted> {
-    let client = reqwest::Client::new();
+    let client = reqwest::Client::builder().timeout(Duration::from_secs(10)).build()?;
     let mut out = Submitted { accepted: 0, idempotent_replays: 0, sample_job: String::new() };
     // Spread over a few seconds, so the kill lands while jobs run.
     let pause = Duration::from_micros((4_000_000 / plan.len().max(1)) as u64);
@@ -520,37 +520,41 @@ async fn submit(plan: Vec<Planned>, ports: [u16; 2]) -> anyhow::Result<Submitted
                           "input_version": job.version, "input": input});
         let key = format!("demo-{}-v{}", job.document, job.version);
         for attempt in 0..if job.retry_submit { 2 } else { 1 } {
-            // Alternate between the processors; one that does not answer (killed) is skipped,
-            // and the Idempotency-Key makes the retry safe.
+            // Alternate between the processors. A request to one that dies (refused, or cut
+            // off mid-request) goes to the other: the Idempotency-Key makes the retry safe,
+            // and an accepted first try answers 200 the second time.
             let mut response = None;
-            for port in [ports[(i + attempt) % 2], ports[(i + attempt + 1) % 2]] {
-                match client
-                    .post(format!("http://127.0.0.1:{port}/v1/jobs"))
-                    .header("content-type", "application/json")
-                    .header("idempotency-key", &key)
-                    .body(body.to_string())
-                    .send()
-                    .await
-                {
-                    Ok(r) => {
+            let deadline = Instant::now() + Duration::from_secs(30);
+            'send: while Instant::now() < deadline {
+                for port in [ports[(i + attempt) % 2], ports[(i + attempt + 1) % 2]] {
+                    if let Ok(r) = client
+                        .post(format!("http://127.0.0.1:{port}/v1/jobs"))
+                        .header("content-type", "application/json")
+                        .header("idempotency-key", &key)
+                        .body(body.to_string())
+                        .send()
+                        .await
+                    {
                         response = Some(r);
-                        break;
+                        break 'send;
                     }
-                    Err(e) if e.is_connect() => continue,
-                    Err(e) => return Err(e.into()),
                 }
+                tokio::time::sleep(Duration::from_millis(100)).await;
             }
             let response = response.context("no processor answers HTTP")?;
-            match response.status().as_u16() {
-                201 => {
+            // The first submission's answer — 201, or 200 if a try cut off above was
+            // accepted — means one job; the deliberate resubmission must answer 200.
+            match (attempt, response.status().as_u16()) {
+                (0, 200 | 201) => {
                     out.accepted += 1;
                     let created: serde_json::Value = response.json().await?;
                     if out.sample_job.is_empty() {
                         out.sample_job = created["job_id"].as_str().unwrap_or_default().to_owned();
                     }
                 }
-                200 => out.idempotent_replays += 1,
-                status => {
+                (_, 200) => out.idempotent_replays += 1,
+                (_, 201) => anyhow::bail!("resubmitting {key} created a second job"),
+                (_, status) => {
                     anyhow::bail!("submitting {key}: HTTP {status}: {}", response.text().await?)
                 }
             }
