@@ -105,6 +105,20 @@ pub struct Options {
     pub dedupe_window: usize,
 }
 
+impl Options {
+    /// A plain replay of the whole log from `source`: no verify, no export, no progress bar.
+    pub fn new(source: Source) -> Self {
+        Self {
+            source,
+            since: None,
+            verify: false,
+            export: None,
+            progress: false,
+            dedupe_window: DEFAULT_DEDUPE_WINDOW,
+        }
+    }
+}
+
 /// Where an event was read.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Position {

@@ -8,7 +8,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
-use jobfold_common::accept::Acceptor;
+use jobfold_common::accept::{Acceptor, NewJob};
 use jobfold_common::config::{Config, Sensitive};
 use jobfold_schemas::codec::registry_settings;
 use jobfold_schemas::{Codec, Decoder, JobEvent};
@@ -132,6 +132,18 @@ impl Installation {
         let _ = sqlx::query(&format!("DROP DATABASE IF EXISTS {} WITH (FORCE)", self.database))
             .execute(&admin)
             .await;
+    }
+}
+
+/// An `index-document` job for `document` at `version`, without idempotency key or trace.
+pub fn index_job(document: &str, version: i64, input: serde_json::Value) -> NewJob {
+    NewJob {
+        document_id: document.into(),
+        kind: "index-document".into(),
+        input_version: version,
+        input,
+        idempotency_key: None,
+        trace: None,
     }
 }
 

@@ -212,14 +212,7 @@ pub async fn check(
         &config.schema_registry_url,
     )?);
     for source in [Source::Postgres, Source::Kafka] {
-        let options = Options {
-            source,
-            since: None,
-            verify: true,
-            export: None,
-            progress: false,
-            dedupe_window: analytics::DEFAULT_DEDUPE_WINDOW,
-        };
+        let options = Options { verify: true, ..Options::new(source) };
         let report = analytics::replay(config, pool, &decoder, &options).await?;
         if source == Source::Kafka {
             h.duplicates_on_topic = report.duplicates;

@@ -6,21 +6,12 @@ use std::time::Duration;
 
 use jobfold_common::accept::{Acceptor, NewJob};
 use jobfold_common::failpoint;
-use jobfold_tests::harness::{Installation, Service, eventually, fold_mismatches};
+use jobfold_tests::harness::{
+    Installation, Service, eventually, fold_mismatches, index_job as job,
+};
 use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
-
-fn job(document: &str, version: i64, input: Value) -> NewJob {
-    NewJob {
-        document_id: document.into(),
-        kind: "index-document".into(),
-        input_version: version,
-        input,
-        idempotency_key: None,
-        trace: None,
-    }
-}
 
 /// Test timings: short leases and retries.
 fn fast(it: &mut Installation) {

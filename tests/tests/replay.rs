@@ -6,35 +6,16 @@ use std::time::Duration;
 
 use arrow_array::{Array, Int32Array, StringArray, TimestampMillisecondArray};
 use arrow_schema::{DataType, TimeUnit};
-use jobfold_common::accept::NewJob;
 use jobfold_processor::analytics::{self, Export, Format, Options, Report, Rows, Source};
 use jobfold_schemas::{Decoder, JobEvent, Status};
-use jobfold_tests::harness::{Installation, events_on_topic, eventually};
+use jobfold_tests::harness::{Installation, events_on_topic, eventually, index_job as job};
 use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
 use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
-fn job(document: &str, version: i64, input: Value) -> NewJob {
-    NewJob {
-        document_id: document.into(),
-        kind: "index-document".into(),
-        input_version: version,
-        input,
-        idempotency_key: None,
-        trace: None,
-    }
-}
-
 fn options(source: Source, verify: bool, export: Option<Export>) -> Options {
-    Options {
-        source,
-        since: None,
-        verify,
-        export,
-        progress: false,
-        dedupe_window: analytics::DEFAULT_DEDUPE_WINDOW,
-    }
+    Options { verify, export, ..Options::new(source) }
 }
 
 async fn count(it: &Installation, sql: &str) -> i64 {

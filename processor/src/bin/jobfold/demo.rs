@@ -726,14 +726,7 @@ async fn summary(
     let decoder = Decoder::<JobEvent>::new(registry_settings(&config.schema_registry_url)?);
     let mut on_topic = 0;
     for source in [Source::Postgres, Source::Kafka] {
-        let options = Options {
-            source,
-            since: None,
-            verify: true,
-            export: None,
-            progress: false,
-            dedupe_window: analytics::DEFAULT_DEDUPE_WINDOW,
-        };
+        let options = Options { verify: true, ..Options::new(source) };
         let report = analytics::replay(config, pool, &decoder, &options).await?;
         if source == Source::Kafka {
             on_topic = report.duplicates;
