@@ -1,9 +1,8 @@
-//! Accepting jobs: the job row, its `JobRequested` event and the outbox row, in one
-//! transaction.
+//! Accepting jobs: the job row and its `JobRequested` event, in one transaction.
 //!
 //! Invariant: a job is accepted exactly when this transaction commits. Before the commit
-//! nothing exists — no row, no event, no message (the relay only sees committed outbox rows).
-//! After it the job cannot be lost: the relay publishes the outbox row at least once.
+//! nothing exists — no row, no event, no message (the relay only reads committed events).
+//! After it the job cannot be lost: the relay publishes the event at least once.
 //!
 //! Three ways in end here: [`Acceptor::accept_in`] inside the caller's own transaction
 //! (transactional enqueue), [`Acceptor::accept`] with a pool (HTTP), and the intake consumer.
@@ -74,7 +73,6 @@ pub enum AcceptError {
 pub struct Acceptor {
     codec: Codec<JobEvent>,
     policy: AcceptPolicy,
-    events_topic: String,
     /// Written into each event's `producer` field.
     producer: String,
 }
@@ -90,13 +88,8 @@ struct Existing {
 }
 
 impl Acceptor {
-    pub fn new(
-        codec: Codec<JobEvent>,
-        policy: AcceptPolicy,
-        events_topic: impl Into<String>,
-        producer: impl Into<String>,
-    ) -> Self {
-        Self { codec, policy, events_topic: events_topic.into(), producer: producer.into() }
+    pub fn new(codec: Codec<JobEvent>, policy: AcceptPolicy, producer: impl Into<String>) -> Self {
+        Self { codec, policy, producer: producer.into() }
     }
 
     /// Checks a job against the rules; [`AcceptError::Invalid`] names the first bad field.
@@ -160,16 +153,13 @@ impl Acceptor {
                 INSERT INTO jobs (job_id, document_id, kind, payload, input_version,
                                   idempotency_key, accepted_at, stream_version,
                                   max_attempts, deadline)
-                VALUES ($1, $2, $3, $4, $5, $6, $7, 1, $11, $12)
+                VALUES ($1, $2, $3, $4, $5, $6, $7, 1, $10, $11)
                 ON CONFLICT (idempotency_key) DO NOTHING
                 RETURNING job_id
             ), event AS (
-                INSERT INTO job_events (event_id, job_id, stream_version, kind, body, occurred_at)
-                SELECT $8, job_id, 1, 'JobRequested', $9, $7 FROM job
-                RETURNING seq
-            ), outbox AS (
-                INSERT INTO outbox (seq, topic, key, traceparent, tracestate)
-                SELECT seq, $10, $2, $13, $14 FROM event
+                INSERT INTO job_events (event_id, job_id, stream_version, kind, body, occurred_at,
+                                        key, traceparent, tracestate)
+                SELECT $8, job_id, 1, 'JobRequested', $9, $7, $2, $12, $13 FROM job
             )
             SELECT job_id FROM job
             "#,
@@ -183,7 +173,6 @@ impl Acceptor {
         .bind(now)
         .bind(event.event_id)
         .bind(&body)
-        .bind(&self.events_topic)
         .bind(max_attempts)
         .bind(deadline)
         .bind(job.trace.as_ref().map(|t| &t.traceparent))
@@ -270,7 +259,7 @@ impl Acceptor {
             WITH input AS (
                 SELECT * FROM unnest($1::uuid[], $2::text[], $3::text[], $4::jsonb[],
                                      $5::bigint[], $6::text[], $7::uuid[], $8::bytea[],
-                                     $11::int[], $12::timestamptz[], $13::text[], $14::text[])
+                                     $10::int[], $11::timestamptz[], $12::text[], $13::text[])
                     WITH ORDINALITY
                     AS t(job_id, document_id, kind, payload, input_version, idempotency_key,
                          event_id, body, max_attempts, deadline, traceparent, tracestate, n)
@@ -284,15 +273,12 @@ impl Acceptor {
                 ON CONFLICT (idempotency_key) DO NOTHING
                 RETURNING job_id
             ), event AS (
-                INSERT INTO job_events (event_id, job_id, stream_version, kind, body, occurred_at)
-                SELECT i.event_id, i.job_id, 1, 'JobRequested', i.body, $9
+                INSERT INTO job_events (event_id, job_id, stream_version, kind, body, occurred_at,
+                                        key, traceparent, tracestate)
+                SELECT i.event_id, i.job_id, 1, 'JobRequested', i.body, $9,
+                       i.document_id, i.traceparent, i.tracestate
                 FROM input i JOIN job USING (job_id)
                 ORDER BY i.n
-                RETURNING seq, job_id
-            ), outbox AS (
-                INSERT INTO outbox (seq, topic, key, traceparent, tracestate)
-                SELECT e.seq, $10, i.document_id, i.traceparent, i.tracestate
-                FROM event e JOIN input i USING (job_id)
             )
             SELECT job_id FROM job
             "#,
@@ -306,7 +292,6 @@ impl Acceptor {
         .bind(&event_ids)
         .bind(&bodies)
         .bind(now)
-        .bind(&self.events_topic)
         .bind(&budgets)
         .bind(&deadlines)
         .bind(&traceparents)

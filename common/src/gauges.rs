@@ -7,7 +7,7 @@
 //! `processor.gauge_interval`; `jobfold stats` prints the same [`Snapshot`].
 //!
 //! Every query reads a partial index or a table that only holds unfinished or problem rows
-//! (`jobs_unfinished_idx`, `outbox_unpublished_idx`, `quarantine`, `dead_letters`), so the
+//! (`jobs_unfinished_idx`, `job_events_relay_idx`, `outbox_unpublished_idx`, `quarantine`, `dead_letters`), so the
 //! cost follows the backlog, not the history.
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -33,7 +33,7 @@ pub struct Snapshot {
     pub quarantined: BTreeMap<String, i64>,
     /// Messages the intake or the processor could not decode.
     pub dead_letters: i64,
-    /// Due outbox rows not yet published.
+    /// Events the relay still owes Kafka (after its cursor, or due in the outbox).
     pub relay_backlog: i64,
     /// Seconds since the oldest due, unpublished outbox row became due (0 with none).
     pub relay_oldest_unpublished_age_seconds: f64,
@@ -96,7 +96,8 @@ pub async fn read(pool: &PgPool) -> Result<Snapshot, sqlx::Error> {
     Ok(snapshot)
 }
 
-/// Due, unpublished outbox rows: how many, and the age of the oldest in seconds.
+/// Events the relay still owes Kafka — after its cursor in the log, or due and unpublished in
+/// the outbox: how many (counted up to a million), and the age of the oldest in seconds.
 ///
 /// # Errors
 /// The database failed.
@@ -107,14 +108,41 @@ where
     // language=PostgreSQL
     let (count, age): (i64, Option<f64>) = sqlx::query_as(
         r#"
-        SELECT count(*), EXTRACT(EPOCH FROM now() - min(available_at))::float8
-        FROM outbox
-        WHERE published_at IS NULL AND available_at <= now()
+        SELECT count(*), EXTRACT(EPOCH FROM now() - min(since))::float8
+        FROM (
+            (SELECT e.occurred_at AS since
+             FROM job_events e, relay_cursor c
+             WHERE NOT e.delayed AND (e.xid, e.seq) > (c.published_xid, c.published_seq)
+             LIMIT 1000000)
+            UNION ALL
+            SELECT available_at FROM outbox WHERE published_at IS NULL AND available_at <= now()
+        ) owed
         "#,
     )
     .fetch_one(executor)
     .await?;
     Ok((count, age.unwrap_or(0.0).max(0.0)))
+}
+
+/// Events the relay has not published yet, due or not: after its log cursor, or unpublished
+/// in the outbox. Counts them all: for checks and tools, not for a scrape.
+///
+/// # Errors
+/// The database failed.
+pub async fn unpublished<'c, E>(executor: E) -> Result<i64, sqlx::Error>
+where
+    E: sqlx::PgExecutor<'c>,
+{
+    // language=PostgreSQL
+    sqlx::query_scalar(
+        r#"
+        SELECT (SELECT count(*) FROM job_events e, relay_cursor c
+                WHERE NOT e.delayed AND (e.xid, e.seq) > (c.published_xid, c.published_seq))
+             + (SELECT count(*) FROM outbox WHERE published_at IS NULL)
+        "#,
+    )
+    .fetch_one(executor)
+    .await
 }
 
 /// Every job per state, finished ones included: a full scan of `jobs`, for operators

@@ -63,13 +63,21 @@ pub const ACCEPT_TO_COMPLETE_SECONDS: &str = "jobfold_accept_to_complete_seconds
 /// Describes every metric above to the installed recorder.
 pub fn describe() {
     describe_counter!(ACCEPTED_TOTAL, Unit::Count, "Jobs accepted (new jobs, not retries).");
-    describe_counter!(RELAY_PUBLISHED_TOTAL, Unit::Count, "Outbox rows published and marked.");
+    describe_counter!(
+        RELAY_PUBLISHED_TOTAL,
+        Unit::Count,
+        "Events published and recorded (cursor moved or outbox row marked)."
+    );
     describe_counter!(
         RELAY_DELIVERY_ERRORS_TOTAL,
         Unit::Count,
         "Deliveries refused or timed out; the rows are retried."
     );
-    describe_gauge!(RELAY_BACKLOG, Unit::Count, "Due outbox rows not yet published.");
+    describe_gauge!(
+        RELAY_BACKLOG,
+        Unit::Count,
+        "Events the relay still owes Kafka: after its log cursor, or due in the outbox."
+    );
     describe_gauge!(
         RELAY_OLDEST_UNPUBLISHED_AGE_SECONDS,
         Unit::Seconds,

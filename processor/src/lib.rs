@@ -64,12 +64,7 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> anyhow::Result<
         .await
         .context("registering the job event schema")?;
     let producer = format!("jobfold-processor/{}", std::process::id());
-    let acceptor = Acceptor::new(
-        codec.clone(),
-        config.accept.clone(),
-        &config.topics.events,
-        producer.clone(),
-    );
+    let acceptor = Acceptor::new(codec.clone(), config.accept.clone(), producer.clone());
 
     let events =
         store::Events { codec: codec.clone(), topic: config.topics.events.clone(), producer };

@@ -1,9 +1,9 @@
 //! The reaper: jobs whose lease expired more than `processor.reaper_grace` ago (the worker
 //! died or hangs) and jobs still queued `processor.stall_after` after acceptance are
-//! dispatched again, with a `RetryDue` event through the outbox.
+//! dispatched again, with a `RetryDue` event.
 //!
 //! Every processor runs it; `FOR UPDATE SKIP LOCKED` and `next_attempt_at` (set to the next
-//! look) keep them from dispatching the same job twice in one round. A second dispatch would
+//! look, re-checked under the lock) keep them from dispatching the same job twice in one round. A second dispatch would
 //! be harmless anyway: the lease transaction skips what is already running or done.
 //!
 //! A job the reaper dispatched is not looked at again for `processor.stall_after`: its
@@ -42,57 +42,81 @@ pub async fn run(config: Config, pool: PgPool, events: Events, shutdown: Cancell
 
 /// One round: dispatches expired leases and stalled jobs again; returns how many.
 ///
+/// Candidates are found without locks; each is then re-checked, locked and dispatched in a
+/// transaction of its own that locks it first (see [`JobRow::fresh_xid`]).
+///
 /// # Errors
 /// The database failed.
 pub async fn reap(config: &Config, pool: &PgPool, events: &Events) -> anyhow::Result<u64> {
-    let grace = config.processor.reaper_grace.as_secs_f64();
+    // language=PostgreSQL
+    let candidates: Vec<uuid::Uuid> = sqlx::query_scalar(&format!(
+        "SELECT job_id FROM jobs WHERE {DUE} ORDER BY accepted_at LIMIT $3"
+    ))
+    .bind(config.processor.reaper_grace.as_secs_f64())
+    .bind(config.processor.stall_after.as_secs_f64())
+    .bind(ROUND)
+    .fetch_all(pool)
+    .await?;
+    let mut dispatched = 0;
+    for job_id in candidates {
+        dispatched += u64::from(dispatch(config, pool, events, job_id).await?);
+    }
+    Ok(dispatched)
+}
+
+/// Which jobs the reaper dispatches: `$1` is the grace, `$2` stall_after, in seconds.
+const DUE: &str = r#"
+    ((state = 'leased' AND lease_until < now() - make_interval(secs => $1))
+      OR (state = 'queued' AND accepted_at < now() - make_interval(secs => $2)))
+    AND coalesce(next_attempt_at, '-infinity') < now()
+"#;
+
+/// Dispatches one job again if it is still due and no one else holds it.
+async fn dispatch(
+    config: &Config,
+    pool: &PgPool,
+    events: &Events,
+    job_id: uuid::Uuid,
+) -> anyhow::Result<bool> {
     let mut tx = pool.begin().await?;
     // language=PostgreSQL
-    let jobs: Vec<(JobRow, String)> = sqlx::query_as::<_, JobRowWithReason>(
+    let locked = sqlx::query_as::<_, JobRowWithReason>(&format!(
         r#"
         SELECT job_id, document_id, kind, payload, input_version, state::text AS state, attempt,
                generation, lease_until, lease_owner, max_attempts, deadline, stream_version,
-               accepted_at,
+               accepted_at, pg_current_xact_id_if_assigned() IS NULL AS fresh_xid,
                CASE WHEN state = 'leased' THEN 'lease_expired' ELSE 'stalled' END AS reason
         FROM jobs
-        WHERE ((state = 'leased' AND lease_until < now() - make_interval(secs => $1))
-            OR (state = 'queued' AND accepted_at < now() - make_interval(secs => $3)))
-          AND coalesce(next_attempt_at, '-infinity') < now()
-        ORDER BY accepted_at
-        LIMIT $2
+        WHERE job_id = $3 AND {DUE}
         FOR UPDATE SKIP LOCKED
-        "#,
-    )
-    .bind(grace)
-    .bind(ROUND)
+        "#
+    ))
+    .bind(config.processor.reaper_grace.as_secs_f64())
     .bind(config.processor.stall_after.as_secs_f64())
-    .fetch_all(&mut *tx)
-    .await?
-    .into_iter()
-    .map(|r| (r.job, r.reason))
-    .collect();
-    let mut dispatched = 0;
-    for (mut job, reason) in jobs {
-        let (why, label) = if reason == "lease_expired" {
-            (DispatchReason::LeaseExpired, "lease_expired")
-        } else {
-            (DispatchReason::Stalled, "stalled")
-        };
-        let next_look: DateTime<Utc> =
-            Utc::now() + chrono::Duration::from_std(config.processor.stall_after)?;
-        // language=PostgreSQL
-        sqlx::query("UPDATE jobs SET next_attempt_at = $2 WHERE job_id = $1")
-            .bind(job.job_id)
-            .bind(next_look)
-            .execute(&mut *tx)
-            .await?;
-        let due = Payload::RetryDue(RetryDue { due_at: Utc::now(), reason: why });
-        events.append(&mut tx, &mut job, due, None, None).await?;
-        metrics::counter!(m::REAPER_DISPATCHED_TOTAL, "reason" => label).increment(1);
-        dispatched += 1;
-    }
+    .bind(job_id)
+    .fetch_optional(&mut *tx)
+    .await?;
+    let Some(JobRowWithReason { mut job, reason }) = locked else {
+        return Ok(false);
+    };
+    let (why, label) = if reason == "lease_expired" {
+        (DispatchReason::LeaseExpired, "lease_expired")
+    } else {
+        (DispatchReason::Stalled, "stalled")
+    };
+    let next_look: DateTime<Utc> =
+        Utc::now() + chrono::Duration::from_std(config.processor.stall_after)?;
+    let due = Payload::RetryDue(RetryDue { due_at: Utc::now(), reason: why });
+    events.append(&mut tx, &mut job, due, None, None).await?;
+    // language=PostgreSQL
+    sqlx::query("UPDATE jobs SET next_attempt_at = $2 WHERE job_id = $1")
+        .bind(job.job_id)
+        .bind(next_look)
+        .execute(&mut *tx)
+        .await?;
     tx.commit().await?;
-    Ok(dispatched)
+    metrics::counter!(m::REAPER_DISPATCHED_TOTAL, "reason" => label).increment(1);
+    Ok(true)
 }
 
 #[derive(sqlx::FromRow)]

@@ -63,8 +63,8 @@ pub struct EventEntry {
     pub stream_version: i32,
     pub kind: String,
     pub occurred_at: DateTime<Utc>,
-    /// When the relay published it; `None` while it waits, or once its outbox row was pruned
-    /// (`published: true` then).
+    /// When the relay published it, for a delayed event (a scheduled retry's `RetryDue`, sent
+    /// through the outbox) until its outbox row is pruned; `None` otherwise.
     pub published_at: Option<DateTime<Utc>>,
     pub published: bool,
     /// The whole event, as [`JobEvent::to_json`] writes it.
@@ -93,8 +93,10 @@ pub async fn events(
     let rows: Vec<Row> = sqlx::query_as(
         r#"
         SELECT e.seq, e.stream_version, e.kind, e.occurred_at, e.body, o.published_at,
-               o.seq IS NULL OR o.published_at IS NOT NULL AS published
-        FROM job_events e LEFT JOIN outbox o USING (seq)
+               CASE WHEN e.delayed THEN o.seq IS NULL OR o.published_at IS NOT NULL
+                    ELSE (e.xid, e.seq) <= (c.published_xid, c.published_seq)
+               END AS published
+        FROM job_events e LEFT JOIN outbox o USING (seq) CROSS JOIN relay_cursor c
         WHERE e.job_id = $1
         ORDER BY e.stream_version
         "#,

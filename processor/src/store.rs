@@ -43,9 +43,16 @@ pub struct JobRow {
     pub deadline: Option<DateTime<Utc>>,
     pub stream_version: i32,
     pub accepted_at: DateTime<Utc>,
+    /// The row was locked by a transaction that had no xid yet: its xid, assigned after the
+    /// lock, is above that of every earlier writer of this job. Only such a transaction may
+    /// append to the job's stream, or the relay, which follows xid order, could publish the
+    /// job's events out of order. Set by [`lock_job`].
+    #[sqlx(default)]
+    pub fresh_xid: bool,
 }
 
-/// Writes events: encodes them and appends them to `job_events` and `outbox`.
+/// Writes events: encodes them and appends them to `job_events` (and a delayed one to
+/// `outbox` too, which keeps its due time).
 #[derive(Debug, Clone)]
 pub struct Events {
     pub codec: Codec<JobEvent>,
@@ -83,18 +90,26 @@ impl Events {
             payload,
         };
         let body = self.codec.encode(&event)?;
+        if !job.fresh_xid {
+            anyhow::bail!(
+                "job {} was not locked by lock_job before any write of this transaction: \
+                 its events could reach Kafka out of order",
+                job.job_id
+            );
+        }
         // language=PostgreSQL
         sqlx::query(
             r#"
             WITH event AS (
-                INSERT INTO job_events (event_id, job_id, stream_version, kind, body, occurred_at)
-                VALUES ($1, $2, $3, $4, $5, $6)
+                INSERT INTO job_events (event_id, job_id, stream_version, kind, body, occurred_at,
+                                        key, delayed, traceparent, tracestate)
+                VALUES ($1, $2, $3, $4, $5, $6, $7, $8 IS NOT NULL, $10, $11)
                 RETURNING seq
             ), bump AS (
                 UPDATE jobs SET stream_version = $3 WHERE job_id = $2
             )
             INSERT INTO outbox (seq, topic, key, available_at, traceparent, tracestate)
-            SELECT seq, $7, $8, coalesce($9, clock_timestamp()), $10, $11 FROM event
+            SELECT seq, $9, $7, $8, $10, $11 FROM event WHERE $8 IS NOT NULL
             "#,
         )
         .bind(event.event_id)
@@ -103,9 +118,9 @@ impl Events {
         .bind(event.payload.kind())
         .bind(&body)
         .bind(now)
-        .bind(&self.topic)
         .bind(&job.document_id)
         .bind(available_at)
+        .bind(&self.topic)
         .bind(event.trace.as_ref().map(|t| &t.traceparent))
         .bind(event.trace.as_ref().and_then(|t| t.tracestate.as_ref()))
         .execute(&mut *tx)
@@ -115,7 +130,8 @@ impl Events {
     }
 }
 
-/// Reads the job row and locks it until the transaction ends.
+/// Reads the job row and locks it until the transaction ends. Call it before any other
+/// write of the transaction if the transaction appends events (see [`JobRow::fresh_xid`]).
 ///
 /// # Errors
 /// The database failed.
@@ -125,7 +141,7 @@ pub async fn lock_job(tx: &mut PgConnection, job_id: Uuid) -> Result<Option<JobR
         r#"
         SELECT job_id, document_id, kind, payload, input_version, state::text AS state, attempt,
                generation, lease_until, lease_owner, max_attempts, deadline, stream_version,
-               accepted_at
+               accepted_at, pg_current_xact_id_if_assigned() IS NULL AS fresh_xid
         FROM jobs WHERE job_id = $1
         FOR UPDATE
         "#,
@@ -532,6 +548,7 @@ mod tests {
             deadline: None,
             stream_version: 2,
             accepted_at: Utc::now(),
+            fresh_xid: true,
         }
     }
 
@@ -611,7 +628,7 @@ pub struct Replay {
 }
 
 /// Replays a quarantined job in the caller's transaction: a fresh budget, optionally a new
-/// input version and input, `ReplayRequested` through the outbox (which dispatches it).
+/// input version and input, `ReplayRequested` (which dispatches it).
 ///
 /// # Errors
 /// [`ReplayError`]; nothing was written.

@@ -1,14 +1,15 @@
-//! `jobfold-relay`: moves committed outbox rows to Kafka.
+//! `jobfold-relay`: moves committed events to Kafka.
 //!
 //! Invariant: an event reaches Kafka only after its transaction committed (the relay reads
-//! committed rows only), at least once (a row is marked published only after its delivery
-//! report arrived; a crash in between publishes it again — a duplicate, never a loss),
-//! keyed by document id, in per-document order (rows go out in log order through an
-//! idempotent, gapless producer, and a batch is marked before the next is read).
+//! committed rows only), at least once (the cursor moves past an event, or its outbox row is
+//! marked, only after its delivery report arrived; a crash in between publishes it again — a
+//! duplicate, never a loss), keyed by document id, in per-document order (events go out in
+//! log order through an idempotent, gapless producer).
 //!
 //! # Layout
 //! - [`run`]: stand by until this relay holds the active lock, then relay until shutdown.
-//! - [`outbox`]: the claim, mark and prune queries.
+//! - [`log`]: events publishable at commit, read from `job_events` after a cursor.
+//! - [`outbox`]: delayed events (a scheduled retry), published when due: claim, mark, prune.
 //! - [`publish`]: producing a batch and collecting its delivery reports.
 //!
 //! One relay is active per lock key: a Postgres session advisory lock, held by the
@@ -18,10 +19,11 @@
 //! Shutdown: the batch in flight is produced, its reports awaited and marked; then the
 //! relay exits.
 
+pub mod log;
 pub mod outbox;
 pub mod publish;
 
-use std::collections::HashSet;
+use std::collections::{HashSet, VecDeque};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
@@ -42,6 +44,8 @@ const GAUGE_INTERVAL: Duration = Duration::from_secs(2);
 const FAILURE_BACKOFF: Duration = Duration::from_millis(500);
 /// Rows deleted per prune statement.
 const PRUNE_CHUNK: i64 = 10_000;
+/// Log batches produced and awaiting their delivery reports at once.
+pub const LOG_BATCHES_IN_FLIGHT: usize = 4;
 
 /// Runs the relay until `shutdown` is cancelled.
 ///
@@ -122,7 +126,11 @@ async fn relay(
     let mut gauges_at = Instant::now() - GAUGE_INTERVAL;
     let mut prune_at = Instant::now();
     loop {
-        let stop = drain(config, &mut conn, producer, shutdown).await?;
+        // The log, then due delayed rows the log cursor has passed. A document whose event
+        // could not be produced holds back its later events for the rest of the pass.
+        let mut blocked = HashSet::new();
+        let stop = drain_log(config, &mut conn, producer, shutdown, &mut blocked).await?
+            || drain(config, &mut conn, producer, shutdown, &mut blocked).await?;
         if stop {
             return Ok(());
         }
@@ -151,7 +159,7 @@ async fn relay(
     }
 }
 
-/// One pass over the due rows, batch by batch, until fewer than a full batch remain.
+/// One pass over the due outbox rows, batch by batch, until fewer than a full batch remain.
 /// Returns true if shutdown was requested (after finishing the batches in flight).
 ///
 /// Pipelined: batch N+1 is claimed and enqueued while batch N's delivery reports arrive,
@@ -163,9 +171,9 @@ async fn drain(
     conn: &mut PgConnection,
     producer: &mut FutureProducer,
     shutdown: &CancellationToken,
+    blocked: &mut HashSet<String>,
 ) -> anyhow::Result<bool> {
     let mut cursor = 0;
-    let mut blocked = HashSet::new();
     let mut in_flight: Option<publish::Sent> = None;
     loop {
         let claim_started = Instant::now();
@@ -180,7 +188,7 @@ async fn drain(
             None
         } else {
             cursor = rows.last().map_or(cursor, |r| r.seq);
-            Some(publish::send(producer, &rows, &mut blocked).await)
+            Some(publish::send(producer, &rows, blocked).await)
         };
         if let Some(previous) = in_flight.take()
             && !complete(config, conn, producer, shutdown, previous).await?
@@ -201,8 +209,70 @@ async fn drain(
     }
 }
 
-/// Waits for a sent batch's delivery reports and marks what was delivered. Returns false
-/// if the batch had failures (the pass should end; the rows are tried again later) or
+/// One pass over the log after the cursor, batch by batch, until fewer than a full batch
+/// remain. Returns true if shutdown was requested (after finishing the batches in flight).
+///
+/// Up to [`LOG_BATCHES_IN_FLIGHT`] batches are produced ahead of their delivery reports; the
+/// cursor follows the reports, batch by batch, in order. On a failure it stops just before the
+/// first event not delivered, and the pass ends: the next pass sends everything after it
+/// again (what was delivered after it becomes a duplicate).
+async fn drain_log(
+    config: &Config,
+    conn: &mut PgConnection,
+    producer: &mut FutureProducer,
+    shutdown: &CancellationToken,
+    blocked: &mut HashSet<String>,
+) -> anyhow::Result<bool> {
+    let mut read = log::cursor(conn).await?;
+    let mut in_flight: VecDeque<(Vec<log::Position>, HashSet<i64>, publish::Sent)> =
+        VecDeque::new();
+    loop {
+        let claim_started = Instant::now();
+        let rows = if shutdown.is_cancelled() {
+            Vec::new()
+        } else {
+            log::claim(conn, read, &config.topics.events, config.relay.batch_size).await?
+        };
+        tracing::debug!(rows = rows.len(), ?read, elapsed = ?claim_started.elapsed(), "Read the log.");
+        let full = rows.len() == config.relay.batch_size as usize;
+        if let Some((last, _)) = rows.last() {
+            read = *last;
+            let (positions, rows): (Vec<_>, Vec<_>) = rows.into_iter().unzip();
+            // A delayed event is passed over (the outbox sends it), as if delivered.
+            let passed: HashSet<i64> = positions
+                .iter()
+                .zip(&rows)
+                .filter(|(_, r)| r.is_none())
+                .map(|(p, _)| p.seq)
+                .collect();
+            let rows: Vec<_> = rows.into_iter().flatten().collect();
+            let sent = publish::send(producer, &rows, blocked).await;
+            in_flight.push_back((positions, passed, sent));
+        }
+        while in_flight.len() > LOG_BATCHES_IN_FLIGHT || (!full && !in_flight.is_empty()) {
+            let (positions, mut passed, sent) = in_flight.pop_front().expect("checked: not empty");
+            let Some(outcome) = delivered(config, shutdown, sent).await else {
+                return Ok(shutdown.is_cancelled());
+            };
+            failpoint::hit(failpoint::RELAY_AFTER_PRODUCE_BEFORE_MARK);
+            passed.extend(outcome.delivered.iter().map(|(seq, _)| *seq));
+            let prefix = positions.iter().take_while(|p| passed.contains(&p.seq)).count();
+            if prefix > 0 {
+                log::advance(conn, positions[prefix - 1]).await?;
+            }
+            let recorded = outcome.delivered.len().min(prefix) as u64;
+            if !settle(config, producer, &outcome, recorded).await? {
+                return Ok(shutdown.is_cancelled());
+            }
+        }
+        if !full {
+            return Ok(shutdown.is_cancelled());
+        }
+    }
+}
+
+/// Waits for a sent outbox batch's delivery reports and marks what was delivered. Returns
+/// false if the batch had failures (the pass should end; the rows are tried again later) or
 /// shutdown gave up on it.
 async fn complete(
     config: &Config,
@@ -211,18 +281,8 @@ async fn complete(
     shutdown: &CancellationToken,
     sent: publish::Sent,
 ) -> anyhow::Result<bool> {
-    // A batch waits for its delivery reports, through broker outages; on shutdown it gets
-    // `shutdown_timeout` more, then is abandoned unmarked (published again later).
-    let give_up = async {
-        shutdown.cancelled().await;
-        tokio::time::sleep(config.relay.shutdown_timeout).await;
-    };
-    let outcome = tokio::select! {
-        outcome = sent.delivered() => outcome,
-        _ = give_up => {
-            tracing::warn!("Shutdown: abandoning a batch still waiting for delivery reports.");
-            return Ok(false);
-        }
+    let Some(outcome) = delivered(config, shutdown, sent).await else {
+        return Ok(false);
     };
     failpoint::hit(failpoint::RELAY_AFTER_PRODUCE_BEFORE_MARK);
     let seqs: Vec<i64> = outcome.delivered.iter().map(|(seq, _)| *seq).collect();
@@ -230,7 +290,40 @@ async fn complete(
     let delete = config.relay.prune_after.is_zero();
     let marked = outbox::mark_published(conn, &seqs, delete).await?;
     tracing::debug!(marked, elapsed = ?mark_started.elapsed(), "Marked.");
-    metrics::counter!(m::RELAY_PUBLISHED_TOTAL).increment(marked);
+    settle(config, producer, &outcome, marked).await
+}
+
+/// Waits for a sent batch's delivery reports, through broker outages; on shutdown it gets
+/// `relay.shutdown_timeout` more, then is abandoned (`None`: nothing recorded, so it is
+/// published again later).
+async fn delivered(
+    config: &Config,
+    shutdown: &CancellationToken,
+    sent: publish::Sent,
+) -> Option<publish::Outcome> {
+    let give_up = async {
+        shutdown.cancelled().await;
+        tokio::time::sleep(config.relay.shutdown_timeout).await;
+    };
+    tokio::select! {
+        outcome = sent.delivered() => Some(outcome),
+        _ = give_up => {
+            tracing::warn!("Shutdown: abandoning a batch still waiting for delivery reports.");
+            None
+        }
+    }
+}
+
+/// Counts a batch whose delivered part was recorded (`recorded` events). Returns false if
+/// anything was not delivered: then the pass should end, after a pause (and a new producer
+/// if the old one hit a fatal error).
+async fn settle(
+    config: &Config,
+    producer: &mut FutureProducer,
+    outcome: &publish::Outcome,
+    recorded: u64,
+) -> anyhow::Result<bool> {
+    metrics::counter!(m::RELAY_PUBLISHED_TOTAL).increment(recorded);
     let now = chrono::Utc::now();
     let latency = metrics::histogram!(m::RELAY_PUBLISH_LATENCY_SECONDS);
     for (_, available_at) in &outcome.delivered {
@@ -246,7 +339,7 @@ async fn complete(
             held_back = outcome.held_back,
             first_seq = seq,
             error = %error,
-            "Some outbox rows were not delivered; they stay unpublished and are retried."
+            "Some events were not delivered; they are tried again."
         );
     }
     if publish::is_fatal(producer) {

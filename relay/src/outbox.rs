@@ -21,10 +21,13 @@ pub struct OutboxRow {
     pub tracestate: Option<String>,
 }
 
-/// The oldest `limit` unpublished rows that are due and come after `after_seq`, in log order.
+/// The oldest `limit` unpublished rows that are due and come after `after_seq`, in log order,
+/// among those the log cursor has passed.
 ///
 /// Log order keeps per-document order: events of one job are written by transactions that
-/// follow one another, so a later event always has a higher seq and commits later.
+/// follow one another, so a later event always has a higher seq and commits later. And a
+/// delayed event waits for the cursor to pass its own place in the log, so the events its
+/// transaction (and those before) wrote to the log go out first.
 ///
 /// # Errors
 /// The connection failed.
@@ -36,16 +39,14 @@ pub async fn claim(
     // language=PostgreSQL
     sqlx::query_as(
         r#"
-        SELECT o.seq, o.topic, o.key, o.available_at, o.traceparent, o.tracestate,
-               (SELECT e.body FROM job_events e WHERE e.seq = o.seq) AS body
-        FROM (
-            SELECT seq, topic, key, available_at, traceparent, tracestate
-            FROM outbox
-            WHERE published_at IS NULL AND available_at <= now() AND seq > $1
-            ORDER BY seq
-            LIMIT $2
-        ) o
+        SELECT o.seq, o.topic, o.key, o.available_at, o.traceparent, o.tracestate, e.body
+        FROM outbox o
+        JOIN job_events e USING (seq)
+        CROSS JOIN relay_cursor c
+        WHERE o.published_at IS NULL AND o.available_at <= now() AND o.seq > $1
+          AND (e.xid, e.seq) <= (c.published_xid, c.published_seq)
         ORDER BY o.seq
+        LIMIT $2
         "#,
     )
     .bind(after_seq)

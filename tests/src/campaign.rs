@@ -538,12 +538,13 @@ async fn settled(pool: &PgPool, acknowledged: &Acknowledged) -> anyhow::Result<b
         SELECT (SELECT count(*) FROM unnest($1::text[]) k WHERE NOT EXISTS
                     (SELECT 1 FROM jobs WHERE idempotency_key = k)),
                (SELECT count(*) FROM jobs WHERE state IN ('queued', 'leased', 'retry_wait')),
-               (SELECT count(*) FROM outbox WHERE published_at IS NULL)
+               0::bigint
         "#,
     )
     .bind(&keys)
     .fetch_one(pool)
     .await?;
+    let unpublished = unpublished + jobfold_common::gauges::unpublished(pool).await?;
     Ok(missing == 0 && unfinished == 0 && unpublished == 0)
 }
 
@@ -678,12 +679,7 @@ async fn api_producer(
     let codec =
         Codec::connect(registry_settings(&config.schema_registry_url)?, &config.topics.events)
             .await?;
-    let acceptor = jobfold_common::accept::Acceptor::new(
-        codec,
-        config.accept.clone(),
-        &config.topics.events,
-        "campaign",
-    );
+    let acceptor = jobfold_common::accept::Acceptor::new(codec, config.accept.clone(), "campaign");
     while !stop.load(Ordering::SeqCst) {
         let n = next.fetch_add(1, Ordering::SeqCst);
         let (document, version) = target(n);

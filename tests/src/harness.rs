@@ -70,7 +70,7 @@ impl Installation {
     pub async fn acceptor(&self) -> Acceptor {
         let codec =
             Codec::<JobEvent>::connect(self.registry(), &self.config.topics.events).await.unwrap();
-        Acceptor::new(codec, self.config.accept.clone(), &self.config.topics.events, "test")
+        Acceptor::new(codec, self.config.accept.clone(), "test")
     }
 
     /// An event appender writing to this installation (registers the schema).
@@ -123,6 +123,18 @@ impl Installation {
             .fetch_one(&self.pool)
             .await
             .unwrap()
+    }
+
+    /// Events the relay has not published yet.
+    pub async fn unpublished(&self) -> i64 {
+        jobfold_common::gauges::unpublished(&self.pool).await.unwrap()
+    }
+
+    /// Has the relay publish the last `count` events of the log again, as after a crash
+    /// between producing them and moving its cursor.
+    pub async fn republish_last(&self, count: i64) {
+        let mut conn = self.pool.acquire().await.unwrap();
+        jobfold_relay::log::rewind(&mut conn, count).await.unwrap();
     }
 
     /// Drops the database (call at the end of a passing test).

@@ -35,7 +35,7 @@ async fn an_accept_in_a_rolled_back_transaction_leaves_nothing() {
     assert!(accepted.created);
     tx.rollback().await.unwrap();
 
-    for table in ["jobs", "job_events", "outbox"] {
+    for table in ["jobs", "job_events"] {
         assert_eq!(it.count(table).await, 0, "{table} kept a row of a rolled-back accept");
     }
 
@@ -75,7 +75,7 @@ async fn the_same_idempotency_key_returns_the_same_job_or_a_conflict() {
     let v3 = acceptor.accept(&it.pool, &job("doc-1", 3, None)).await.unwrap();
     assert!(v4.created && v3.created && v4.job_id != v3.job_id);
     assert_eq!(it.count("jobs").await, 3);
-    assert_eq!(it.count("outbox").await, 3);
+    assert_eq!(it.count("job_events").await, 3);
     it.cleanup().await;
 }
 
@@ -167,7 +167,7 @@ async fn ten_thousand_http_accepts_with_concurrent_retries_make_ten_thousand_job
     let distinct: HashSet<&String> = by_request.values().collect();
     assert_eq!(distinct.len(), JOBS);
     assert_eq!(created.load(std::sync::atomic::Ordering::Relaxed), JOBS);
-    for table in ["jobs", "job_events", "outbox"] {
+    for table in ["jobs", "job_events"] {
         assert_eq!(it.count(table).await, JOBS as i64, "{table}");
     }
     shutdown.cancel();
@@ -259,6 +259,6 @@ async fn a_batch_is_one_transaction_in_order_with_repeats_folded() {
         Err(AcceptError::Conflict { .. })
     ));
     assert_eq!(it.count("jobs").await, 4);
-    assert_eq!(it.count("outbox").await, 4);
+    assert_eq!(it.count("job_events").await, 4);
     it.cleanup().await;
 }

@@ -266,13 +266,20 @@ async fn a_redelivered_event_is_skipped_without_running_the_handler() {
     eventually(Duration::from_secs(60), "the job to succeed", || all_finished(&it, 1)).await;
 
     // The relay publishes every event of the job again, as after a crash before marking.
-    sqlx::query("UPDATE outbox SET published_at = NULL WHERE seq IN (SELECT seq FROM job_events WHERE job_id = $1)")
+    eventually(Duration::from_secs(30), "the job's events to go out", || async {
+        it.unpublished().await == 0
+    })
+    .await;
+    let job_events: i64 = sqlx::query_scalar("SELECT count(*) FROM job_events WHERE job_id = $1")
         .bind(ids[0])
-        .execute(&it.pool)
+        .fetch_one(&it.pool)
         .await
         .unwrap();
+    assert_eq!(job_events, it.count("job_events").await, "only this job's events");
+    it.republish_last(job_events).await;
+    assert_eq!(it.unpublished().await, job_events);
     eventually(Duration::from_secs(30), "the republished events to go out", || async {
-        count_where(&it, "SELECT count(*) FROM outbox WHERE published_at IS NULL").await == 0
+        it.unpublished().await == 0
     })
     .await;
     tokio::time::sleep(Duration::from_secs(2)).await;
@@ -637,5 +644,36 @@ async fn heartbeats_keep_a_long_job_leased_by_one_generation() {
             .await
             .unwrap();
     assert_eq!((state.as_str(), generation), ("succeeded", 1), "no second generation was needed");
+    it.cleanup().await;
+}
+
+#[tokio::test]
+async fn an_append_after_another_write_of_its_transaction_is_refused() {
+    let it = Installation::new("proc-order").await;
+    let acceptor = it.acceptor().await;
+    let events = it.events().await;
+    let ids = accept_all(&acceptor, &it, &[job("doc-order", 1, json!({ "text": "x" }))]).await;
+
+    // A transaction with an xid from before it locked the job could commit an event with a
+    // lower xid than the job's previous one: the relay would publish them out of order.
+    let mut tx = it.pool.begin().await.unwrap();
+    sqlx::query("SELECT pg_current_xact_id()").execute(&mut *tx).await.unwrap();
+    let mut job = jobfold_processor::store::lock_job(&mut tx, ids[0]).await.unwrap().unwrap();
+    assert!(!job.fresh_xid);
+    let due = jobfold_schemas::Payload::RetryDue(jobfold_schemas::event::RetryDue {
+        due_at: chrono::Utc::now(),
+        reason: jobfold_schemas::event::DispatchReason::Stalled,
+    });
+    let refused = events.append(&mut tx, &mut job, due.clone(), None, None).await;
+    assert!(refused.unwrap_err().to_string().contains("out of order"));
+    tx.rollback().await.unwrap();
+
+    // Locked first, the same append goes through.
+    let mut tx = it.pool.begin().await.unwrap();
+    let mut job = jobfold_processor::store::lock_job(&mut tx, ids[0]).await.unwrap().unwrap();
+    assert!(job.fresh_xid);
+    events.append(&mut tx, &mut job, due, None, None).await.unwrap();
+    tx.commit().await.unwrap();
+    assert_eq!(it.count("job_events").await, 2);
     it.cleanup().await;
 }

@@ -92,23 +92,21 @@ async fn replay_from_kafka_and_postgres_verifies_reports_and_exports() {
     })
     .await;
 
-    // Duplicate deliveries: the relay publishes 5 rows again, as after a crash between
-    // produce and mark.
-    let republished = sqlx::query(
-        "UPDATE outbox SET published_at = NULL WHERE seq IN (SELECT seq FROM outbox ORDER BY seq LIMIT 5)",
-    )
-    .execute(&it.pool)
-    .await
-    .unwrap()
-    .rows_affected();
-    assert_eq!(republished, 5);
+    // Duplicate deliveries: the relay publishes 5 events again, as after a crash between
+    // produce and moving its cursor.
+    eventually(Duration::from_secs(30), "everything to be published", || async {
+        it.unpublished().await == 0
+    })
+    .await;
+    it.republish_last(5).await;
+    assert_eq!(it.unpublished().await, 5);
     let logged = count(&it, "SELECT count(*) FROM job_events").await;
     eventually(Duration::from_secs(60), "the duplicates to be on the topic", || async {
         events_on_topic(&it) == logged + 5
     })
     .await;
     eventually(Duration::from_secs(30), "the processor to skip them", || async {
-        count(&it, "SELECT count(*) FROM outbox WHERE published_at IS NULL").await == 0
+        it.unpublished().await == 0
     })
     .await;
     shutdown.cancel();

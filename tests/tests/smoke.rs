@@ -258,6 +258,7 @@ async fn migrations_apply_and_constraints_hold() {
             "outbox",
             "partition_offsets",
             "quarantine",
+            "relay_cursor",
         ]
     );
 

@@ -156,8 +156,7 @@ async fn measure(config: &Config, sizes: Sizes) -> anyhow::Result<Vec<Row>> {
         &config.topics.events,
     )
     .await?;
-    let acceptor =
-        Acceptor::new(codec.clone(), config.accept.clone(), &config.topics.events, "bench");
+    let acceptor = Acceptor::new(codec.clone(), config.accept.clone(), "bench");
     let mut rows = Vec::new();
 
     // The machine's limit: a raw producer with the relay's settings, same message size.
@@ -332,7 +331,7 @@ async fn measure(config: &Config, sizes: Sizes) -> anyhow::Result<Vec<Row>> {
         &e2e.topics.events,
     )
     .await?;
-    let acceptor = Acceptor::new(codec, e2e.accept.clone(), &e2e.topics.events, "bench");
+    let acceptor = Acceptor::new(codec, e2e.accept.clone(), "bench");
     let processor = tokio::spawn(jobfold_processor::run(e2e.clone(), shutdown.clone()));
     let mut offset = offset + total;
 

@@ -207,8 +207,7 @@ async fn run(config: Config, command: Command) -> anyhow::Result<()> {
                 db::connect_and_migrate(&config, 1).await.context("connecting to Postgres")?;
             let settings = registry_settings(&config.schema_registry_url)?;
             let codec = Codec::<JobEvent>::connect(settings, &config.topics.events).await?;
-            let acceptor =
-                Acceptor::new(codec, config.accept.clone(), &config.topics.events, "jobfold-cli");
+            let acceptor = Acceptor::new(codec, config.accept.clone(), "jobfold-cli");
             let job = NewJob {
                 document_id: document,
                 kind,

@@ -1,0 +1,136 @@
+//! Reading the event log itself: events publishable at commit go to Kafka straight from
+//! `job_events`, and the relay keeps how far it got in one row (`relay_cursor`).
+//!
+//! # Why the cursor never skips an event
+//! Rows are read in `(xid, seq)` order, and only rows whose transaction id is below
+//! `pg_snapshot_xmin(pg_current_snapshot())` — the oldest transaction still running. Every
+//! transaction below it has ended, so such a row is committed (or gone with its rollback);
+//! every transaction still running or not yet started has an xid at or above it, so any row
+//! that commits later sorts after every row read. The cursor can therefore move past what it
+//! read without ever passing a row that shows up later.
+//!
+//! The price: a transaction that stays open holds back publication of everything committed
+//! after it began writing (`jobfold_relay_oldest_unpublished_age_seconds` shows it). Keep
+//! transactions in this database short, as jobfold's own are.
+//!
+//! # Why per-document order holds
+//! One job's events are appended by transactions that lock its row first, before any other
+//! write, so each gets its xid only once the previous one committed: a later event has a
+//! higher xid (`JobRow::fresh_xid` in the processor enforces it). A document's jobs are
+//! ordered by their input versions, which the processor checks; their first events come from
+//! separate accepts.
+
+use sqlx::PgConnection;
+
+use crate::outbox::OutboxRow;
+
+/// A position in the log, in the order the relay reads it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, sqlx::FromRow)]
+pub struct Position {
+    /// The writing transaction's id (`xid8`, as a number).
+    pub xid: i64,
+    pub seq: i64,
+}
+
+/// Where the relay stands: every event at or before it was delivered.
+///
+/// # Errors
+/// The connection failed.
+pub async fn cursor(conn: &mut PgConnection) -> Result<Position, sqlx::Error> {
+    // language=PostgreSQL
+    sqlx::query_as(
+        "SELECT published_xid::text::bigint AS xid, published_seq AS seq FROM relay_cursor",
+    )
+    .fetch_one(conn)
+    .await
+}
+
+/// Moves the cursor to `to`: every event at or before it was delivered.
+///
+/// # Errors
+/// The connection failed; the events after the old position are published again.
+pub async fn advance(conn: &mut PgConnection, to: Position) -> Result<(), sqlx::Error> {
+    // language=PostgreSQL
+    sqlx::query(
+        "UPDATE relay_cursor SET published_xid = $1::text::xid8, published_seq = $2, \
+         moved_at = now()",
+    )
+    .bind(to.xid.to_string())
+    .bind(to.seq)
+    .execute(conn)
+    .await?;
+    Ok(())
+}
+
+/// Moves the cursor back over the last `count` events of the log, so that those publishable at
+/// commit are published again (an operator's republish; also how tests make duplicates).
+/// Returns the new position.
+///
+/// # Errors
+/// The connection failed.
+pub async fn rewind(conn: &mut PgConnection, count: i64) -> Result<Position, sqlx::Error> {
+    // language=PostgreSQL
+    sqlx::query_as(
+        r#"
+        WITH target AS (
+            SELECT e.xid, e.seq FROM job_events e, relay_cursor c
+            WHERE (e.xid, e.seq) <= (c.published_xid, c.published_seq)
+            ORDER BY e.xid DESC, e.seq DESC
+            OFFSET $1 LIMIT 1
+        )
+        UPDATE relay_cursor SET published_xid = coalesce((SELECT xid FROM target), '0'),
+                                published_seq = coalesce((SELECT seq FROM target), 0),
+                                moved_at = now()
+        RETURNING published_xid::text::bigint AS xid, published_seq AS seq
+        "#,
+    )
+    .bind(count)
+    .fetch_one(conn)
+    .await
+}
+
+/// Up to `limit` events after `after` whose transactions have ended, in cursor order, as
+/// rows for `topic` (`None` for a delayed event: the outbox sends it when it is due, and the
+/// cursor moves past it like any other). An event's `available_at` is when it occurred.
+///
+/// # Errors
+/// The connection failed.
+pub async fn claim(
+    conn: &mut PgConnection,
+    after: Position,
+    topic: &str,
+    limit: u32,
+) -> Result<Vec<(Position, Option<OutboxRow>)>, sqlx::Error> {
+    // language=PostgreSQL
+    let rows: Vec<LogRow> = sqlx::query_as(
+        r#"
+        SELECT e.xid::text::bigint AS xid, e.seq, e.delayed, $3 AS topic,
+               coalesce(e.key, (SELECT j.document_id FROM jobs j WHERE j.job_id = e.job_id)) AS key,
+               CASE WHEN e.delayed THEN ''::bytea ELSE e.body END AS body,
+               e.occurred_at AS available_at, e.traceparent, e.tracestate
+        FROM job_events e
+        WHERE (e.xid, e.seq) > ($1::text::xid8, $2)
+          AND e.xid < pg_snapshot_xmin(pg_current_snapshot())
+        ORDER BY e.xid, e.seq
+        LIMIT $4
+        "#,
+    )
+    .bind(after.xid.to_string())
+    .bind(after.seq)
+    .bind(topic)
+    .bind(i64::from(limit))
+    .fetch_all(conn)
+    .await?;
+    Ok(rows
+        .into_iter()
+        .map(|r| (Position { xid: r.xid, seq: r.row.seq }, (!r.delayed).then_some(r.row)))
+        .collect())
+}
+
+#[derive(sqlx::FromRow)]
+struct LogRow {
+    xid: i64,
+    delayed: bool,
+    #[sqlx(flatten)]
+    row: OutboxRow,
+}
