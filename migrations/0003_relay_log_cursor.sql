@@ -44,3 +44,8 @@ UPDATE job_events SET delayed = true
 WHERE seq IN (SELECT seq FROM outbox WHERE published_at IS NULL);
 INSERT INTO relay_cursor (published_xid, published_seq)
 SELECT '0', coalesce(max(seq), 0) FROM job_events;
+
+-- Wake the relay when events commit, as outbox inserts did (one notification per statement,
+-- folded per transaction; delivered at commit).
+CREATE TRIGGER job_events_notify AFTER INSERT ON job_events
+    FOR EACH STATEMENT EXECUTE FUNCTION outbox_notify();

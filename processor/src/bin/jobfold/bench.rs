@@ -18,7 +18,6 @@ use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::util::Timeout;
 use serde_json::json;
 use sqlx::PgPool;
-use tokio_util::sync::CancellationToken;
 
 /// How long to measure.
 #[derive(Debug, Clone, Copy)]
@@ -28,7 +27,6 @@ pub(crate) struct Sizes {
     pub(crate) concurrent_accepts: usize,
     pub(crate) batched_accepts: usize,
     pub(crate) batch: usize,
-    pub(crate) steady_rate: u32,
     pub(crate) steady_secs: u64,
     pub(crate) e2e_jobs: usize,
 }
@@ -41,7 +39,6 @@ impl Sizes {
             concurrent_accepts: 10_000,
             batched_accepts: 50_000,
             batch: 100,
-            steady_rate: 1_000,
             steady_secs: 5,
             e2e_jobs: 5_000,
         }
@@ -54,7 +51,6 @@ impl Sizes {
             concurrent_accepts: 50_000,
             batched_accepts: 1_000_000,
             batch: 100,
-            steady_rate: 2_000,
             steady_secs: 30,
             e2e_jobs: 50_000,
         }
@@ -62,16 +58,54 @@ impl Sizes {
 }
 
 /// One row of the results table.
+#[derive(Default)]
 struct Row {
     what: String,
     rate: Option<f64>,
     p50_ms: Option<f64>,
     p99_ms: Option<f64>,
+    /// The figure next to the limit it is bounded by: "37% of raw producer".
+    versus: String,
     note: String,
+}
+
+impl Row {
+    fn new(what: impl Into<String>) -> Self {
+        Self { what: what.into(), ..Self::default() }
+    }
+
+    fn rate(mut self, rate: f64) -> Self {
+        self.rate = Some(rate);
+        self
+    }
+
+    fn latency(mut self, h: &Histogram<u64>) -> Self {
+        self.p50_ms = Some(ms(h, 0.5));
+        self.p99_ms = Some(ms(h, 0.99));
+        self
+    }
+
+    fn versus(mut self, value: f64, limit: f64, name: &str) -> Self {
+        self.versus = format!("{:.0}% of {name}", 100.0 * value / limit.max(f64::MIN_POSITIVE));
+        self
+    }
+
+    fn note(mut self, note: impl Into<String>) -> Self {
+        self.note = note.into();
+        self
+    }
 }
 
 fn latency_histogram() -> Histogram<u64> {
     Histogram::new_with_bounds(1, 600_000_000, 3).expect("valid histogram bounds")
+}
+
+fn histogram_of(micros: impl IntoIterator<Item = u64>) -> anyhow::Result<Histogram<u64>> {
+    let mut h = latency_histogram();
+    for m in micros {
+        h.record(m.max(1))?;
+    }
+    Ok(h)
 }
 
 fn ms(h: &Histogram<u64>, q: f64) -> f64 {
@@ -122,33 +156,74 @@ where
 
 /// Runs the benchmark and returns the results as a markdown table.
 pub(crate) async fn run(config: Config, sizes: Sizes) -> anyhow::Result<String> {
-    let result = in_scratch(config, |config| async move { measure(&config, sizes).await }).await;
-    let rows = result?;
+    let started = Instant::now();
+    let (mut rows, limits) = in_scratch(config.clone(), |config| async move {
+        let mut rows = Vec::new();
+        let limits = measure_limits(&config, sizes, &mut rows).await?;
+        measure_accept_and_relay(&config, sizes, &limits, &mut rows).await?;
+        Ok((rows, limits))
+    })
+    .await?;
+    // Processing in a database and topics of its own: only its jobs are counted.
+    let more = in_scratch(config, |config| async move {
+        let mut more = Vec::new();
+        measure_processing(&config, sizes, &limits, &mut more).await?;
+        Ok(more)
+    })
+    .await?;
+    rows.extend(more);
 
     let mut out = String::new();
     let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
-    writeln!(out, "| measurement | per second | p50 ms | p99 ms | note |")?;
-    writeln!(out, "| --- | ---: | ---: | ---: | --- |")?;
+    writeln!(out, "| measurement | per second | p50 ms | p99 ms | vs. limit | note |")?;
+    writeln!(out, "| --- | ---: | ---: | ---: | --- | --- |")?;
     let num = |v: Option<f64>, digits: usize| {
         v.map(|v| format!("{v:.digits$}")).unwrap_or_else(|| "–".into())
     };
     for row in rows {
         writeln!(
             out,
-            "| {} | {} | {} | {} | {} |",
+            "| {} | {} | {} | {} | {} | {} |",
             row.what,
             num(row.rate, 0),
             num(row.p50_ms, 2),
             num(row.p99_ms, 2),
+            row.versus,
             row.note
         )?;
     }
-    writeln!(out, "\n{cores} cores; Postgres, Kafka and the registry on the same machine.")?;
+    writeln!(
+        out,
+        "\n{cores} cores; Postgres, Kafka and the registry on the same machine; {:.0} s in all.",
+        started.elapsed().as_secs_f64()
+    )?;
     Ok(out)
 }
 
-async fn measure(config: &Config, sizes: Sizes) -> anyhow::Result<Vec<Row>> {
+/// The machine's own limits, measured first in the same run.
+struct Limits {
+    commit_1: f64,
+    commit_16: f64,
+    rows: f64,
+    producer: f64,
+}
+
+async fn measure_limits(
+    config: &Config,
+    sizes: Sizes,
+    rows: &mut Vec<Row>,
+) -> anyhow::Result<Limits> {
     let pool = jobfold_common::db::connect_and_migrate(config, 32).await?;
+    sqlx::query(
+        "CREATE TABLE bench_commits (id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY, v bytea)",
+    )
+    .execute(&pool)
+    .await?;
+    sqlx::query(
+        "CREATE TABLE bench_rows (id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY, v bytea)",
+    )
+    .execute(&pool)
+    .await?;
     jobfold_common::kafka::ensure_topics(config, &jobfold_common::kafka::jobfold_topics(config))
         .await?;
     let codec = Codec::<JobEvent>::connect(
@@ -156,23 +231,55 @@ async fn measure(config: &Config, sizes: Sizes) -> anyhow::Result<Vec<Row>> {
         &config.topics.events,
     )
     .await?;
-    let acceptor = Acceptor::new(codec.clone(), config.accept.clone(), "bench");
-    let mut rows = Vec::new();
-
-    // The machine's limit: a raw producer with the relay's settings, same message size.
-    // Distinct real event bodies, like the relay's, for the raw producer.
     let bodies: Vec<Vec<u8>> = (0..sizes.raw_messages)
         .map(|i| codec.encode(&sample_event(i)))
         .collect::<Result<_, _>>()?;
     let size = bodies.iter().map(Vec::len).sum::<usize>() / bodies.len().max(1);
-    let raw_rate = raw_producer(config, &bodies).await?;
-    rows.push(Row {
-        what: "raw rdkafka producer (relay settings)".into(),
-        rate: Some(raw_rate),
-        p50_ms: None,
-        p99_ms: None,
-        note: format!("{} distinct events of {size} B on average", sizes.raw_messages),
-    });
+
+    let commit_1 = pg_commits(&pool, 1, sizes.single_accepts, size).await?;
+    rows.push(Row::new("limit: Postgres commits, 1 client").rate(commit_1).note(format!(
+        "one single-row INSERT per transaction ({size} B), synchronous_commit as configured"
+    )));
+    let commit_16 = pg_commits(&pool, 16, sizes.concurrent_accepts, size).await?;
+    rows.push(
+        Row::new("limit: Postgres commits, 16 clients")
+            .rate(commit_16)
+            .note("the same, 16 connections at once"),
+    );
+    let multi = pg_rows(&pool, sizes.batched_accepts * 2, 1000, size).await?;
+    rows.push(
+        Row::new("limit: Postgres multi-row insert")
+            .rate(multi)
+            .note(format!("rows/s, INSERT … SELECT FROM unnest of 1000 rows of {size} B")),
+    );
+    let producer = raw_producer(config, &bodies).await?;
+    rows.push(Row::new("limit: raw rdkafka producer").rate(producer).note(format!(
+        "{} distinct events of {size} B, keyed by 1000 documents, the relay's producer settings",
+        sizes.raw_messages
+    )));
+    let consumer = raw_consumer(config, &config.topics.requests, sizes.raw_messages).await?;
+    rows.push(
+        Row::new("limit: raw rdkafka consumer")
+            .rate(consumer)
+            .note("the same messages read back, all partitions assigned"),
+    );
+    pool.close().await;
+    Ok(Limits { commit_1, commit_16, rows: multi, producer })
+}
+
+async fn measure_accept_and_relay(
+    config: &Config,
+    sizes: Sizes,
+    limits: &Limits,
+    rows: &mut Vec<Row>,
+) -> anyhow::Result<()> {
+    let pool = jobfold_common::db::connect_and_migrate(config, 32).await?;
+    let codec = Codec::<JobEvent>::connect(
+        registry_settings(&config.schema_registry_url)?,
+        &config.topics.events,
+    )
+    .await?;
+    let acceptor = Acceptor::new(codec.clone(), config.accept.clone(), "bench");
 
     // Accept, one at a time: latency as a single client sees it.
     let mut h = latency_histogram();
@@ -183,13 +290,13 @@ async fn measure(config: &Config, sizes: Sizes) -> anyhow::Result<Vec<Row>> {
         h.record(t.elapsed().as_micros() as u64)?;
     }
     let rate = sizes.single_accepts as f64 / started.elapsed().as_secs_f64();
-    rows.push(Row {
-        what: "accept, 1 client".into(),
-        rate: Some(rate),
-        p50_ms: Some(ms(&h, 0.5)),
-        p99_ms: Some(ms(&h, 0.99)),
-        note: "one transaction per job".into(),
-    });
+    rows.push(
+        Row::new("accept, 1 client")
+            .rate(rate)
+            .latency(&h)
+            .versus(rate, limits.commit_1, "commits, 1 client")
+            .note("one transaction per job: job row + event"),
+    );
 
     // Accept, 16 clients at once.
     let offset = sizes.single_accepts;
@@ -212,17 +319,13 @@ async fn measure(config: &Config, sizes: Sizes) -> anyhow::Result<Vec<Row>> {
         .into_iter()
         .collect::<Result<_, _>>()?;
     let rate = sizes.concurrent_accepts as f64 / started.elapsed().as_secs_f64();
-    let mut h = latency_histogram();
-    for l in latencies {
-        h.record(l)?;
-    }
-    rows.push(Row {
-        what: "accept, 16 clients".into(),
-        rate: Some(rate),
-        p50_ms: Some(ms(&h, 0.5)),
-        p99_ms: Some(ms(&h, 0.99)),
-        note: "one transaction per job".into(),
-    });
+    rows.push(
+        Row::new("accept, 16 clients")
+            .rate(rate)
+            .latency(&histogram_of(latencies)?)
+            .versus(rate, limits.commit_16, "commits, 16 clients")
+            .note("one transaction per job"),
+    );
 
     // Accept in batches: one transaction per batch.
     let offset = offset + sizes.concurrent_accepts;
@@ -235,166 +338,141 @@ async fn measure(config: &Config, sizes: Sizes) -> anyhow::Result<Vec<Row>> {
         h.record(t.elapsed().as_micros() as u64)?;
     }
     let rate = sizes.batched_accepts as f64 / started.elapsed().as_secs_f64();
-    rows.push(Row {
-        what: format!("accept, batches of {}", sizes.batch),
-        rate: Some(rate),
-        p50_ms: Some(ms(&h, 0.5)),
-        p99_ms: Some(ms(&h, 0.99)),
-        note: "latency per batch".into(),
-    });
+    rows.push(
+        Row::new(format!("accept, batches of {}", sizes.batch))
+            .rate(rate)
+            .latency(&h)
+            .versus(2.0 * rate, limits.rows, "multi-row insert (2 rows per job)")
+            .note("latency per batch"),
+    );
 
-    // Relay at full load: drain the backlog everything above left.
-    let backlog = unpublished(&pool).await?;
-    let shutdown = CancellationToken::new();
-    let relay = tokio::spawn(jobfold_relay::run(config.clone(), shutdown.clone()));
-    // Timed from the first published row, so start-up (connect, lock) is not counted.
-    let (started, already) = loop {
-        let left = unpublished(&pool).await?;
-        if left < backlog {
-            break (Instant::now(), backlog - left);
-        }
-        tokio::time::sleep(Duration::from_millis(2)).await;
-    };
+    // The relay, a process of its own, drains the backlog everything above left.
+    let logs =
+        std::env::temp_dir().join(format!("jobfold-bench-{}", uuid::Uuid::new_v4().simple()));
+    std::fs::create_dir_all(&logs)?;
+    let bin = std::env::current_exe()?.parent().context("the binary's directory")?.to_path_buf();
+    let backlog = jobfold_common::gauges::unpublished(&pool).await?;
+    let start_position = cursor(&pool).await?;
+    let mut relay = crate::demo::spawn(config, &bin.join("jobfold-relay"), "relay", &logs, None)?;
+    let relay_pid = relay.child.id().context("the relay's pid")?;
+    // Timed from the first move of the cursor, so start-up (connect, lock) is not counted.
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while cursor(&pool).await? == start_position {
+        anyhow::ensure!(Instant::now() < deadline, "the relay did not start publishing");
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    let started = Instant::now();
+    let already = backlog - jobfold_common::gauges::unpublished(&pool).await?;
     wait_drained(&pool, Duration::from_secs(600)).await?;
     let relay_rate = (backlog - already) as f64 / started.elapsed().as_secs_f64();
-    rows.push(Row {
-        what: format!("relay, draining a backlog (batches of {})", config.relay.batch_size),
-        rate: Some(relay_rate),
-        p50_ms: None,
-        p99_ms: None,
-        note: format!(
-            "{backlog} events; {:.0}% of the raw producer",
-            100.0 * relay_rate / raw_rate
-        ),
-    });
+    rows.push(
+        Row::new(format!("relay, draining a backlog (batches of {})", config.relay.batch_size))
+            .rate(relay_rate)
+            .versus(relay_rate, limits.producer, "raw producer")
+            .note(format!("{backlog} events")),
+    );
 
-    // Relay at a steady load: commit -> publish latency.
-    let mark: i64 =
-        sqlx::query_scalar("SELECT coalesce(max(seq), 0) FROM outbox").fetch_one(&pool).await?;
-    let offset = offset + sizes.batched_accepts;
-    let total = sizes.steady_rate as usize * sizes.steady_secs as usize;
-    let interval = Duration::from_secs_f64(1.0 / f64::from(sizes.steady_rate));
-    let mut ticker = tokio::time::interval(interval);
-    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
-    let mut in_flight = Vec::with_capacity(total);
-    for i in 0..total {
-        ticker.tick().await;
-        let acceptor = acceptor.clone();
-        let pool = pool.clone();
-        in_flight.push(tokio::spawn(async move { acceptor.accept(&pool, &job(offset + i)).await }));
-    }
-    for task in in_flight {
-        task.await??;
-    }
+    // The relay under accept load: as much as 4 batch clients give, then half of that.
+    let decoder = codec.decoder().clone();
+    let mut offset = offset + sizes.batched_accepts;
+    let since = chrono::Utc::now();
+    let accepted = saturate(&acceptor, &pool, offset, 4, sizes.batch, sizes.steady_secs).await?;
+    offset += accepted;
     wait_drained(&pool, Duration::from_secs(120)).await?;
-    if config.relay.prune_after.is_zero() {
-        rows.push(Row {
-            what: format!("relay, steady {} accepts/s", sizes.steady_rate),
-            rate: None,
-            p50_ms: None,
-            p99_ms: None,
-            note: "not measured: relay.prune_after = 0s deletes rows on publish".into(),
-        });
-    } else {
-        let delays: Vec<f64> = sqlx::query_scalar(
-            "SELECT EXTRACT(EPOCH FROM published_at - available_at)::float8 * 1000 \
-             FROM outbox WHERE seq > $1",
-        )
-        .bind(mark)
-        .fetch_all(&pool)
+    let full_rate = accepted as f64 / sizes.steady_secs as f64;
+    let h = topic_latencies(config, &decoder, since).await?;
+    rows.push(
+        Row::new("relay, full accept load (4 batch clients)")
+            .rate(full_rate)
+            .latency(&h)
+            .versus(full_rate, limits.producer, "raw producer")
+            .note(format!("commit -> on Kafka (record timestamp), {} events", h.len())),
+    );
+    let half = (full_rate / 2.0).max(10.0);
+    let since = chrono::Utc::now();
+    paced(&acceptor, &pool, offset, half, sizes.steady_secs).await?;
+    wait_drained(&pool, Duration::from_secs(120)).await?;
+    let h = topic_latencies(config, &decoder, since).await?;
+    rows.push(
+        Row::new(format!("relay, half load ({half:.0} events/s)"))
+            .rate(half)
+            .latency(&h)
+            .note(format!("commit -> on Kafka, {} events", h.len())),
+    );
+    let rss = peak_rss_mib(relay_pid)?;
+    rows.push(
+        Row::new("relay peak RSS")
+            .versus(rss, 64.0, "64 MiB")
+            .note(format!("{rss:.1} MiB (VmHWM) after the three relay runs")),
+    );
+    relay.child.start_kill()?;
+    relay.child.wait().await?;
+    pool.close().await;
+    Ok(())
+}
+
+async fn measure_processing(
+    config: &Config,
+    sizes: Sizes,
+    limits: &Limits,
+    rows: &mut Vec<Row>,
+) -> anyhow::Result<()> {
+    let pool = jobfold_common::db::connect_and_migrate(config, 16).await?;
+    jobfold_common::kafka::ensure_topics(config, &jobfold_common::kafka::jobfold_topics(config))
         .await?;
-        let mut h = latency_histogram();
-        for d in &delays {
-            h.record((d * 1000.0).max(1.0) as u64)?;
-        }
-        rows.push(Row {
-            what: format!("relay, steady {} accepts/s", sizes.steady_rate),
-            rate: None,
-            p50_ms: Some(ms(&h, 0.5)),
-            p99_ms: Some(ms(&h, 0.99)),
-            note: format!("commit -> marked published, {} events", delays.len()),
-        });
-    }
-    // End to end, on a topic of its own so the processor sees only what is measured here.
-    let mut e2e = config.clone();
-    e2e.topics.events = format!("{}-e2e", config.topics.events);
-    e2e.topics.requests = format!("{}-e2e", config.topics.requests);
-    e2e.http_addr = "127.0.0.1:0".parse()?;
-    e2e.intake.enabled = false;
-    e2e.processor.group = format!("jobfold-bench-processors-{}", uuid::Uuid::new_v4().simple());
-    // The jobs above stay queued (nobody runs them): keep the reaper off them.
-    e2e.processor.stall_after = Duration::from_secs(24 * 3600);
-    jobfold_common::kafka::ensure_topics(&e2e, &jobfold_common::kafka::jobfold_topics(&e2e))
-        .await?;
+    let mut config = config.clone();
+    config.processor.group = format!("jobfold-bench-processors-{}", uuid::Uuid::new_v4().simple());
+    let config = &config;
     let codec = Codec::<JobEvent>::connect(
-        registry_settings(&e2e.schema_registry_url)?,
-        &e2e.topics.events,
+        registry_settings(&config.schema_registry_url)?,
+        &config.topics.events,
     )
     .await?;
-    let acceptor = Acceptor::new(codec, e2e.accept.clone(), "bench");
-    let processor = tokio::spawn(jobfold_processor::run(e2e.clone(), shutdown.clone()));
-    let mut offset = offset + total;
+    let acceptor = Acceptor::new(codec, config.accept.clone(), "bench");
+    let logs =
+        std::env::temp_dir().join(format!("jobfold-bench-{}", uuid::Uuid::new_v4().simple()));
+    std::fs::create_dir_all(&logs)?;
+    let bin = std::env::current_exe()?.parent().context("the binary's directory")?.to_path_buf();
+    let mut relay = crate::demo::spawn(config, &bin.join("jobfold-relay"), "relay", &logs, None)?;
+    let mut a =
+        crate::demo::spawn(config, &bin.join("jobfold-processor"), "processor-a", &logs, None)?;
+    crate::demo::wait_ready(a.http).await?;
+    let a_pid = a.child.id().context("the processor's pid")?;
+    let mut offset = 0;
 
     // Throughput: a burst, accepted in batches, until every job succeeded.
     let burst = sizes.e2e_jobs;
-    let since: chrono::DateTime<chrono::Utc> =
-        sqlx::query_scalar("SELECT now()").fetch_one(&pool).await?;
     let started = Instant::now();
     for chunk in (0..burst).collect::<Vec<_>>().chunks(sizes.batch) {
         let jobs: Vec<NewJob> = chunk.iter().map(|i| job(offset + i)).collect();
         acceptor.accept_batch(&pool, &jobs).await?;
     }
-    wait_finished_since(&pool, since, burst, Duration::from_secs(900)).await?;
-    let rate = burst as f64 / started.elapsed().as_secs_f64();
-    let (events_per_job, rows_per_job) = per_job_costs(&pool, since).await?;
-    rows.push(Row {
-        what: "end to end, trivial handler, burst".into(),
-        rate: Some(rate),
-        p50_ms: None,
-        p99_ms: None,
-        note: format!(
-            "{burst} jobs accept -> succeeded; per job {events_per_job:.1} Kafka messages, \
-             {rows_per_job:.1} rows written"
-        ),
-    });
+    wait_finished(&pool, burst, Duration::from_secs(900)).await?;
+    let burst_rate = burst as f64 / started.elapsed().as_secs_f64();
     offset += burst;
+    let burst_row = rows.len();
+    rows.push(Row::new("end to end, trivial handler, burst").rate(burst_rate));
 
-    // Latency: a steady load well below the burst rate.
-    let steady_rate = (rate / 2.0).clamp(10.0, 500.0);
-    let steady_jobs = (steady_rate * sizes.steady_secs as f64) as usize;
+    // Latency: a steady load at half the burst rate.
+    let steady_rate = (burst_rate / 2.0).max(10.0);
     let since: chrono::DateTime<chrono::Utc> =
         sqlx::query_scalar("SELECT now()").fetch_one(&pool).await?;
-    let mut ticker = tokio::time::interval(Duration::from_secs_f64(1.0 / steady_rate));
-    let mut accepts = Vec::with_capacity(steady_jobs);
-    for i in 0..steady_jobs {
-        ticker.tick().await;
-        let acceptor = acceptor.clone();
-        let pool = pool.clone();
-        accepts.push(tokio::spawn(async move { acceptor.accept(&pool, &job(offset + i)).await }));
-    }
-    for accept in accepts {
-        accept.await??;
-    }
-    wait_finished_since(&pool, since, steady_jobs, Duration::from_secs(300)).await?;
+    let steady = paced(&acceptor, &pool, offset, steady_rate, sizes.steady_secs).await?;
+    offset += steady;
+    wait_finished(&pool, offset, Duration::from_secs(300)).await?;
     let latencies: Vec<f64> = sqlx::query_scalar(
-        "SELECT EXTRACT(EPOCH FROM finished_at - accepted_at)::float8 * 1000 FROM jobs \
-         WHERE accepted_at >= $1",
+        "SELECT EXTRACT(EPOCH FROM finished_at - accepted_at)::float8 * 1e6 FROM jobs \
+         WHERE accepted_at >= date_trunc('milliseconds', $1::timestamptz)",
     )
     .bind(since)
     .fetch_all(&pool)
     .await?;
-    let mut h = latency_histogram();
-    for l in &latencies {
-        h.record((l * 1000.0).max(1.0) as u64)?;
-    }
-    rows.push(Row {
-        what: format!("end to end, steady {steady_rate:.0} jobs/s"),
-        rate: None,
-        p50_ms: Some(ms(&h, 0.5)),
-        p99_ms: Some(ms(&h, 0.99)),
-        note: format!("accept -> succeeded, {} jobs", latencies.len()),
-    });
-    offset += steady_jobs;
+    let h = histogram_of(latencies.iter().map(|l| *l as u64))?;
+    rows.push(
+        Row::new(format!("end to end, steady {steady_rate:.0} jobs/s"))
+            .latency(&h)
+            .note(format!("accept -> succeeded, {} jobs", latencies.len())),
+    );
 
     // Slow jobs: how many run at once (10 s handler, 200 documents).
     let slow = 200;
@@ -404,56 +482,127 @@ async fn measure(config: &Config, sizes: Sizes) -> anyhow::Result<Vec<Row>> {
             ..job(offset + i)
         })
         .collect();
-    let since: chrono::DateTime<chrono::Utc> =
-        sqlx::query_scalar("SELECT now()").fetch_one(&pool).await?;
     let started = Instant::now();
     acceptor.accept_batch(&pool, &jobs).await?;
+    offset += slow;
     let mut peak = 0i64;
-    while started.elapsed() < Duration::from_secs(120) {
-        let (leased, done): (i64, i64) = sqlx::query_as(
-            "SELECT count(*) FILTER (WHERE state = 'leased'), \
-                    count(*) FILTER (WHERE state IN ('succeeded', 'superseded', 'quarantined')) \
-             FROM jobs WHERE accepted_at >= $1",
+    loop {
+        let (leased, unfinished): (i64, i64) = sqlx::query_as(
+            "SELECT count(*) FILTER (WHERE state = 'leased'), count(*) FROM jobs \
+             WHERE state IN ('queued', 'leased', 'retry_wait')",
         )
-        .bind(since)
         .fetch_one(&pool)
         .await?;
         peak = peak.max(leased);
-        if done == slow as i64 {
+        if unfinished == 0 {
             break;
         }
+        anyhow::ensure!(started.elapsed() < Duration::from_secs(300), "slow jobs did not finish");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let secs = started.elapsed().as_secs_f64();
-    rows.push(Row {
-        what: format!("slow jobs, 10 s handler, {} partitions", e2e.topics.partitions),
-        rate: Some(slow as f64 / secs),
-        p50_ms: None,
-        p99_ms: None,
-        note: format!("{peak} jobs in flight at the peak; {slow} jobs in {secs:.1} s"),
-    });
+    rows.push(
+        Row::new(format!("slow jobs, 10 s handler, {} partitions", config.topics.partitions))
+            .rate(slow as f64 / secs)
+            .versus(peak as f64, config.processor.max_in_flight as f64, "processor.max_in_flight")
+            .note(format!("{peak} jobs in flight at the peak; {slow} jobs in {secs:.1} s")),
+    );
+    let rss = peak_rss_mib(a_pid)?;
+    rows.push(
+        Row::new("processor peak RSS")
+            .versus(rss, 64.0, "64 MiB")
+            .note(format!("{rss:.1} MiB (VmHWM) after the burst, steady and slow runs")),
+    );
 
-    shutdown.cancel();
-    relay.await??;
-    processor.await??;
+    // Recovery: kill -9 one of two processors while both run jobs.
+    let mut b =
+        crate::demo::spawn(config, &bin.join("jobfold-processor"), "processor-b", &logs, None)?;
+    crate::demo::wait_ready(b.http).await?;
+    let b_pid = b.child.id().context("the processor's pid")?;
+    let recovery_job = |i: usize| NewJob {
+        input: json!({ "text": "recovery", "simulate": { "sleep_ms": 3_000 } }),
+        ..job(offset + i)
+    };
+    let deadline = Instant::now() + Duration::from_secs(90);
+    let owner = format!("%/{b_pid}");
+    // Until the group gave b partitions, everything goes to a: submit in rounds.
+    let mut submitted = 0;
+    let victims: Vec<uuid::Uuid> = loop {
+        let jobs: Vec<NewJob> = (submitted..submitted + 20).map(recovery_job).collect();
+        acceptor.accept_batch(&pool, &jobs).await?;
+        submitted += jobs.len();
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let held: Vec<uuid::Uuid> = sqlx::query_scalar(
+            "SELECT job_id FROM jobs WHERE state = 'leased' AND lease_owner LIKE $1",
+        )
+        .bind(&owner)
+        .fetch_all(&pool)
+        .await?;
+        if held.len() >= 5 {
+            break held;
+        }
+        anyhow::ensure!(Instant::now() < deadline, "processor-b never leased a job");
+    };
+    offset += submitted;
+    let killed = Instant::now();
+    std::process::Command::new("kill").args(["-KILL", &b_pid.to_string()]).status()?;
+    b.child.wait().await?;
+    loop {
+        let left: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM jobs WHERE job_id = ANY($1) AND state <> 'succeeded'",
+        )
+        .bind(&victims)
+        .fetch_one(&pool)
+        .await?;
+        if left == 0 {
+            break;
+        }
+        anyhow::ensure!(killed.elapsed() < Duration::from_secs(300), "the survivor did not finish");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let recovery = killed.elapsed().as_secs_f64();
+    let bound = crate::demo::LEASE_TTL.as_secs_f64() + 6.0 + 5.0;
+    rows.push(
+        Row::new("recovery after kill -9 of 1 of 2 processors")
+            .versus(recovery, bound, "lease TTL + session timeout + 5 s")
+            .note(format!(
+                "{recovery:.1} s until the survivor finished the {} jobs the dead one held \
+                 (lease TTL {} s, session timeout 6 s, 3 s handler)",
+                victims.len(),
+                crate::demo::LEASE_TTL.as_secs()
+            )),
+    );
+    wait_finished(&pool, offset, Duration::from_secs(300)).await?;
+
+    // What one job costs: rows written (inserted, updated or deleted) and Kafka messages.
+    let (writes, events) = per_job_costs(&pool).await?;
+    let (writes, messages) = (writes / offset as f64, events / offset as f64);
+    let row = &mut rows[burst_row];
+    *row = std::mem::take(row)
+        .versus(
+            burst_rate * writes,
+            limits.rows,
+            &format!("multi-row insert at {writes:.1} rows/job"),
+        )
+        .note(format!(
+            "{burst} jobs accept -> succeeded, 1 processor; per job {messages:.1} Kafka messages \
+             ({:.0}% of the raw producer), {writes:.1} rows written",
+            100.0 * burst_rate * messages / limits.producer
+        ));
+    a.child.start_kill()?;
+    relay.child.start_kill()?;
+    a.child.wait().await?;
+    relay.child.wait().await?;
     pool.close().await;
-    Ok(rows)
+    Ok(())
 }
-
-/// Waits until `count` jobs accepted since `since` are finished.
-async fn wait_finished_since(
-    pool: &PgPool,
-    since: chrono::DateTime<chrono::Utc>,
-    count: usize,
-    timeout: Duration,
-) -> anyhow::Result<()> {
+/// Waits until `count` jobs are finished.
+async fn wait_finished(pool: &PgPool, count: usize, timeout: Duration) -> anyhow::Result<()> {
     let deadline = Instant::now() + timeout;
     loop {
         let done: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM jobs \
-             WHERE accepted_at >= $1 AND state IN ('succeeded', 'superseded', 'quarantined')",
+            "SELECT count(*) FROM jobs WHERE state IN ('succeeded', 'superseded', 'quarantined')",
         )
-        .bind(since)
         .fetch_one(pool)
         .await?;
         if done >= count as i64 {
@@ -464,51 +613,265 @@ async fn wait_finished_since(
     }
 }
 
-/// Kafka messages (events) and rows written per job accepted since `since`.
-async fn per_job_costs(
-    pool: &PgPool,
-    since: chrono::DateTime<chrono::Utc>,
-) -> anyhow::Result<(f64, f64)> {
-    let (jobs, events, results, dedupe): (i64, i64, i64, i64) = sqlx::query_as(
-        r#"
-        SELECT (SELECT count(*) FROM jobs WHERE accepted_at >= $1),
-               (SELECT count(*) FROM job_events e JOIN jobs j USING (job_id) WHERE j.accepted_at >= $1),
-               (SELECT count(*) FROM job_results r JOIN jobs j USING (job_id) WHERE j.accepted_at >= $1),
-               (SELECT count(*) FROM consumed_events c WHERE c.consumed_at >= $1)
-        "#,
-    )
-    .bind(since)
-    .fetch_one(pool)
-    .await?;
-    let jobs = jobs.max(1) as f64;
-    // Per job: the job row, each event with its outbox row, the result, the dedupe row, the
-    // business write (document_index and index_writes).
-    let rows =
-        1.0 + 2.0 * events as f64 / jobs + results as f64 / jobs + dedupe as f64 / jobs + 2.0;
-    Ok((events as f64 / jobs, rows))
+/// Rows written (inserted, updated, deleted) in this database, and events logged. Postgres
+/// reports row counts a little after the fact: read until they stop changing.
+async fn per_job_costs(pool: &PgPool) -> anyhow::Result<(f64, f64)> {
+    let read = || async {
+        sqlx::query_as::<_, (f64, f64)>(
+            "SELECT coalesce(sum(n_tup_ins + n_tup_upd + n_tup_del), 0)::float8, \
+                    (SELECT count(*) FROM job_events)::float8 \
+             FROM pg_stat_user_tables",
+        )
+        .fetch_one(pool)
+        .await
+    };
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let mut last = read().await?;
+    loop {
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        let now = read().await?;
+        if now == last || Instant::now() > deadline {
+            return Ok(now);
+        }
+        last = now;
+    }
 }
 
-async fn unpublished(pool: &PgPool) -> anyhow::Result<i64> {
-    Ok(sqlx::query_scalar("SELECT count(*) FROM outbox WHERE published_at IS NULL")
+/// Where the relay's cursor stands.
+async fn cursor(pool: &PgPool) -> anyhow::Result<(i64, i64)> {
+    Ok(sqlx::query_as("SELECT published_xid::text::bigint, published_seq FROM relay_cursor")
         .fetch_one(pool)
         .await?)
 }
 
-/// Waits until no outbox row is unpublished; polls cheaply (one index probe), so as not
-/// to slow down what it measures.
+/// Waits until the relay owes nothing; polls cheaply (two index probes), so as not to slow
+/// down what it measures.
 async fn wait_drained(pool: &PgPool, timeout: Duration) -> anyhow::Result<()> {
     let deadline = Instant::now() + timeout;
     loop {
-        let any: bool =
-            sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM outbox WHERE published_at IS NULL)")
-                .fetch_one(pool)
-                .await?;
-        if !any {
+        let owed: bool = sqlx::query_scalar(
+            "SELECT EXISTS (SELECT 1 FROM job_events e, relay_cursor c \
+                            WHERE (e.xid, e.seq) > (c.published_xid, c.published_seq)) \
+                 OR EXISTS (SELECT 1 FROM outbox WHERE published_at IS NULL)",
+        )
+        .fetch_one(pool)
+        .await?;
+        if !owed {
             return Ok(());
         }
-        anyhow::ensure!(Instant::now() < deadline, "the relay did not drain the outbox");
+        anyhow::ensure!(Instant::now() < deadline, "the relay did not drain the log");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
+}
+
+/// `clients` accepting batches back to back for `secs`; returns how many jobs they accepted.
+async fn saturate(
+    acceptor: &Acceptor,
+    pool: &PgPool,
+    offset: usize,
+    clients: usize,
+    batch: usize,
+    secs: u64,
+) -> anyhow::Result<usize> {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let next = std::sync::Arc::new(AtomicUsize::new(0));
+    let until = Instant::now() + Duration::from_secs(secs);
+    let tasks: Vec<_> = (0..clients)
+        .map(|_| {
+            let (acceptor, pool, next) = (acceptor.clone(), pool.clone(), next.clone());
+            tokio::spawn(async move {
+                while Instant::now() < until {
+                    let first = next.fetch_add(batch, Ordering::Relaxed);
+                    let jobs: Vec<NewJob> =
+                        (first..first + batch).map(|i| job(offset + i)).collect();
+                    acceptor.accept_batch(&pool, &jobs).await?;
+                }
+                anyhow::Ok(())
+            })
+        })
+        .collect();
+    for task in tasks {
+        task.await??;
+    }
+    Ok(next.load(Ordering::Relaxed))
+}
+
+/// Accepts `rate` jobs per second for `secs`, in small batches every 10 ms (single accepts
+/// when the rate is low); returns how many.
+async fn paced(
+    acceptor: &Acceptor,
+    pool: &PgPool,
+    offset: usize,
+    rate: f64,
+    secs: u64,
+) -> anyhow::Result<usize> {
+    let tick = Duration::from_millis(10);
+    let per_tick = rate * tick.as_secs_f64();
+    let mut ticker = tokio::time::interval(tick);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
+    let (mut owed, mut sent) = (0.0, 0usize);
+    let mut tasks = Vec::new();
+    let until = Instant::now() + Duration::from_secs(secs);
+    while Instant::now() < until {
+        ticker.tick().await;
+        owed += per_tick;
+        let n = owed.floor() as usize;
+        if n == 0 {
+            continue;
+        }
+        owed -= n as f64;
+        let jobs: Vec<NewJob> = (sent..sent + n).map(|i| job(offset + i)).collect();
+        sent += n;
+        let (acceptor, pool) = (acceptor.clone(), pool.clone());
+        tasks.push(tokio::spawn(async move {
+            if let [one] = jobs.as_slice() {
+                acceptor.accept(&pool, one).await.map(|_| ())
+            } else {
+                acceptor.accept_batch(&pool, &jobs).await.map(|_| ())
+            }
+        }));
+    }
+    for task in tasks {
+        task.await??;
+    }
+    Ok(sent)
+}
+
+/// Commit -> on Kafka for every event on the events topic that occurred at or after
+/// `since`: the record's timestamp (set when the relay produced it) minus the event's time
+/// (set just before its transaction committed), in microseconds.
+async fn topic_latencies(
+    config: &Config,
+    decoder: &jobfold_schemas::codec::Decoder<JobEvent>,
+    since: chrono::DateTime<chrono::Utc>,
+) -> anyhow::Result<Histogram<u64>> {
+    use rdkafka::Message as _;
+    use rdkafka::consumer::{BaseConsumer, Consumer as _};
+    let consumer: BaseConsumer = config
+        .kafka_client_with(&[("group.id", "jobfold-bench-reader"), ("enable.auto.commit", "false")])
+        .create()?;
+    let topic = &config.topics.events;
+    // From the first record stamped a second before `since`, to the end as it is now.
+    let mut wanted = rdkafka::TopicPartitionList::new();
+    for p in 0..config.topics.partitions {
+        wanted.add_partition_offset(
+            topic,
+            p,
+            rdkafka::Offset::Offset(since.timestamp_millis() - 1000),
+        )?;
+    }
+    let starts = consumer.offsets_for_times(wanted, Duration::from_secs(10))?;
+    let mut assignment = rdkafka::TopicPartitionList::new();
+    let mut ends = std::collections::HashMap::new();
+    let mut remaining = 0i64;
+    for p in 0..config.topics.partitions {
+        let (_, high) = consumer.fetch_watermarks(topic, p, Duration::from_secs(10))?;
+        let from = match starts.find_partition(topic, p).map(|e| e.offset()) {
+            Some(rdkafka::Offset::Offset(o)) => o,
+            _ => high,
+        };
+        remaining += high - from;
+        ends.insert(p, high);
+        assignment.add_partition_offset(topic, p, rdkafka::Offset::Offset(from))?;
+    }
+    consumer.assign(&assignment)?;
+    let mut h = latency_histogram();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while remaining > 0 {
+        anyhow::ensure!(Instant::now() < deadline, "could not read the events topic back");
+        let Some(message) = consumer.poll(Duration::from_millis(100)) else { continue };
+        let message = message?;
+        if message.offset() >= ends[&message.partition()] {
+            continue;
+        }
+        remaining -= 1;
+        let (Some(body), Some(at)) = (message.payload(), message.timestamp().to_millis()) else {
+            continue;
+        };
+        let event = decoder.decode(body).await?;
+        if event.occurred_at >= since {
+            h.record(((at - event.occurred_at.timestamp_millis()).max(0) * 1000).max(1) as u64)?;
+        }
+    }
+    Ok(h)
+}
+
+/// The process's peak resident memory (VmHWM), in MiB.
+fn peak_rss_mib(pid: u32) -> anyhow::Result<f64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    let kib: f64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .context("VmHWM missing from /proc status")?;
+    Ok(kib / 1024.0)
+}
+
+/// Single-row insert transactions per second, `clients` at once, `total` in all.
+async fn pg_commits(
+    pool: &PgPool,
+    clients: usize,
+    total: usize,
+    size: usize,
+) -> anyhow::Result<f64> {
+    let value = vec![7u8; size];
+    let started = Instant::now();
+    futures::stream::iter(0..total)
+        .map(|_| {
+            let (pool, value) = (pool.clone(), value.clone());
+            async move {
+                sqlx::query("INSERT INTO bench_commits (v) VALUES ($1)")
+                    .bind(value)
+                    .execute(&pool)
+                    .await
+            }
+        })
+        .buffer_unordered(clients)
+        .collect::<Vec<_>>()
+        .await
+        .into_iter()
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(total as f64 / started.elapsed().as_secs_f64())
+}
+
+/// Rows per second inserted `batch` at a time with one multi-row statement each.
+async fn pg_rows(pool: &PgPool, total: usize, batch: usize, size: usize) -> anyhow::Result<f64> {
+    let values: Vec<Vec<u8>> = vec![vec![7u8; size]; batch];
+    let statements = total.div_ceil(batch);
+    let started = Instant::now();
+    for _ in 0..statements {
+        sqlx::query("INSERT INTO bench_rows (v) SELECT * FROM unnest($1::bytea[])")
+            .bind(&values)
+            .execute(pool)
+            .await?;
+    }
+    Ok((statements * batch) as f64 / started.elapsed().as_secs_f64())
+}
+
+/// Messages per second a consumer reads `count` messages back from `topic`, assigned every
+/// partition from the beginning (no group join).
+async fn raw_consumer(config: &Config, topic: &str, count: usize) -> anyhow::Result<f64> {
+    use rdkafka::consumer::{BaseConsumer, Consumer as _};
+    let consumer: BaseConsumer = config
+        .kafka_client_with(&[("group.id", "jobfold-bench-raw"), ("enable.auto.commit", "false")])
+        .create()?;
+    let mut assignment = rdkafka::TopicPartitionList::new();
+    for p in 0..config.topics.partitions {
+        assignment.add_partition_offset(topic, p, rdkafka::Offset::Beginning)?;
+    }
+    consumer.assign(&assignment)?;
+    let mut seen = 0usize;
+    let mut started = None;
+    let deadline = Instant::now() + Duration::from_secs(300);
+    while seen < count {
+        anyhow::ensure!(Instant::now() < deadline, "read {seen} of {count} messages back");
+        if let Some(message) = consumer.poll(Duration::from_millis(100)) {
+            message?;
+            started.get_or_insert_with(Instant::now);
+            seen += 1;
+        }
+    }
+    Ok(seen as f64 / started.map_or(1.0, |s| s.elapsed().as_secs_f64()))
 }
 
 /// A `JobRequested` event like the ones accept writes, for the raw producer.

@@ -26,7 +26,7 @@ use sqlx::PgPool;
 use tokio::process::{Child, Command};
 
 /// The processors' lease in the demo: a dead worker's jobs move on within seconds.
-const LEASE_TTL: Duration = Duration::from_secs(4);
+pub(crate) const LEASE_TTL: Duration = Duration::from_secs(4);
 
 /// How big a run.
 #[derive(Debug, Clone, Copy)]
@@ -46,10 +46,10 @@ pub(crate) enum KafkaChoice {
 }
 
 /// One started child process.
-struct Process {
-    child: Child,
+pub(crate) struct Process {
+    pub(crate) child: Child,
     log: PathBuf,
-    http: u16,
+    pub(crate) http: u16,
     metrics: u16,
 }
 
@@ -402,7 +402,7 @@ fn free_port() -> anyhow::Result<u16> {
     Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
 
-fn spawn(
+pub(crate) fn spawn(
     config: &Config,
     binary: &Path,
     name: &str,
@@ -452,7 +452,7 @@ fn spawn(
     Ok(Process { child, log, http, metrics })
 }
 
-async fn wait_ready(http: u16) -> anyhow::Result<()> {
+pub(crate) async fn wait_ready(http: u16) -> anyhow::Result<()> {
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         if let Ok(r) = reqwest::get(format!("http://127.0.0.1:{http}/readyz")).await

@@ -118,10 +118,11 @@ enum Command {
         #[arg(long)]
         exit: bool,
     },
-    /// Measure accept and relay on this machine next to its raw Kafka producer rate, in a
-    /// database and topics of their own; prints a markdown table.
+    /// Measure this machine's Postgres and Kafka limits, then accept, the relay, end-to-end
+    /// processing, slow jobs, recovery after kill -9 and peak memory next to them, in
+    /// databases and topics of their own; prints a markdown table.
     Bench {
-        /// The long run (minutes) instead of the quick one (about a minute).
+        /// The long run (minutes) instead of the quick one (under two minutes).
         #[arg(long)]
         full: bool,
         /// Also write the table to this file.
