@@ -673,12 +673,13 @@ async fn saturate(
     batch: usize,
     secs: u64,
 ) -> anyhow::Result<usize> {
+    use std::sync::Arc;
     use std::sync::atomic::{AtomicUsize, Ordering};
-    let next = std::sync::Arc::new(AtomicUsize::new(0));
+    let next = Arc::new(AtomicUsize::new(0));
     let until = Instant::now() + Duration::from_secs(secs);
     let tasks: Vec<_> = (0..clients)
         .map(|_| {
-            let (acceptor, pool, next) = (acceptor.clone(), pool.clone(), next.clone());
+            let (acceptor, pool, next) = (acceptor.clone(), pool.clone(), Arc::clone(&next));
             tokio::spawn(async move {
                 while Instant::now() < until {
                     let first = next.fetch_add(batch, Ordering::Relaxed);
