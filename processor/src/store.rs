@@ -75,6 +75,34 @@ impl Events {
         available_at: Option<DateTime<Utc>>,
         trace: Option<TraceContext>,
     ) -> anyhow::Result<JobEvent> {
+        self.write(tx, job, payload, available_at, trace, true).await
+    }
+
+    /// Appends `payload` like [`append`](Self::append) but leaves `jobs.stream_version` to
+    /// the caller, who writes the job row after it anyway: one row version fewer per
+    /// transaction. The caller must set `stream_version = job.stream_version`.
+    ///
+    /// # Errors
+    /// The database failed, or the event did not encode.
+    pub async fn append_then_update_job(
+        &self,
+        tx: &mut PgConnection,
+        job: &mut JobRow,
+        payload: Payload,
+        trace: Option<TraceContext>,
+    ) -> anyhow::Result<JobEvent> {
+        self.write(tx, job, payload, None, trace, false).await
+    }
+
+    async fn write(
+        &self,
+        tx: &mut PgConnection,
+        job: &mut JobRow,
+        payload: Payload,
+        available_at: Option<DateTime<Utc>>,
+        trace: Option<TraceContext>,
+        bump: bool,
+    ) -> anyhow::Result<JobEvent> {
         let now = Utc::now();
         let now = DateTime::from_timestamp_millis(now.timestamp_millis()).unwrap_or(now);
         let event = JobEvent {
@@ -106,7 +134,7 @@ impl Events {
                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8 IS NOT NULL, $10, $11)
                 RETURNING seq
             ), bump AS (
-                UPDATE jobs SET stream_version = $3 WHERE job_id = $2
+                UPDATE jobs SET stream_version = $3 WHERE job_id = $2 AND $12
             )
             INSERT INTO outbox (seq, topic, key, available_at, traceparent, tracestate)
             SELECT seq, $9, $7, $8, $10, $11 FROM event WHERE $8 IS NOT NULL
@@ -123,6 +151,7 @@ impl Events {
         .bind(&self.topic)
         .bind(event.trace.as_ref().map(|t| &t.traceparent))
         .bind(event.trace.as_ref().and_then(|t| t.tracestate.as_ref()))
+        .bind(bump)
         .execute(&mut *tx)
         .await?;
         job.stream_version = event.stream_version;
@@ -289,11 +318,19 @@ pub async fn take_lease(
     let until = Utc::now() + ChronoDuration::from_std(ttl)?;
     job.generation += 1;
     job.attempt += 1;
+    let payload = Payload::JobLeased(JobLeased {
+        generation: job.generation,
+        attempt: job.attempt,
+        lease_owner: owner.to_owned(),
+        lease_until: until,
+        dispatch_event_id,
+    });
+    events.append_then_update_job(tx, job, payload, trace).await?;
     // language=PostgreSQL
     sqlx::query(
         r#"
         UPDATE jobs SET state = 'leased', generation = $2, attempt = $3, lease_until = $4,
-                        lease_owner = $5, next_attempt_at = NULL
+                        lease_owner = $5, next_attempt_at = NULL, stream_version = $6
         WHERE job_id = $1
         "#,
     )
@@ -302,16 +339,9 @@ pub async fn take_lease(
     .bind(job.attempt)
     .bind(until)
     .bind(owner)
+    .bind(job.stream_version)
     .execute(&mut *tx)
     .await?;
-    let payload = Payload::JobLeased(JobLeased {
-        generation: job.generation,
-        attempt: job.attempt,
-        lease_owner: owner.to_owned(),
-        lease_until: until,
-        dispatch_event_id,
-    });
-    events.append(tx, job, payload, None, trace).await?;
     job.state = "leased".into();
     job.lease_until = Some(until);
     job.lease_owner = Some(owner.to_owned());
@@ -456,20 +486,21 @@ pub async fn complete(
             .bind(&result)
             .execute(&mut *tx)
             .await?;
-            // language=PostgreSQL
-            sqlx::query(
-                "UPDATE jobs SET state = 'succeeded', finished_at = now(), lease_until = NULL, \
-                 lease_owner = NULL, last_error = NULL WHERE job_id = $1",
-            )
-            .bind(job.job_id)
-            .execute(&mut *tx)
-            .await?;
             let payload = Payload::JobSucceeded(JobSucceeded {
                 generation: job.generation,
                 attempt: job.attempt,
                 result: result.to_string(),
             });
-            events.append(tx, job, payload, None, trace).await?;
+            events.append_then_update_job(tx, job, payload, trace).await?;
+            // language=PostgreSQL
+            sqlx::query(
+                "UPDATE jobs SET state = 'succeeded', finished_at = now(), lease_until = NULL, \
+                 lease_owner = NULL, last_error = NULL, stream_version = $2 WHERE job_id = $1",
+            )
+            .bind(job.job_id)
+            .bind(job.stream_version)
+            .execute(&mut *tx)
+            .await?;
             job.state = "succeeded".into();
             Ok("succeeded")
         }

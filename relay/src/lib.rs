@@ -212,8 +212,9 @@ async fn drain(
 /// One pass over the log after the cursor, batch by batch, until fewer than a full batch
 /// remain. Returns true if shutdown was requested (after finishing the batches in flight).
 ///
-/// Up to [`LOG_BATCHES_IN_FLIGHT`] batches are produced ahead of their delivery reports; the
-/// cursor follows the reports, batch by batch, in order. On a failure it stops just before the
+/// Each batch is read while the one before is handed to the producer, and up to
+/// [`LOG_BATCHES_IN_FLIGHT`] batches are produced ahead of their delivery reports; the cursor
+/// follows the reports, batch by batch, in order. On a failure it stops just before the
 /// first event not delivered, and the pass ends: the next pass sends everything after it
 /// again (what was delivered after it becomes a duplicate).
 async fn drain_log(
@@ -226,18 +227,19 @@ async fn drain_log(
     let mut read = log::cursor(conn).await?;
     let mut in_flight: VecDeque<(Vec<log::Position>, HashSet<i64>, publish::Sent)> =
         VecDeque::new();
+    let batch = config.relay.batch_size;
+    let topic = &config.topics.events;
+    let mut rows = if shutdown.is_cancelled() {
+        Vec::new()
+    } else {
+        log::claim(conn, read, topic, batch).await?
+    };
     loop {
-        let claim_started = Instant::now();
-        let rows = if shutdown.is_cancelled() {
-            Vec::new()
-        } else {
-            log::claim(conn, read, &config.topics.events, config.relay.batch_size).await?
-        };
-        tracing::debug!(rows = rows.len(), ?read, elapsed = ?claim_started.elapsed(), "Read the log.");
-        let full = rows.len() == config.relay.batch_size as usize;
+        let full = rows.len() == batch as usize;
+        let mut next = Vec::new();
         if let Some((last, _)) = rows.last() {
             read = *last;
-            let (positions, rows): (Vec<_>, Vec<_>) = rows.into_iter().unzip();
+            let (positions, rows): (Vec<_>, Vec<_>) = std::mem::take(&mut rows).into_iter().unzip();
             // A delayed event is passed over (the outbox sends it), as if delivered.
             let passed: HashSet<i64> = positions
                 .iter()
@@ -246,7 +248,18 @@ async fn drain_log(
                 .map(|(p, _)| p.seq)
                 .collect();
             let rows: Vec<_> = rows.into_iter().flatten().collect();
-            let sent = publish::send(producer, &rows, blocked).await;
+            // Postgres reads the next batch while this one is handed to the producer.
+            let claim_next = async {
+                if full && !shutdown.is_cancelled() {
+                    log::claim(conn, read, topic, batch).await
+                } else {
+                    Ok(Vec::new())
+                }
+            };
+            let started = Instant::now();
+            let (claimed, sent) = tokio::join!(claim_next, publish::send(producer, &rows, blocked));
+            next = claimed?;
+            tracing::debug!(sent = rows.len(), read = next.len(), elapsed = ?started.elapsed(), "Sent a batch, read the next.");
             in_flight.push_back((positions, passed, sent));
         }
         while in_flight.len() > LOG_BATCHES_IN_FLIGHT || (!full && !in_flight.is_empty()) {
@@ -268,6 +281,7 @@ async fn drain_log(
         if !full {
             return Ok(shutdown.is_cancelled());
         }
+        rows = next;
     }
 }
 

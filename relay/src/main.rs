@@ -15,6 +15,11 @@ struct Args {
     config: Option<PathBuf>,
 }
 
+/// mimalloc: under load glibc malloc (allocations freed on librdkafka's threads) cost the relay
+/// more than producing; see BENCHMARKS.md.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();

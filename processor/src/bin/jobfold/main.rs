@@ -173,6 +173,11 @@ enum QuarantineCommand {
     },
 }
 
+/// mimalloc: under load glibc malloc (allocations freed on librdkafka's threads) cost the relay
+/// more than producing; see BENCHMARKS.md.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[tokio::main]
 async fn main() -> ExitCode {
     let args = Args::parse();
