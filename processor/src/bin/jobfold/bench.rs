@@ -29,6 +29,9 @@ pub(crate) struct Sizes {
     pub(crate) batch: usize,
     pub(crate) steady_secs: u64,
     pub(crate) e2e_jobs: usize,
+    /// Slow jobs: how many, and how long each handler sleeps.
+    pub(crate) slow_jobs: usize,
+    pub(crate) slow_ms: u64,
 }
 
 impl Sizes {
@@ -41,6 +44,23 @@ impl Sizes {
             batch: 100,
             steady_secs: 5,
             e2e_jobs: 5_000,
+            slow_jobs: 200,
+            slow_ms: 10_000,
+        }
+    }
+
+    /// Every measurement, too small to mean anything: checks that the bench runs.
+    pub(crate) fn smoke() -> Self {
+        Self {
+            raw_messages: 5_000,
+            single_accepts: 100,
+            concurrent_accepts: 500,
+            batched_accepts: 5_000,
+            batch: 100,
+            steady_secs: 1,
+            e2e_jobs: 300,
+            slow_jobs: 20,
+            slow_ms: 1_000,
         }
     }
 
@@ -53,6 +73,8 @@ impl Sizes {
             batch: 100,
             steady_secs: 30,
             e2e_jobs: 50_000,
+            slow_jobs: 200,
+            slow_ms: 10_000,
         }
     }
 }
@@ -489,10 +511,10 @@ async fn measure_processing(
     );
 
     // Slow jobs: how many run at once (10 s handler, 200 documents).
-    let slow = 200;
+    let slow = sizes.slow_jobs;
     let jobs: Vec<NewJob> = (0..slow)
         .map(|i| NewJob {
-            input: json!({ "text": "slow", "simulate": { "sleep_ms": 10_000 } }),
+            input: json!({ "text": "slow", "simulate": { "sleep_ms": sizes.slow_ms } }),
             ..job(offset + i)
         })
         .collect();
@@ -516,10 +538,14 @@ async fn measure_processing(
     }
     let secs = started.elapsed().as_secs_f64();
     rows.push(
-        Row::new(format!("slow jobs, 10 s handler, {} partitions", config.topics.partitions))
-            .rate(slow as f64 / secs)
-            .versus(peak as f64, config.processor.max_in_flight as f64, "processor.max_in_flight")
-            .note(format!("{peak} jobs in flight at the peak; {slow} jobs in {secs:.1} s")),
+        Row::new(format!(
+            "slow jobs, {} s handler, {} partitions",
+            sizes.slow_ms / 1000,
+            config.topics.partitions
+        ))
+        .rate(slow as f64 / secs)
+        .versus(peak as f64, config.processor.max_in_flight as f64, "processor.max_in_flight")
+        .note(format!("{peak} jobs in flight at the peak; {slow} jobs in {secs:.1} s")),
     );
     let rss = peak_rss_mib(a_pid)?;
     rows.push(

@@ -125,6 +125,9 @@ enum Command {
         /// The long run (minutes) instead of the quick one (under two minutes).
         #[arg(long)]
         full: bool,
+        /// Every measurement at a size too small to mean anything (checks the bench runs).
+        #[arg(long, hide = true, conflicts_with = "full")]
+        smoke: bool,
         /// Also write the table to this file.
         #[arg(long)]
         output: Option<PathBuf>,
@@ -268,11 +271,15 @@ async fn run(config: Config, command: Command) -> anyhow::Result<()> {
             let documents = documents.unwrap_or(if short { 40 } else { 150 });
             demo::run(config, demo::Size { documents, exit: exit || short }, kafka).await?;
         }
-        Command::Bench { full, output, replay } => {
+        Command::Bench { full, smoke, output, replay } => {
             let table = match replay {
                 Some(sizes) => replay_bench::run(config, &sizes).await?,
                 None => {
-                    let sizes = if full { bench::Sizes::full() } else { bench::Sizes::quick() };
+                    let sizes = match (full, smoke) {
+                        (true, _) => bench::Sizes::full(),
+                        (_, true) => bench::Sizes::smoke(),
+                        _ => bench::Sizes::quick(),
+                    };
                     bench::run(config, sizes).await?
                 }
             };

@@ -1,0 +1,65 @@
+//! `jobfold bench` at a size too small to mean anything: every measurement runs against the
+//! test services (limits, accept, the relay and processors as processes, a kill -9) and
+//! lands in the table. The numbers themselves are not asserted: speed is the bench's
+//! business, not a test's.
+
+use std::process::Command;
+
+use jobfold_tests::harness::binary;
+use jobfold_tests::services;
+
+#[test]
+fn the_bench_runs_every_measurement() {
+    services::require_all();
+    let scratch = || {
+        Command::new("psql")
+            .arg(services::database_url())
+            .args(["-Atc", "SELECT count(*) FROM pg_database WHERE datname LIKE 'jobfold_bench_%'"])
+            .output()
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().parse::<i64>().unwrap_or(-1))
+            .unwrap_or(-1)
+    };
+    let scratch_before = scratch();
+    let table = std::env::temp_dir().join(format!("jobfold-bench-{}.md", std::process::id()));
+    let output = Command::new(binary("jobfold"))
+        .args(["bench", "--smoke", "--output"])
+        .arg(&table)
+        .env("JOBFOLD_DATABASE_URL", services::database_url())
+        .env("JOBFOLD_KAFKA_BROKERS", services::kafka_brokers())
+        .env("JOBFOLD_SCHEMA_REGISTRY_URL", services::schema_registry_url())
+        .output()
+        .expect("running jobfold bench");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "the bench failed:\n{stdout}\n{stderr}");
+    let written = std::fs::read_to_string(&table).expect("the table file");
+    let _ = std::fs::remove_file(&table);
+    for row in [
+        "| limit: Postgres commits, 1 client | ",
+        "| limit: Postgres commits, 16 clients | ",
+        "| limit: Postgres multi-row insert | ",
+        "| limit: raw rdkafka producer | ",
+        "| limit: raw rdkafka consumer | ",
+        "| accept, 1 client | ",
+        "| accept, 16 clients | ",
+        "| accept, batches of 100 | ",
+        "| relay, draining a backlog ",
+        "| relay, full accept load ",
+        "| relay, half load ",
+        "| relay peak RSS | ",
+        "| end to end, trivial handler, burst | ",
+        "| end to end, steady ",
+        "| slow jobs, 1 s handler, ",
+        "| processor peak RSS | ",
+        "| recovery after kill -9 of 1 of 2 processors | ",
+    ] {
+        let line = written.lines().find(|l| l.starts_with(row));
+        let line = line.unwrap_or_else(|| panic!("no row {row:?} in:\n{written}"));
+        // Throughput and memory stand next to a limit; the limits and latency-only rows not.
+        let latency_only = row.contains("half load") || row.contains("steady");
+        let compared = line.contains("% of ");
+        assert!(compared || row.starts_with("| limit") || latency_only, "{line}");
+    }
+    // The scratch databases are dropped again.
+    assert!(scratch() <= scratch_before, "scratch databases left behind");
+}
