@@ -103,6 +103,13 @@ impl Events {
         trace: Option<TraceContext>,
         bump: bool,
     ) -> anyhow::Result<JobEvent> {
+        if !job.fresh_xid {
+            anyhow::bail!(
+                "job {} was not locked by lock_job before any write of this transaction: \
+                 its events could reach Kafka out of order",
+                job.job_id
+            );
+        }
         let now = Utc::now();
         let now = DateTime::from_timestamp_millis(now.timestamp_millis()).unwrap_or(now);
         let event = JobEvent {
@@ -118,13 +125,6 @@ impl Events {
             payload,
         };
         let body = self.codec.encode(&event)?;
-        if !job.fresh_xid {
-            anyhow::bail!(
-                "job {} was not locked by lock_job before any write of this transaction: \
-                 its events could reach Kafka out of order",
-                job.job_id
-            );
-        }
         // language=PostgreSQL
         sqlx::query(
             r#"

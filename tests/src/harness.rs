@@ -173,6 +173,17 @@ fn target_dir() -> PathBuf {
 }
 
 /// The path of a workspace binary, built first (once per test process) so it is current.
+/// The `jobfold` command line, pointed at the test services.
+pub fn jobfold_cli() -> Command {
+    crate::services::require_all();
+    let mut command = Command::new(binary("jobfold"));
+    command
+        .env("JOBFOLD_DATABASE_URL", crate::services::database_url())
+        .env("JOBFOLD_KAFKA_BROKERS", crate::services::kafka_brokers())
+        .env("JOBFOLD_SCHEMA_REGISTRY_URL", crate::services::schema_registry_url());
+    command
+}
+
 pub fn binary(name: &str) -> PathBuf {
     static BUILT: OnceLock<()> = OnceLock::new();
     BUILT.get_or_init(|| {

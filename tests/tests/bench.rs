@@ -5,12 +5,11 @@
 
 use std::process::Command;
 
-use jobfold_tests::harness::binary;
+use jobfold_tests::harness::jobfold_cli;
 use jobfold_tests::services;
 
 #[test]
 fn the_bench_runs_every_measurement() {
-    services::require_all();
     let scratch = || {
         Command::new("psql")
             .arg(services::database_url())
@@ -21,12 +20,9 @@ fn the_bench_runs_every_measurement() {
     };
     let scratch_before = scratch();
     let table = std::env::temp_dir().join(format!("jobfold-bench-{}.md", std::process::id()));
-    let output = Command::new(binary("jobfold"))
+    let output = jobfold_cli()
         .args(["bench", "--smoke", "--output"])
         .arg(&table)
-        .env("JOBFOLD_DATABASE_URL", services::database_url())
-        .env("JOBFOLD_KAFKA_BROKERS", services::kafka_brokers())
-        .env("JOBFOLD_SCHEMA_REGISTRY_URL", services::schema_registry_url())
         .output()
         .expect("running jobfold bench");
     let stdout = String::from_utf8_lossy(&output.stdout);

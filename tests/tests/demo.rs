@@ -2,21 +2,11 @@
 //! test services, kills a processor and crashes a relay midway, and its own summary checks
 //! the run. The test reads that summary.
 
-use std::process::Command;
-
-use jobfold_tests::harness::binary;
-use jobfold_tests::services;
+use jobfold_tests::harness::jobfold_cli;
 
 #[test]
 fn the_demo_runs_end_to_end_and_its_summary_checks_out() {
-    services::require_all();
-    let output = Command::new(binary("jobfold"))
-        .args(["demo", "--short"])
-        .env("JOBFOLD_DATABASE_URL", services::database_url())
-        .env("JOBFOLD_KAFKA_BROKERS", services::kafka_brokers())
-        .env("JOBFOLD_SCHEMA_REGISTRY_URL", services::schema_registry_url())
-        .output()
-        .expect("running jobfold demo");
+    let output = jobfold_cli().args(["demo", "--short"]).output().expect("running jobfold demo");
     let stdout = String::from_utf8_lossy(&output.stdout);
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(output.status.success(), "the demo failed:\n{stdout}\n{stderr}");

@@ -248,11 +248,7 @@ async fn measure_limits(
     .await?;
     jobfold_common::kafka::ensure_topics(config, &jobfold_common::kafka::jobfold_topics(config))
         .await?;
-    let codec = Codec::<JobEvent>::connect(
-        registry_settings(&config.schema_registry_url)?,
-        &config.topics.events,
-    )
-    .await?;
+    let codec = event_codec(config).await?;
     let bodies: Vec<Vec<u8>> = (0..sizes.raw_messages)
         .map(|i| codec.encode(&sample_event(i)))
         .collect::<Result<_, _>>()?;
@@ -298,11 +294,7 @@ async fn measure_accept_and_relay(
     rows: &mut Vec<Row>,
 ) -> anyhow::Result<()> {
     let pool = jobfold_common::db::connect_and_migrate(config, 32).await?;
-    let codec = Codec::<JobEvent>::connect(
-        registry_settings(&config.schema_registry_url)?,
-        &config.topics.events,
-    )
-    .await?;
+    let codec = event_codec(config).await?;
     let acceptor = Acceptor::new(codec.clone(), config.accept.clone(), "bench");
 
     // Accept, one at a time: latency as a single client sees it.
@@ -459,11 +451,7 @@ async fn measure_processing(
     let mut config = config.clone();
     config.processor.group = format!("jobfold-bench-processors-{}", uuid::Uuid::new_v4().simple());
     let config = &config;
-    let codec = Codec::<JobEvent>::connect(
-        registry_settings(&config.schema_registry_url)?,
-        &config.topics.events,
-    )
-    .await?;
+    let codec = event_codec(config).await?;
     let acceptor = Acceptor::new(codec, config.accept.clone(), "bench");
     let logs =
         std::env::temp_dir().join(format!("jobfold-bench-{}", uuid::Uuid::new_v4().simple()));
@@ -911,6 +899,15 @@ async fn raw_consumer(config: &Config, topic: &str, count: usize) -> anyhow::Res
         }
     }
     Ok(seen as f64 / started.map_or(1.0, |s| s.elapsed().as_secs_f64()))
+}
+
+/// The event codec for `config`'s events topic, registered with its registry.
+async fn event_codec(config: &Config) -> anyhow::Result<Codec<JobEvent>> {
+    Ok(Codec::<JobEvent>::connect(
+        registry_settings(&config.schema_registry_url)?,
+        &config.topics.events,
+    )
+    .await?)
 }
 
 /// A `JobRequested` event like the ones accept writes, for the raw producer.
