@@ -51,8 +51,9 @@ pub struct JobRow {
     pub fresh_xid: bool,
 }
 
-/// Writes events: encodes them and appends them to `job_events` (and a delayed one to
-/// `outbox` too, which keeps its due time).
+/// Writes events: encodes them and appends them to `job_events`. A delayed one goes to
+/// `outbox` too, which keeps its due time, and so does every later event of its job written
+/// before the relay published it (they may not overtake it on Kafka).
 #[derive(Debug, Clone)]
 pub struct Events {
     pub codec: Codec<JobEvent>,
@@ -125,19 +126,33 @@ impl Events {
             payload,
         };
         let body = self.codec.encode(&event)?;
+        // An event of a job whose earlier event still waits in the outbox goes through the
+        // outbox too, behind it, and the waiting rows become due no later than it: the relay
+        // publishes due rows in log order, so the job's events reach Kafka in stream order.
+        // This is a statement of its own, after `lock_job`: its snapshot sees every earlier
+        // writer of the job committed.
         // language=PostgreSQL
         sqlx::query(
             r#"
-            WITH event AS (
+            WITH waiting AS (
+                SELECT o.seq FROM outbox o JOIN job_events e ON e.seq = o.seq
+                WHERE o.published_at IS NULL AND o.key = $7 AND e.job_id = $2
+            ), path AS (
+                SELECT $8::timestamptz IS NOT NULL OR EXISTS (SELECT 1 FROM waiting) AS outbox,
+                       coalesce($8::timestamptz, clock_timestamp()) AS due
+            ), event AS (
                 INSERT INTO job_events (event_id, job_id, stream_version, kind, body, occurred_at,
                                         key, delayed, traceparent, tracestate)
-                VALUES ($1, $2, $3, $4, $5, $6, $7, $8 IS NOT NULL, $10, $11)
-                RETURNING seq
+                SELECT $1, $2, $3, $4, $5, $6, $7, path.outbox, $10, $11 FROM path
+                RETURNING seq, delayed
             ), bump AS (
                 UPDATE jobs SET stream_version = $3 WHERE job_id = $2 AND $12
+            ), release AS (
+                UPDATE outbox SET available_at = least(available_at, (SELECT due FROM path))
+                WHERE seq IN (SELECT seq FROM waiting)
             )
             INSERT INTO outbox (seq, topic, key, available_at, traceparent, tracestate)
-            SELECT seq, $9, $7, $8, $10, $11 FROM event WHERE $8 IS NOT NULL
+            SELECT event.seq, $9, $7, path.due, $10, $11 FROM event, path WHERE event.delayed
             "#,
         )
         .bind(event.event_id)
@@ -271,6 +286,7 @@ pub enum LeaseDecision {
 pub fn decide(
     job: &JobRow,
     event_input_version: i64,
+    event_stream_version: i32,
     newest_succeeded: Option<i64>,
     now: DateTime<Utc>,
 ) -> LeaseDecision {
@@ -283,6 +299,11 @@ pub fn decide(
     }
     if event_input_version != job.input_version {
         return LeaseDecision::Skip("the event is for another input version");
+    }
+    // A job waiting for its scheduled retry moves on that retry's RetryDue, its newest event:
+    // an older dispatch read late (a stalled job's re-dispatch) would cut the backoff short.
+    if job.state == "retry_wait" && event_stream_version < job.stream_version {
+        return LeaseDecision::Skip("the job waits for its scheduled retry");
     }
     if let Some(newer) = newest_succeeded.filter(|v| *v > job.input_version) {
         return LeaseDecision::Supersede(newer);
@@ -587,16 +608,19 @@ mod tests {
     fn finished_and_quarantined_jobs_are_skipped() {
         let now = Utc::now();
         for state in ["succeeded", "superseded", "cancelled", "quarantined"] {
-            assert!(matches!(decide(&job(state), 3, None, now), LeaseDecision::Skip(_)), "{state}");
+            assert!(
+                matches!(decide(&job(state), 3, 2, None, now), LeaseDecision::Skip(_)),
+                "{state}"
+            );
         }
     }
 
     #[test]
     fn a_newer_succeeded_version_supersedes() {
         let now = Utc::now();
-        assert_eq!(decide(&job("queued"), 3, Some(4), now), LeaseDecision::Supersede(4));
-        assert_eq!(decide(&job("queued"), 3, Some(3), now), LeaseDecision::Lease);
-        assert_eq!(decide(&job("queued"), 3, Some(2), now), LeaseDecision::Lease);
+        assert_eq!(decide(&job("queued"), 3, 2, Some(4), now), LeaseDecision::Supersede(4));
+        assert_eq!(decide(&job("queued"), 3, 2, Some(3), now), LeaseDecision::Lease);
+        assert_eq!(decide(&job("queued"), 3, 2, Some(2), now), LeaseDecision::Lease);
     }
 
     #[test]
@@ -604,9 +628,12 @@ mod tests {
         let now = Utc::now();
         let mut leased = job("leased");
         leased.lease_until = Some(now + ChronoDuration::seconds(5));
-        assert_eq!(decide(&leased, 3, None, now), LeaseDecision::Wait(leased.lease_until.unwrap()));
+        assert_eq!(
+            decide(&leased, 3, 2, None, now),
+            LeaseDecision::Wait(leased.lease_until.unwrap())
+        );
         leased.lease_until = Some(now - ChronoDuration::seconds(1));
-        assert_eq!(decide(&leased, 3, None, now), LeaseDecision::Lease);
+        assert_eq!(decide(&leased, 3, 2, None, now), LeaseDecision::Lease);
     }
 
     #[test]
@@ -614,15 +641,35 @@ mod tests {
         let now = Utc::now();
         let mut spent = job("retry_wait");
         spent.attempt = 3;
-        assert!(matches!(decide(&spent, 3, None, now), LeaseDecision::Quarantine(_)));
+        assert!(matches!(decide(&spent, 3, 2, None, now), LeaseDecision::Quarantine(_)));
         let mut late = job("retry_wait");
         late.deadline = Some(now - ChronoDuration::seconds(1));
-        assert!(matches!(decide(&late, 3, None, now), LeaseDecision::Quarantine(_)));
+        assert!(matches!(decide(&late, 3, 2, None, now), LeaseDecision::Quarantine(_)));
     }
 
     #[test]
     fn a_stale_input_version_is_skipped() {
-        assert!(matches!(decide(&job("queued"), 2, None, Utc::now()), LeaseDecision::Skip(_)));
+        assert!(matches!(decide(&job("queued"), 2, 2, None, Utc::now()), LeaseDecision::Skip(_)));
+    }
+
+    #[test]
+    fn a_job_waiting_for_its_retry_moves_only_on_its_retry_due() {
+        let now = Utc::now();
+        let waiting = job("retry_wait");
+        // An older dispatch read late neither starts the retry early nor finishes the job.
+        assert_eq!(
+            decide(&waiting, 3, 1, None, now),
+            LeaseDecision::Skip("the job waits for its scheduled retry")
+        );
+        assert_eq!(
+            decide(&waiting, 3, 1, Some(4), now),
+            LeaseDecision::Skip("the job waits for its scheduled retry")
+        );
+        // Its RetryDue, the newest event of its stream, does.
+        assert_eq!(decide(&waiting, 3, 2, None, now), LeaseDecision::Lease);
+        assert_eq!(decide(&waiting, 3, 2, Some(4), now), LeaseDecision::Supersede(4));
+        // A queued job leases on any dispatch of its input version.
+        assert_eq!(decide(&job("queued"), 3, 1, None, now), LeaseDecision::Lease);
     }
 }
 

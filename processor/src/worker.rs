@@ -398,7 +398,8 @@ async fn try_handle<H: Handler>(
         return Ok(Step::Done);
     };
     let newest = store::newest_succeeded(&mut tx, &job.document_id, &job.kind).await?;
-    let decision = store::decide(&job, event.input_version, newest, Utc::now());
+    let decision =
+        store::decide(&job, event.input_version, event.stream_version, newest, Utc::now());
     let trace = event.trace.clone();
     match decision {
         LeaseDecision::Wait(until) => {

@@ -369,3 +369,66 @@ async fn an_event_that_commits_after_later_ones_is_published_too() {
     relay.await.unwrap().unwrap();
     it.cleanup().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_later_event_does_not_overtake_its_jobs_delayed_one() {
+    use jobfold_processor::store;
+    use jobfold_schemas::Payload;
+    use jobfold_schemas::event::{DispatchReason, RetryDue};
+
+    let it = Installation::new("relayovertake").await;
+    it.create_topics().await;
+    let acceptor = it.acceptor().await;
+    let events = it.events().await;
+    let accepted = acceptor.accept(&it.pool, &job("doc-overtake", 1)).await.unwrap();
+    let retry_due =
+        |due_at| Payload::RetryDue(RetryDue { due_at, reason: DispatchReason::Backoff });
+
+    // The job's scheduled retry waits in the outbox for an hour...
+    let due_at = Utc::now() + chrono::Duration::hours(1);
+    let mut tx = it.pool.begin().await.unwrap();
+    let mut waiting = store::lock_job(&mut tx, accepted.job_id).await.unwrap().unwrap();
+    events.append(&mut tx, &mut waiting, retry_due(due_at), Some(due_at), None).await.unwrap();
+    tx.commit().await.unwrap();
+    // ... when a newer input version finishes the job, as a late dispatch once did.
+    let mut tx = it.pool.begin().await.unwrap();
+    let mut job_row = store::lock_job(&mut tx, accepted.job_id).await.unwrap().unwrap();
+    store::supersede(&mut tx, &events, &mut job_row, 2, None).await.unwrap();
+    tx.commit().await.unwrap();
+
+    let shutdown = CancellationToken::new();
+    let relay = tokio::spawn(jobfold_relay::run(it.config.clone(), shutdown.clone()));
+    let published = read_events(&it, Duration::from_secs(30), |seen| seen.len() >= 3).await;
+    let kinds: Vec<(i32, &str)> =
+        published.iter().map(|p| (p.event.stream_version, p.event.payload.kind())).collect();
+    assert_eq!(
+        kinds,
+        [(1, "JobRequested"), (2, "RetryDue"), (3, "JobSuperseded")],
+        "the job's events reached Kafka out of stream order (or the delayed one is still held)"
+    );
+    eventually(Duration::from_secs(10), "the outbox to drain", || async {
+        it.unpublished().await == 0
+    })
+    .await;
+
+    // Nothing of the job waits any more: its next event goes straight from the log.
+    let mut tx = it.pool.begin().await.unwrap();
+    let mut job_row = store::lock_job(&mut tx, accepted.job_id).await.unwrap().unwrap();
+    events.append(&mut tx, &mut job_row, retry_due(Utc::now()), None, None).await.unwrap();
+    tx.commit().await.unwrap();
+    let delayed: Vec<bool> = sqlx::query_scalar(
+        "SELECT delayed FROM job_events WHERE job_id = $1 ORDER BY stream_version",
+    )
+    .bind(accepted.job_id)
+    .fetch_all(&it.pool)
+    .await
+    .unwrap();
+    assert_eq!(delayed, [false, true, true, false]);
+    let published = read_events(&it, Duration::from_secs(30), |seen| seen.len() >= 4).await;
+    assert_eq!(published.len(), 4);
+    assert_eq!(published[3].event.stream_version, 4);
+
+    shutdown.cancel();
+    relay.await.unwrap().unwrap();
+    it.cleanup().await;
+}
