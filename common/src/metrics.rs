@@ -33,6 +33,9 @@ pub const IN_FLIGHT: &str = "jobfold_in_flight";
 pub const COMPLETED_TOTAL: &str = "jobfold_completed_total";
 /// Redelivered dispatch events skipped by their dedupe row, without running anything.
 pub const DUPLICATES_SKIPPED_TOTAL: &str = "jobfold_duplicates_skipped_total";
+/// Jobs per lease or completion transaction (`transaction` = `lease` | `completion`): the
+/// processor decides every dispatch waiting at once in one transaction.
+pub const TRANSACTION_JOBS: &str = "jobfold_transaction_jobs";
 /// Completions discarded because another generation held the job (zombie workers).
 pub const FENCED_COMPLETIONS_TOTAL: &str = "jobfold_fenced_completions_total";
 /// Handler runs started (compare with completions: the difference is crashes and fencing).
@@ -97,6 +100,11 @@ pub fn describe() {
         DUPLICATES_SKIPPED_TOTAL,
         Unit::Count,
         "Redelivered dispatch events skipped by their dedupe row."
+    );
+    describe_histogram!(
+        TRANSACTION_JOBS,
+        Unit::Count,
+        "Jobs per lease or completion transaction, by transaction."
     );
     describe_counter!(
         FENCED_COMPLETIONS_TOTAL,

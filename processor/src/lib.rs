@@ -10,7 +10,9 @@
 //! - gauges: every `processor.gauge_interval`, [`jobfold_common::gauges`] read from Postgres
 //!   and published as Prometheus gauges.
 //! - [`intake`]: the consumer turning `jobfold.job-requests` messages into accepted jobs.
-//! - [`worker`]: the consumer group member that leases, runs and completes jobs;
+//! - [`worker`]: the consumer group member that leases, runs and completes jobs; [`lease`]
+//!   decides the dispatches waiting at once in one transaction, [`complete`] commits the
+//!   attempts finished at once in one ([`batch`] gathers them);
 //!   [`offsets`] tracks what may be committed, [`store`] holds its transactions,
 //!   [`reaper`] dispatches expired leases and stalled jobs again.
 //! - [`analytics`]: `jobfold replay` — the event log from Kafka or Postgres, folded,
@@ -22,11 +24,14 @@
 //! the intake finishes the message in flight and commits its stored offsets.
 
 pub mod analytics;
+pub mod batch;
+pub mod complete;
 pub mod dead_letter;
 pub mod handler;
 pub mod http;
 pub mod index;
 pub mod intake;
+pub mod lease;
 pub mod offsets;
 pub mod reaper;
 pub mod status;

@@ -75,7 +75,7 @@ impl Events {
         payload: Payload,
         available_at: Option<DateTime<Utc>>,
         trace: Option<TraceContext>,
-    ) -> anyhow::Result<JobEvent> {
+    ) -> anyhow::Result<()> {
         self.write(tx, job, payload, available_at, trace, true).await
     }
 
@@ -91,8 +91,30 @@ impl Events {
         job: &mut JobRow,
         payload: Payload,
         trace: Option<TraceContext>,
-    ) -> anyhow::Result<JobEvent> {
+    ) -> anyhow::Result<()> {
         self.write(tx, job, payload, None, trace, false).await
+    }
+
+    /// Appends one event to each of several jobs in one statement, like
+    /// [`append_then_update_job`](Self::append_then_update_job) for each: the caller writes
+    /// every job row after it. One event per job.
+    ///
+    /// # Errors
+    /// The database failed, an event did not encode, or a job appears twice.
+    pub async fn append_each_then_update_jobs(
+        &self,
+        tx: &mut PgConnection,
+        appends: Vec<(&mut JobRow, Payload, Option<TraceContext>)>,
+    ) -> anyhow::Result<()> {
+        let mut seen = std::collections::HashSet::with_capacity(appends.len());
+        let appends = appends
+            .into_iter()
+            .map(|(job, payload, trace)| {
+                anyhow::ensure!(seen.insert(job.job_id), "job {} appears twice", job.job_id);
+                Ok(Append { job, payload, available_at: None, trace })
+            })
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        self.write_all(tx, appends, false).await
     }
 
     async fn write(
@@ -103,29 +125,55 @@ impl Events {
         available_at: Option<DateTime<Utc>>,
         trace: Option<TraceContext>,
         bump: bool,
-    ) -> anyhow::Result<JobEvent> {
-        if !job.fresh_xid {
+    ) -> anyhow::Result<()> {
+        self.write_all(tx, vec![Append { job, payload, available_at, trace }], bump).await
+    }
+
+    /// Appends each event as its job's next (one per job): the one statement behind every
+    /// append.
+    async fn write_all(
+        &self,
+        tx: &mut PgConnection,
+        appends: Vec<Append<'_>>,
+        bump: bool,
+    ) -> anyhow::Result<()> {
+        if let Some(stale) = appends.iter().find(|a| !a.job.fresh_xid) {
             anyhow::bail!(
                 "job {} was not locked by lock_job before any write of this transaction: \
                  its events could reach Kafka out of order",
-                job.job_id
+                stale.job.job_id
             );
         }
         let now = Utc::now();
         let now = DateTime::from_timestamp_millis(now.timestamp_millis()).unwrap_or(now);
-        let event = JobEvent {
-            event_id: Uuid::now_v7(),
-            job_id: job.job_id,
-            document_id: job.document_id.clone(),
-            job_kind: job.kind.clone(),
-            input_version: job.input_version,
-            stream_version: job.stream_version + 1,
-            occurred_at: now,
-            trace,
-            producer: self.producer.clone(),
-            payload,
-        };
-        let body = self.codec.encode(&event)?;
+        let n = appends.len();
+        let mut rows = EventRows::with_capacity(n);
+        let mut jobs = Vec::with_capacity(n);
+        for Append { job, payload, available_at, trace } in appends {
+            let event = JobEvent {
+                event_id: Uuid::now_v7(),
+                job_id: job.job_id,
+                document_id: job.document_id.clone(),
+                job_kind: job.kind.clone(),
+                input_version: job.input_version,
+                stream_version: job.stream_version + 1,
+                occurred_at: now,
+                trace,
+                producer: self.producer.clone(),
+                payload,
+            };
+            rows.body.push(self.codec.encode(&event)?);
+            rows.event_id.push(event.event_id);
+            rows.job_id.push(event.job_id);
+            rows.stream_version.push(event.stream_version);
+            rows.kind.push(event.payload.kind());
+            rows.key.push(event.document_id);
+            rows.due.push(available_at);
+            let trace = event.trace;
+            rows.tracestate.push(trace.as_ref().and_then(|t| t.tracestate.clone()));
+            rows.traceparent.push(trace.map(|t| t.traceparent));
+            jobs.push(job);
+        }
         // An event of a job whose earlier event still waits in the outbox goes through the
         // outbox too, behind it, and the waiting rows become due no later than it: the relay
         // publishes due rows in log order, so the job's events reach Kafka in stream order.
@@ -134,45 +182,105 @@ impl Events {
         // language=PostgreSQL
         sqlx::query(
             r#"
-            WITH waiting AS (
-                SELECT o.seq FROM outbox o JOIN job_events e ON e.seq = o.seq
-                WHERE o.published_at IS NULL AND o.key = $7 AND e.job_id = $2
+            WITH input AS (
+                SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::int[], $4::text[], $5::bytea[],
+                                     $6::text[], $7::timestamptz[], $8::text[], $9::text[])
+                    WITH ORDINALITY
+                    AS i(event_id, job_id, stream_version, kind, body, key, due, traceparent,
+                         tracestate, n)
+            ), waiting AS (
+                SELECT o.seq, e.job_id FROM outbox o JOIN job_events e ON e.seq = o.seq
+                WHERE o.published_at IS NULL AND o.key = ANY($6) AND e.job_id = ANY($2)
             ), path AS (
-                SELECT $8::timestamptz IS NOT NULL OR EXISTS (SELECT 1 FROM waiting) AS outbox,
-                       coalesce($8::timestamptz, clock_timestamp()) AS due
+                SELECT i.*,
+                       i.due IS NOT NULL
+                           OR EXISTS (SELECT 1 FROM waiting w WHERE w.job_id = i.job_id) AS outbox,
+                       coalesce(i.due, clock_timestamp()) AS publish_at
+                FROM input i
             ), event AS (
                 INSERT INTO job_events (event_id, job_id, stream_version, kind, body, occurred_at,
                                         key, delayed, traceparent, tracestate)
-                SELECT $1, $2, $3, $4, $5, $6, $7, path.outbox, $10, $11 FROM path
-                RETURNING seq, delayed
+                SELECT event_id, job_id, stream_version, kind, body, $10, key, outbox,
+                       traceparent, tracestate
+                FROM path ORDER BY n
+                RETURNING seq, job_id, delayed
             ), bump AS (
-                UPDATE jobs SET stream_version = $3 WHERE job_id = $2 AND $12
+                UPDATE jobs j SET stream_version = i.stream_version
+                FROM input i WHERE j.job_id = i.job_id AND $12
             ), release AS (
-                UPDATE outbox SET available_at = least(available_at, (SELECT due FROM path))
-                WHERE seq IN (SELECT seq FROM waiting)
+                UPDATE outbox SET available_at = least(outbox.available_at, p.publish_at)
+                FROM waiting w JOIN path p ON p.job_id = w.job_id
+                WHERE outbox.seq = w.seq
             )
             INSERT INTO outbox (seq, topic, key, available_at, traceparent, tracestate)
-            SELECT event.seq, $9, $7, path.due, $10, $11 FROM event, path WHERE event.delayed
+            SELECT e.seq, $11, p.key, p.publish_at, p.traceparent, p.tracestate
+            FROM event e JOIN path p ON p.job_id = e.job_id
+            WHERE e.delayed
             "#,
         )
-        .bind(event.event_id)
-        .bind(job.job_id)
-        .bind(event.stream_version)
-        .bind(event.payload.kind())
-        .bind(&body)
+        .bind(&rows.event_id)
+        .bind(&rows.job_id)
+        .bind(&rows.stream_version)
+        .bind(&rows.kind)
+        .bind(&rows.body)
+        .bind(&rows.key)
+        .bind(&rows.due)
+        .bind(&rows.traceparent)
+        .bind(&rows.tracestate)
         .bind(now)
-        .bind(&job.document_id)
-        .bind(available_at)
         .bind(&self.topic)
-        .bind(event.trace.as_ref().map(|t| &t.traceparent))
-        .bind(event.trace.as_ref().and_then(|t| t.tracestate.as_ref()))
         .bind(bump)
         .execute(&mut *tx)
         .await?;
-        job.stream_version = event.stream_version;
-        Ok(event)
+        for job in jobs {
+            job.stream_version += 1;
+        }
+        Ok(())
     }
 }
+
+/// One event to append.
+struct Append<'a> {
+    job: &'a mut JobRow,
+    payload: Payload,
+    available_at: Option<DateTime<Utc>>,
+    trace: Option<TraceContext>,
+}
+
+/// Events as columns, bound as arrays.
+#[derive(Default)]
+struct EventRows {
+    event_id: Vec<Uuid>,
+    job_id: Vec<Uuid>,
+    stream_version: Vec<i32>,
+    kind: Vec<&'static str>,
+    body: Vec<Vec<u8>>,
+    key: Vec<String>,
+    due: Vec<Option<DateTime<Utc>>>,
+    traceparent: Vec<Option<String>>,
+    tracestate: Vec<Option<String>>,
+}
+
+impl EventRows {
+    fn with_capacity(n: usize) -> Self {
+        Self {
+            event_id: Vec::with_capacity(n),
+            job_id: Vec::with_capacity(n),
+            stream_version: Vec::with_capacity(n),
+            kind: Vec::with_capacity(n),
+            body: Vec::with_capacity(n),
+            key: Vec::with_capacity(n),
+            due: Vec::with_capacity(n),
+            traceparent: Vec::with_capacity(n),
+            tracestate: Vec::with_capacity(n),
+        }
+    }
+}
+
+/// The columns of a [`JobRow`], `fresh_xid` included, as a `SELECT … FROM jobs` lists them.
+pub const JOB_COLUMNS: &str = "job_id, document_id, kind, payload, input_version, \
+    state::text AS state, attempt, generation, lease_until, lease_owner, max_attempts, \
+    deadline, stream_version, accepted_at, pg_current_xact_id_if_assigned() IS NULL AS fresh_xid";
 
 /// Reads the job row and locks it until the transaction ends. Call it before any other
 /// write of the transaction if the transaction appends events (see [`JobRow::fresh_xid`]).
@@ -181,18 +289,48 @@ impl Events {
 /// The database failed.
 pub async fn lock_job(tx: &mut PgConnection, job_id: Uuid) -> Result<Option<JobRow>, sqlx::Error> {
     // language=PostgreSQL
-    sqlx::query_as(
-        r#"
-        SELECT job_id, document_id, kind, payload, input_version, state::text AS state, attempt,
-               generation, lease_until, lease_owner, max_attempts, deadline, stream_version,
-               accepted_at, pg_current_xact_id_if_assigned() IS NULL AS fresh_xid
-        FROM jobs WHERE job_id = $1
-        FOR UPDATE
-        "#,
-    )
-    .bind(job_id)
-    .fetch_optional(tx)
+    sqlx::query_as(&format!("SELECT {JOB_COLUMNS} FROM jobs WHERE job_id = $1 FOR UPDATE"))
+        .bind(job_id)
+        .fetch_optional(tx)
+        .await
+}
+
+/// [`lock_job`] for several jobs in one statement, locked in `job_id` order (so two such
+/// transactions never wait on each other in a cycle). Missing jobs are left out.
+///
+/// # Errors
+/// The database failed.
+pub async fn lock_jobs(
+    tx: &mut PgConnection,
+    job_ids: &[Uuid],
+) -> Result<Vec<JobRow>, sqlx::Error> {
+    // language=PostgreSQL
+    sqlx::query_as(&format!(
+        "SELECT {JOB_COLUMNS} FROM jobs WHERE job_id = ANY($1) ORDER BY job_id FOR UPDATE"
+    ))
+    .bind(job_ids)
+    .fetch_all(tx)
     .await
+}
+
+/// Which of `event_ids` this group already consumed (their dedupe rows exist).
+///
+/// # Errors
+/// The database failed.
+pub async fn consumed_among(
+    tx: &mut PgConnection,
+    group: &str,
+    event_ids: &[Uuid],
+) -> Result<std::collections::HashSet<Uuid>, sqlx::Error> {
+    // language=PostgreSQL
+    let ids: Vec<Uuid> = sqlx::query_scalar(
+        "SELECT event_id FROM consumed_events WHERE consumer_group = $1 AND event_id = ANY($2)",
+    )
+    .bind(group)
+    .bind(event_ids)
+    .fetch_all(tx)
+    .await?;
+    Ok(ids.into_iter().collect())
 }
 
 /// Whether this group already consumed `event_id` (its dedupe row exists).
@@ -222,29 +360,77 @@ pub async fn record_consumed(
     tx: &mut PgConnection,
     consumed: &Consumed,
 ) -> Result<(), sqlx::Error> {
+    record_all_consumed(tx, std::slice::from_ref(consumed)).await
+}
+
+/// [`record_consumed`] for several events in one statement.
+///
+/// # Errors
+/// The database failed.
+pub async fn record_all_consumed(
+    tx: &mut PgConnection,
+    consumed: &[Consumed],
+) -> Result<(), sqlx::Error> {
+    if consumed.is_empty() {
+        return Ok(());
+    }
+    let column = |f: fn(&Consumed) -> String| consumed.iter().map(f).collect::<Vec<_>>();
+    let event_ids: Vec<Uuid> = consumed.iter().map(|c| c.event_id).collect();
+    let partitions: Vec<i32> = consumed.iter().map(|c| c.partition).collect();
+    let offsets: Vec<i64> = consumed.iter().map(|c| c.offset).collect();
     // language=PostgreSQL
     sqlx::query(
         r#"
-        WITH dedupe AS (
+        WITH input AS (
+            SELECT * FROM unnest($1::text[], $2::uuid[], $3::text[], $4::int[], $5::bigint[])
+                AS i(consumer_group, event_id, topic, kafka_partition, kafka_offset)
+        ), dedupe AS (
             INSERT INTO consumed_events (consumer_group, event_id, topic, kafka_partition, kafka_offset)
-            VALUES ($1, $2, $3, $4, $5)
+            SELECT * FROM input
             ON CONFLICT ON CONSTRAINT consumed_events_pkey DO NOTHING
         )
         INSERT INTO partition_offsets (consumer_group, topic, kafka_partition, next_offset)
-        VALUES ($1, $3, $4, $5 + 1)
+        SELECT consumer_group, topic, kafka_partition, max(kafka_offset) + 1 FROM input
+        GROUP BY consumer_group, topic, kafka_partition
         ON CONFLICT ON CONSTRAINT partition_offsets_pkey DO UPDATE
             SET next_offset = greatest(partition_offsets.next_offset, EXCLUDED.next_offset),
                 updated_at = now()
         "#,
     )
-    .bind(&consumed.group)
-    .bind(consumed.event_id)
-    .bind(&consumed.topic)
-    .bind(consumed.partition)
-    .bind(consumed.offset)
+    .bind(column(|c| c.group.clone()))
+    .bind(event_ids)
+    .bind(column(|c| c.topic.clone()))
+    .bind(partitions)
+    .bind(offsets)
     .execute(tx)
     .await?;
     Ok(())
+}
+
+/// [`newest_succeeded`] for several `(document_id, kind)` pairs in one statement, in their
+/// order.
+///
+/// # Errors
+/// The database failed.
+pub async fn newest_succeeded_each(
+    tx: &mut PgConnection,
+    pairs: &[(&str, &str)],
+) -> Result<Vec<Option<i64>>, sqlx::Error> {
+    let documents: Vec<&str> = pairs.iter().map(|p| p.0).collect();
+    let kinds: Vec<&str> = pairs.iter().map(|p| p.1).collect();
+    // language=PostgreSQL
+    sqlx::query_scalar(
+        r#"
+        SELECT (SELECT max(j.input_version) FROM jobs j
+                WHERE j.document_id = p.document_id AND j.kind = p.kind AND j.state = 'succeeded')
+        FROM unnest($1::text[], $2::text[]) WITH ORDINALITY AS p(document_id, kind, n)
+        ORDER BY p.n
+        "#,
+    )
+    .bind(documents)
+    .bind(kinds)
+    .fetch_all(tx)
+    .await
 }
 
 /// The newest input version of `kind` already succeeded for `document_id`, if any.
@@ -323,49 +509,69 @@ pub fn decide(
     LeaseDecision::Lease
 }
 
-/// Takes the lease in the caller's transaction: generation + 1, attempt + 1, `JobLeased`.
+/// Takes the lease of each job (with its dispatch event's id and trace) in the caller's
+/// transaction: generation + 1, attempt + 1, `JobLeased` — two statements for them all.
 ///
 /// # Errors
-/// The database failed, or the event did not encode.
-pub async fn take_lease(
+/// The database failed, or an event did not encode.
+pub async fn take_leases(
     tx: &mut PgConnection,
     events: &Events,
-    job: &mut JobRow,
+    leases: Vec<(&mut JobRow, Uuid, Option<TraceContext>)>,
     owner: &str,
     ttl: std::time::Duration,
-    dispatch_event_id: Uuid,
-    trace: Option<TraceContext>,
 ) -> anyhow::Result<()> {
+    if leases.is_empty() {
+        return Ok(());
+    }
     let until = Utc::now() + ChronoDuration::from_std(ttl)?;
-    job.generation += 1;
-    job.attempt += 1;
-    let payload = Payload::JobLeased(JobLeased {
-        generation: job.generation,
-        attempt: job.attempt,
-        lease_owner: owner.to_owned(),
-        lease_until: until,
-        dispatch_event_id,
-    });
-    events.append_then_update_job(tx, job, payload, trace).await?;
+    let n = leases.len();
+    let (mut job_ids, mut generations, mut attempts, mut versions) = (
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+    );
+    let mut appends = Vec::with_capacity(n);
+    for (job, dispatch_event_id, trace) in leases {
+        job.generation += 1;
+        job.attempt += 1;
+        job.state = "leased".into();
+        job.lease_until = Some(until);
+        job.lease_owner = Some(owner.to_owned());
+        job_ids.push(job.job_id);
+        generations.push(job.generation);
+        attempts.push(job.attempt);
+        versions.push(job.stream_version + 1);
+        let payload = Payload::JobLeased(JobLeased {
+            generation: job.generation,
+            attempt: job.attempt,
+            lease_owner: owner.to_owned(),
+            lease_until: until,
+            dispatch_event_id,
+        });
+        appends.push((job, payload, trace));
+    }
+    events.append_each_then_update_jobs(tx, appends).await?;
     // language=PostgreSQL
     sqlx::query(
         r#"
-        UPDATE jobs SET state = 'leased', generation = $2, attempt = $3, lease_until = $4,
-                        lease_owner = $5, next_attempt_at = NULL, stream_version = $6
-        WHERE job_id = $1
+        UPDATE jobs j SET state = 'leased', generation = l.generation, attempt = l.attempt,
+                          lease_until = $5, lease_owner = $6, next_attempt_at = NULL,
+                          stream_version = l.stream_version
+        FROM unnest($1::uuid[], $2::bigint[], $3::int[], $4::int[])
+            AS l(job_id, generation, attempt, stream_version)
+        WHERE j.job_id = l.job_id
         "#,
     )
-    .bind(job.job_id)
-    .bind(job.generation)
-    .bind(job.attempt)
+    .bind(job_ids)
+    .bind(generations)
+    .bind(attempts)
+    .bind(versions)
     .bind(until)
     .bind(owner)
-    .bind(job.stream_version)
     .execute(&mut *tx)
     .await?;
-    job.state = "leased".into();
-    job.lease_until = Some(until);
-    job.lease_owner = Some(owner.to_owned());
     Ok(())
 }
 
@@ -470,6 +676,70 @@ pub async fn quarantine(
     Ok(())
 }
 
+/// Commits the success of each attempt (its fence checked by the caller in this
+/// transaction): result rows, `JobSucceeded` events, job rows — three statements for them all.
+///
+/// # Errors
+/// The database failed, an event did not encode, or a job appears twice.
+pub async fn succeed_all(
+    tx: &mut PgConnection,
+    events: &Events,
+    successes: Vec<(&mut JobRow, serde_json::Value, Option<TraceContext>)>,
+) -> anyhow::Result<()> {
+    if successes.is_empty() {
+        return Ok(());
+    }
+    let n = successes.len();
+    let (mut job_ids, mut input_versions, mut generations, mut results, mut versions) = (
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+    );
+    let mut appends = Vec::with_capacity(n);
+    for (job, result, trace) in successes {
+        job_ids.push(job.job_id);
+        input_versions.push(job.input_version);
+        generations.push(job.generation);
+        versions.push(job.stream_version + 1);
+        let payload = Payload::JobSucceeded(JobSucceeded {
+            generation: job.generation,
+            attempt: job.attempt,
+            result: result.to_string(),
+        });
+        results.push(result);
+        job.state = "succeeded".into();
+        appends.push((job, payload, trace));
+    }
+    // language=PostgreSQL
+    sqlx::query(
+        "INSERT INTO job_results (job_id, input_version, generation, result) \
+         SELECT * FROM unnest($1::uuid[], $2::bigint[], $3::bigint[], $4::jsonb[])",
+    )
+    .bind(&job_ids)
+    .bind(input_versions)
+    .bind(generations)
+    .bind(results)
+    .execute(&mut *tx)
+    .await?;
+    events.append_each_then_update_jobs(tx, appends).await?;
+    // language=PostgreSQL
+    sqlx::query(
+        r#"
+        UPDATE jobs j SET state = 'succeeded', finished_at = now(), lease_until = NULL,
+                          lease_owner = NULL, last_error = NULL, stream_version = s.stream_version
+        FROM unnest($1::uuid[], $2::int[]) AS s(job_id, stream_version)
+        WHERE j.job_id = s.job_id
+        "#,
+    )
+    .bind(job_ids)
+    .bind(versions)
+    .execute(&mut *tx)
+    .await?;
+    Ok(())
+}
+
 /// What an attempt produced, to be committed.
 #[derive(Debug, Clone)]
 pub enum Outcome {
@@ -496,33 +766,7 @@ pub async fn complete(
 ) -> anyhow::Result<&'static str> {
     match outcome {
         Outcome::Succeeded { result } => {
-            // language=PostgreSQL
-            sqlx::query(
-                "INSERT INTO job_results (job_id, input_version, generation, result) \
-                 VALUES ($1, $2, $3, $4)",
-            )
-            .bind(job.job_id)
-            .bind(job.input_version)
-            .bind(job.generation)
-            .bind(&result)
-            .execute(&mut *tx)
-            .await?;
-            let payload = Payload::JobSucceeded(JobSucceeded {
-                generation: job.generation,
-                attempt: job.attempt,
-                result: result.to_string(),
-            });
-            events.append_then_update_job(tx, job, payload, trace).await?;
-            // language=PostgreSQL
-            sqlx::query(
-                "UPDATE jobs SET state = 'succeeded', finished_at = now(), lease_until = NULL, \
-                 lease_owner = NULL, last_error = NULL, stream_version = $2 WHERE job_id = $1",
-            )
-            .bind(job.job_id)
-            .bind(job.stream_version)
-            .execute(&mut *tx)
-            .await?;
-            job.state = "succeeded".into();
+            succeed_all(tx, events, vec![(job, result, trace)]).await?;
             Ok("succeeded")
         }
         Outcome::Superseded { newer } => {

@@ -17,6 +17,10 @@
 //! 3. completion transaction, fenced by the generation: business write, result, state,
 //!    events, dedupe row, partition offset row — one commit. A fenced (zombie) completion
 //!    writes nothing and is counted.
+//!
+//! Lease and completion transactions are shared: the dispatches (attempts) waiting at the
+//! same moment are decided (committed) together, in one transaction ([`crate::lease`],
+//! [`crate::complete`]); each one's writes are those it would make alone.
 //! 4. store the offset.
 //!
 //! Rebalance: a revoked partition starts no new work; its running jobs get
@@ -43,9 +47,11 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use crate::handler::{Committed, Handler, JobContext};
+use crate::complete::{Attempt, Completed, Completer};
+use crate::handler::{Handler, JobContext};
+use crate::lease::{Dispatch, Leased, Leaser};
 use crate::offsets::{Ticket, Tracker};
-use crate::store::{self, Consumed, Events, LeaseDecision, Outcome};
+use crate::store::{self, Consumed, Events};
 use jobfold_common::metrics as pm;
 
 const RETRY_MIN: Duration = Duration::from_millis(100);
@@ -139,11 +145,13 @@ struct Shared<H> {
     decoder: Decoder<JobEvent>,
     events: Events,
     handler: Arc<H>,
+    /// Leases dispatches, several to a transaction.
+    leaser: Leaser,
+    /// Commits finished attempts, several to a transaction.
+    completer: Completer,
     tracker: Arc<Mutex<Tracker>>,
     /// Per document: messages waiting behind the one running.
     queues: Mutex<HashMap<String, VecDeque<Queued>>>,
-    /// This worker's name in leases.
-    owner: String,
     shutdown: CancellationToken,
 }
 
@@ -176,16 +184,26 @@ pub async fn run<H: Handler>(
     consumer.subscribe(&[&config.topics.events])?;
     let owner = format!("{}/{}", hostname(), std::process::id());
     tracing::info!(group = %config.processor.group, %owner, "Running jobs.");
+    let leaser = crate::lease::start(crate::lease::Settings {
+        config: config.clone(),
+        pool: pool.clone(),
+        events: events.clone(),
+        owner,
+    });
+    let handler = Arc::new(handler);
+    let completer =
+        crate::complete::start(config.clone(), pool.clone(), events.clone(), Arc::clone(&handler));
     let shared = Arc::new(Shared {
         config,
         pool,
         consumer: Arc::new(consumer),
         decoder,
         events,
-        handler: Arc::new(handler),
+        handler,
+        leaser,
+        completer,
         tracker,
         queues: Mutex::new(HashMap::new()),
-        owner,
         shutdown: shutdown.clone(),
     });
     let slots = Arc::new(Semaphore::new(shared.config.processor.max_in_flight));
@@ -383,74 +401,20 @@ async fn try_handle<H: Handler>(
         span_id = tracing::field::Empty,
         parent_span_id = tracing::field::Empty,
     );
-    // 1. Lease.
-    let mut tx = shared.pool.begin().await?;
-    if store::already_consumed(&mut tx, &consumed.group, event.event_id).await? {
-        tx.rollback().await?;
-        metrics::counter!(pm::DUPLICATES_SKIPPED_TOTAL).increment(1);
-        tracing::debug!(event_id = %event.event_id, "Duplicate event skipped.");
-        return Ok(Step::Done);
-    }
-    let Some(mut job) = store::lock_job(&mut tx, event.job_id).await? else {
-        store::record_consumed(&mut tx, &consumed).await?;
-        tx.commit().await?;
-        tracing::warn!(job_id = %event.job_id, "Event for an unknown job skipped.");
-        return Ok(Step::Done);
+    // 1. Lease (in a transaction with the other dispatches waiting at the time).
+    let dispatch = Dispatch {
+        job_id: event.job_id,
+        event_id: event.event_id,
+        input_version: event.input_version,
+        stream_version: event.stream_version,
+        trace: event.trace.clone(),
+        consumed: consumed.clone(),
     };
-    let newest = store::newest_succeeded(&mut tx, &job.document_id, &job.kind).await?;
-    let decision =
-        store::decide(&job, event.input_version, event.stream_version, newest, Utc::now());
-    let trace = event.trace.clone();
-    match decision {
-        LeaseDecision::Wait(until) => {
-            tx.rollback().await?;
-            return Ok(Step::WaitUntil(until));
-        }
-        LeaseDecision::Skip(why) => {
-            store::record_consumed(&mut tx, &consumed).await?;
-            tx.commit().await?;
-            tracing::debug!(job_id = %job.job_id, why, "Dispatch event skipped.");
-            return Ok(Step::Done);
-        }
-        LeaseDecision::Supersede(newer) => {
-            store::supersede(&mut tx, &shared.events, &mut job, newer, trace).await?;
-            store::record_consumed(&mut tx, &consumed).await?;
-            tx.commit().await?;
-            completed(&job, "superseded");
-            return Ok(Step::Done);
-        }
-        LeaseDecision::Quarantine(reason) => {
-            let owner = shared.config.quarantine_owner(&job.kind);
-            store::quarantine(
-                &mut tx,
-                &shared.events,
-                &mut job,
-                jobfold_schemas::event::ErrorClass::Retryable,
-                &reason,
-                &owner,
-                trace,
-            )
-            .await?;
-            store::record_consumed(&mut tx, &consumed).await?;
-            tx.commit().await?;
-            completed(&job, "quarantined");
-            return Ok(Step::Done);
-        }
-        LeaseDecision::Lease => {
-            let ttl = shared.config.processor.lease_ttl;
-            store::take_lease(
-                &mut tx,
-                &shared.events,
-                &mut job,
-                &shared.owner,
-                ttl,
-                event.event_id,
-                trace.clone(),
-            )
-            .await?;
-            tx.commit().await?;
-        }
-    }
+    let job = match shared.leaser.submit(dispatch).await? {
+        Leased::Run(job) => *job,
+        Leased::Done => return Ok(Step::Done),
+        Leased::WaitUntil(until) => return Ok(Step::WaitUntil(until)),
+    };
     failpoint::hit(failpoint::PROCESSOR_AFTER_LEASE_COMMIT);
     // The handler's span continues the job's W3C trace: its own span id, the accepting
     // request's span as parent; handlers send `context.trace` onward.
@@ -493,47 +457,28 @@ async fn try_handle<H: Handler>(
     failpoint::hit(failpoint::PROCESSOR_IN_HANDLER);
     heartbeat.abort();
 
-    // 3. Complete, fenced by the generation.
-    let mut tx = shared.pool.begin().await?;
-    let current = store::lock_job(&mut tx, job.job_id).await?;
-    let fenced =
-        current.as_ref().is_none_or(|c| c.state != "leased" || c.generation != job.generation);
-    if fenced {
-        tx.rollback().await?;
-        metrics::counter!(pm::FENCED_COMPLETIONS_TOTAL).increment(1);
-        tracing::warn!(job_id = %job.job_id, generation = job.generation, "Completion fenced: another generation holds the job; result discarded.");
-        return Ok(Step::Done);
+    // 3. Complete, fenced by the generation (in a transaction with the other attempts
+    //    finished at the time).
+    let attempt = Attempt { job, context, result, consumed, trace: event.trace.clone() };
+    let job_id = attempt.job.job_id;
+    let generation = attempt.job.generation;
+    match shared.completer.submit(attempt).await? {
+        Completed::Fenced => {
+            metrics::counter!(pm::FENCED_COMPLETIONS_TOTAL).increment(1);
+            tracing::warn!(%job_id, generation, "Completion fenced: another generation holds the job; result discarded.");
+            return Ok(Step::Done);
+        }
+        Completed::Committed { job, outcome } => {
+            completed(&job, outcome);
+            tracing::debug!(%job_id, outcome, "Attempt completed.");
+        }
     }
-    let mut job = current.expect("checked");
-    let outcome = match result {
-        Ok(output) => match shared.handler.commit(&mut tx, &context, &output).await? {
-            Committed::Applied => Outcome::Succeeded { result: output },
-            Committed::Stale { newer_version } => Outcome::Superseded { newer: newer_version },
-        },
-        Err(e) => Outcome::Failed { class: e.class, message: e.message },
-    };
-    let retry_at = Utc::now() + chrono::Duration::from_std(backoff(&shared.config, job.attempt))?;
-    let owner = shared.config.quarantine_owner(&job.kind);
-    let what = store::complete(
-        &mut tx,
-        &shared.events,
-        &mut job,
-        outcome,
-        retry_at,
-        &owner,
-        event.trace.clone(),
-    )
-    .await?;
-    store::record_consumed(&mut tx, &consumed).await?;
-    tx.commit().await?;
-    completed(&job, what);
-    tracing::debug!(job_id = %job.job_id, outcome = what, "Attempt completed.");
     failpoint::hit(failpoint::PROCESSOR_AFTER_COMPLETION_BEFORE_OFFSET);
     Ok(Step::Done)
 }
 
 /// Counts a committed outcome; an ended job also records its acceptance-to-end time.
-fn completed(job: &store::JobRow, outcome: &'static str) {
+pub(crate) fn completed(job: &store::JobRow, outcome: &'static str) {
     metrics::counter!(pm::COMPLETED_TOTAL, "outcome" => outcome).increment(1);
     if outcome != "retry_scheduled" {
         let took = (Utc::now() - job.accepted_at).to_std().unwrap_or_default();

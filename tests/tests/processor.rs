@@ -6,6 +6,8 @@ use std::time::Duration;
 
 use jobfold_common::accept::{Acceptor, NewJob};
 use jobfold_common::failpoint;
+use jobfold_processor::handler::JobContext;
+use jobfold_processor::store::Consumed;
 use jobfold_tests::harness::{
     Installation, Service, eventually, fold_mismatches, index_job as job,
 };
@@ -294,14 +296,9 @@ async fn a_redelivered_event_is_skipped_without_running_the_handler() {
     it.cleanup().await;
 }
 
-/// What the surviving processor counted.
-struct Survivor {
-    duplicates_skipped: f64,
-    handler_runs: f64,
-}
-
-/// Kill -9 a processor process at `failpoint`, start another, and check the outcome.
-async fn crash_at(name: &str, failpoint: &str, jobs: usize) -> (Installation, Survivor) {
+/// Kill -9 a processor process at `failpoint`, start another, and check the outcome; returns
+/// the surviving processor, still running.
+async fn crash_at(name: &str, failpoint: &str, jobs: usize) -> (Installation, Service) {
     let mut it = Installation::new(name).await;
     fast(&mut it);
     it.create_topics().await;
@@ -331,15 +328,7 @@ async fn crash_at(name: &str, failpoint: &str, jobs: usize) -> (Installation, Su
     assert_exactly_one_write_per_success(&it).await;
     assert_eq!(count_where(&it, "SELECT count(*) FROM job_results").await, jobs as i64);
     assert_eq!(fold_mismatches(&it).await, Vec::<String>::new());
-    let counted = Survivor {
-        duplicates_skipped: survivor
-            .metric("jobfold_duplicates_skipped_total")
-            .await
-            .unwrap_or(0.0),
-        handler_runs: survivor.metric("jobfold_handler_runs_total").await.unwrap_or(0.0),
-    };
-    drop(survivor);
-    (it, counted)
+    (it, survivor)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -348,8 +337,14 @@ async fn killed_after_completion_before_the_offset_store_the_redelivery_is_skipp
         crash_at("proc-crash-offset", failpoint::PROCESSOR_AFTER_COMPLETION_BEFORE_OFFSET, 20)
             .await;
     // The third completion committed, then the process died before storing its offset: the
-    // survivor got the event again and skipped it by its dedupe row, running nothing.
-    assert!(survivor.duplicates_skipped >= 1.0, "no redelivered event was skipped");
+    // survivor gets the event again and skips it by its dedupe row, running nothing. (Every
+    // job may be finished before the survivor joins: completions share transactions.)
+    let skipped =
+        || async { survivor.metric("jobfold_duplicates_skipped_total").await.unwrap_or(0.0) };
+    eventually(Duration::from_secs(60), "the survivor to skip a redelivered event", || async {
+        skipped().await >= 1.0
+    })
+    .await;
     // No job completed twice (a lease after success would also fail the fold check).
     let completed_twice = count_where(
         &it,
@@ -359,9 +354,10 @@ async fn killed_after_completion_before_the_offset_store_the_redelivery_is_skipp
     .await;
     assert_eq!(completed_twice, 0);
     let leases = count_where(&it, "SELECT count(*) FROM job_events WHERE kind = 'JobLeased'").await;
+    let runs = survivor.metric("jobfold_handler_runs_total").await.unwrap_or(0.0);
     println!(
-        "leases {leases} for 20 jobs; the survivor ran {} handlers and skipped {} duplicates",
-        survivor.handler_runs, survivor.duplicates_skipped
+        "leases {leases} for 20 jobs; the survivor ran {runs} handlers and skipped {} duplicates",
+        skipped().await
     );
     it.cleanup().await;
 }
@@ -675,5 +671,185 @@ async fn an_append_after_another_write_of_its_transaction_is_refused() {
     events.append(&mut tx, &mut job, due, None, None).await.unwrap();
     tx.commit().await.unwrap();
     assert_eq!(it.count("job_events").await, 2);
+    it.cleanup().await;
+}
+
+/// Holds every run until `together` runs have started, so their completions arrive at once.
+/// The business write of `doc-bad`'s first attempt fails.
+struct Together {
+    started: std::sync::atomic::AtomicUsize,
+    together: usize,
+}
+
+impl jobfold_processor::handler::Handler for Together {
+    async fn run(
+        &self,
+        _job: &JobContext,
+        _cancel: CancellationToken,
+    ) -> Result<Value, jobfold_processor::handler::HandlerError> {
+        use std::sync::atomic::Ordering;
+        self.started.fetch_add(1, Ordering::SeqCst);
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while self.started.load(Ordering::SeqCst) < self.together
+            && std::time::Instant::now() < deadline
+        {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        Ok(json!({}))
+    }
+
+    async fn commit(
+        &self,
+        tx: &mut sqlx::PgConnection,
+        job: &JobContext,
+        _output: &Value,
+    ) -> Result<jobfold_processor::handler::Committed, sqlx::Error> {
+        if job.document_id == "doc-bad" && job.attempt == 1 {
+            sqlx::query("SELECT 1 / 0").execute(&mut *tx).await?;
+        }
+        sqlx::query(
+            "INSERT INTO index_writes (job_id, document_id, input_version, generation) \
+             VALUES ($1, $2, $3, $4)",
+        )
+        .bind(job.job_id)
+        .bind(&job.document_id)
+        .bind(job.input_version)
+        .bind(job.generation)
+        .execute(&mut *tx)
+        .await?;
+        Ok(jobfold_processor::handler::Committed::Applied)
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dispatches_and_attempts_arriving_together_share_a_transaction() {
+    const JOBS: usize = 12;
+    let mut it = Installation::new("proc-together").await;
+    fast(&mut it);
+    it.create_topics().await;
+    let acceptor = it.acceptor().await;
+    let jobs: Vec<NewJob> =
+        (0..JOBS).map(|i| job(&format!("doc-{i}"), 1, json!({ "text": "x" }))).collect();
+    accept_all(&acceptor, &it, &jobs).await;
+
+    let shutdown = CancellationToken::new();
+    let relay = tokio::spawn(jobfold_relay::run(it.config.clone(), shutdown.clone()));
+    let handler = Together { started: Default::default(), together: JOBS };
+    let worker = tokio::spawn(jobfold_processor::worker::run(
+        it.config.clone(),
+        it.pool.clone(),
+        jobfold_schemas::Decoder::new(it.registry()),
+        it.events().await,
+        handler,
+        shutdown.clone(),
+    ));
+    eventually(Duration::from_secs(60), "every job to succeed", || all_finished(&it, JOBS as i64))
+        .await;
+    shutdown.cancel();
+    worker.await.unwrap().unwrap();
+    relay.await.unwrap().unwrap();
+
+    assert_eq!(states(&it).await, [("succeeded".into(), JOBS as i64)]);
+    assert_exactly_one_write_per_success(&it).await;
+    assert_eq!(fold_mismatches(&it).await, Vec::<String>::new());
+    // Several leases, and several successes, were committed by one transaction.
+    for kind in ["JobLeased", "JobSucceeded"] {
+        let most: i64 = sqlx::query_scalar(
+            "SELECT max(n) FROM (SELECT count(*) AS n FROM job_events WHERE kind = $1 \
+             GROUP BY xid) t",
+        )
+        .bind(kind)
+        .fetch_one(&it.pool)
+        .await
+        .unwrap();
+        assert!(most >= 2, "no transaction wrote two {kind} events");
+    }
+    it.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_business_write_fails_its_attempt_alone() {
+    use jobfold_processor::complete::{self, Attempt, Completed};
+    use jobfold_processor::lease::{self, Dispatch, Leased};
+
+    let it = Installation::new("proc-batchfail").await;
+    let acceptor = it.acceptor().await;
+    let mut jobs: Vec<NewJob> =
+        (0..5).map(|i| job(&format!("doc-{i}"), 1, json!({ "text": "x" }))).collect();
+    jobs.push(job("doc-bad", 1, json!({ "text": "x" })));
+    let ids = accept_all(&acceptor, &it, &jobs).await;
+    let events = it.events().await;
+
+    // Lease all six (as dispatches arriving together would be).
+    let leaser = lease::start(lease::Settings {
+        config: it.config.clone(),
+        pool: it.pool.clone(),
+        events: events.clone(),
+        owner: "test".into(),
+    });
+    let mut attempts = Vec::new();
+    for (offset, job_id) in ids.iter().enumerate() {
+        let event_id: Uuid =
+            sqlx::query_scalar("SELECT event_id FROM job_events WHERE job_id = $1")
+                .bind(job_id)
+                .fetch_one(&it.pool)
+                .await
+                .unwrap();
+        let consumed = Consumed {
+            group: "test".into(),
+            event_id,
+            topic: "t".into(),
+            partition: 0,
+            offset: offset as i64,
+        };
+        let dispatch = Dispatch {
+            job_id: *job_id,
+            event_id,
+            input_version: 1,
+            stream_version: 1,
+            trace: None,
+            consumed: consumed.clone(),
+        };
+        let Leased::Run(leased) = leaser.submit(dispatch).await.unwrap() else {
+            panic!("job {job_id} was not leased");
+        };
+        let context = JobContext {
+            job_id: leased.job_id,
+            document_id: leased.document_id.clone(),
+            kind: leased.kind.clone(),
+            input_version: leased.input_version,
+            input: leased.payload.clone(),
+            attempt: leased.attempt,
+            generation: leased.generation,
+            trace: None,
+        };
+        attempts.push(Attempt {
+            job: *leased,
+            context,
+            result: Ok(json!({})),
+            consumed,
+            trace: None,
+        });
+    }
+
+    // One batch: the bad business write fails the transaction; each attempt is then
+    // completed alone, and only the bad one fails.
+    let handler = Together { started: Default::default(), together: 0 };
+    let done = complete::complete_all(&it.config, &it.pool, &events, &handler, &attempts).await;
+    for (attempt, done) in attempts.iter().zip(&done) {
+        match (attempt.context.document_id.as_str(), done) {
+            ("doc-bad", Err(e)) => assert!(format!("{e:#}").contains("division by zero"), "{e:#}"),
+            (_, Ok(Completed::Committed { outcome: "succeeded", .. })) => {}
+            (document, other) => panic!("{document}: {other:?}"),
+        }
+    }
+    assert_eq!(
+        states(&it).await,
+        [("leased".into(), 1), ("succeeded".into(), 5)],
+        "the bad attempt left its job leased, to be run again"
+    );
+    assert_exactly_one_write_per_success(&it).await;
+    let consumed = count_where(&it, "SELECT count(*) FROM consumed_events").await;
+    assert_eq!(consumed, 5, "the bad attempt's dispatch is not recorded as consumed");
     it.cleanup().await;
 }

@@ -1,0 +1,169 @@
+//! Completion transactions, several finished attempts to one commit.
+//!
+//! Each job's task hands its finished attempt to the [`Completer`] and waits. The
+//! completer's task takes whatever attempts are waiting (up to [`BATCH`]) and commits them
+//! in one transaction: the jobs locked in `job_id` order, the generation fence of each, the
+//! handlers' business writes in that order, then the successes in three statements for them
+//! all (results, events, job rows), the rarer outcomes one by one, and every dedupe row in
+//! one statement.
+//!
+//! What each attempt commits is what it committed alone: a fenced attempt writes nothing,
+//! an unfenced one writes its business result, its state, its events and its dedupe row in
+//! the same commit. If the batch fails (a handler's business write failing, say), its
+//! attempts are completed again one transaction each, so one bad attempt fails alone.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use chrono::Utc;
+use jobfold_common::config::Config;
+use jobfold_schemas::event::TraceContext;
+use serde_json::Value;
+use sqlx::PgPool;
+use uuid::Uuid;
+
+use crate::batch::{self, Batcher};
+use crate::handler::{Committed, Handler, HandlerError, JobContext};
+use crate::store::{self, Consumed, Events, JobRow, Outcome};
+
+/// Attempts committed in one transaction, at most.
+pub const BATCH: usize = 64;
+
+/// A finished attempt, to be committed.
+#[derive(Debug, Clone)]
+pub struct Attempt {
+    /// The job as this attempt leased it: its generation is the fence.
+    pub job: JobRow,
+    pub context: JobContext,
+    pub result: Result<Value, HandlerError>,
+    /// The dispatch event, for its dedupe row.
+    pub consumed: Consumed,
+    /// The dispatch event's trace context, for the events written.
+    pub trace: Option<TraceContext>,
+}
+
+/// What became of an attempt.
+#[derive(Debug)]
+pub enum Completed {
+    /// Committed with this outcome (`succeeded`, `retry_scheduled`, `quarantined`,
+    /// `superseded`); the job as it now stands.
+    Committed { job: Box<JobRow>, outcome: &'static str },
+    /// Another generation holds the job: nothing was written.
+    Fenced,
+}
+
+/// Commits finished attempts, several to a transaction.
+pub type Completer = Batcher<Attempt, Completed>;
+
+/// Starts the completing task; it ends when every clone of the returned [`Completer`] is
+/// dropped.
+pub fn start<H: Handler>(
+    config: Config,
+    pool: PgPool,
+    events: Events,
+    handler: Arc<H>,
+) -> Completer {
+    Batcher::start("completion", BATCH, move |attempts: Vec<Attempt>| {
+        let (config, pool, events, handler) =
+            (config.clone(), pool.clone(), events.clone(), Arc::clone(&handler));
+        async move { complete_all(&config, &pool, &events, &*handler, &attempts).await }
+    })
+}
+
+/// Commits `attempts` in one transaction; if it fails, each in a transaction of its own.
+/// What became of each, in their order.
+pub async fn complete_all<H: Handler>(
+    config: &Config,
+    pool: &PgPool,
+    events: &Events,
+    handler: &H,
+    attempts: &[Attempt],
+) -> Vec<anyhow::Result<Completed>> {
+    let batch = Batch { config, pool, events, handler };
+    match batch.complete(attempts).await {
+        Ok(done) => done.into_iter().map(Ok).collect(),
+        Err(e) if attempts.len() == 1 => batch::each_failed(1, &e),
+        Err(e) => {
+            tracing::debug!(
+                error = %format!("{e:#}"),
+                attempts = attempts.len(),
+                "A completion batch failed; completing its attempts one by one."
+            );
+            let mut answers = Vec::with_capacity(attempts.len());
+            for attempt in attempts {
+                let alone = batch.complete(std::slice::from_ref(attempt)).await;
+                answers.push(alone.map(|mut done| done.remove(0)));
+            }
+            answers
+        }
+    }
+}
+
+struct Batch<'a, H> {
+    config: &'a Config,
+    pool: &'a PgPool,
+    events: &'a Events,
+    handler: &'a H,
+}
+
+impl<H: Handler> Batch<'_, H> {
+    /// One transaction for `attempts`; what became of each, in their order.
+    async fn complete(&self, attempts: &[Attempt]) -> anyhow::Result<Vec<Completed>> {
+        let mut tx = self.pool.begin().await?;
+        let job_ids: Vec<Uuid> = attempts.iter().map(|a| a.job.job_id).collect();
+        let mut current: HashMap<Uuid, JobRow> = store::lock_jobs(&mut tx, &job_ids)
+            .await?
+            .into_iter()
+            .map(|job| (job.job_id, job))
+            .collect();
+        let mut answers: Vec<Option<Completed>> = attempts.iter().map(|_| None).collect();
+        let mut consumed = Vec::with_capacity(attempts.len());
+        let mut successes = Vec::new();
+        // Business writes in lock order, so two batches touching the same rows wait on each
+        // other in one direction only.
+        let mut order: Vec<usize> = (0..attempts.len()).collect();
+        order.sort_by_key(|&i| attempts[i].job.job_id);
+        for i in order {
+            let attempt = &attempts[i];
+            let Some(mut job) = current
+                .remove(&attempt.job.job_id)
+                .filter(|job| job.state == "leased" && job.generation == attempt.job.generation)
+            else {
+                answers[i] = Some(Completed::Fenced);
+                continue;
+            };
+            consumed.push(attempt.consumed.clone());
+            let outcome = match &attempt.result {
+                Ok(output) => match self.handler.commit(&mut tx, &attempt.context, output).await? {
+                    Committed::Applied => {
+                        successes.push((i, job, output.clone()));
+                        continue;
+                    }
+                    Committed::Stale { newer_version } => {
+                        Outcome::Superseded { newer: newer_version }
+                    }
+                },
+                Err(e) => Outcome::Failed { class: e.class, message: e.message.clone() },
+            };
+            let backoff = crate::worker::backoff(self.config, job.attempt);
+            let retry_at = Utc::now() + chrono::Duration::from_std(backoff)?;
+            let owner = self.config.quarantine_owner(&job.kind);
+            let trace = attempt.trace.clone();
+            let what =
+                store::complete(&mut tx, self.events, &mut job, outcome, retry_at, &owner, trace)
+                    .await?;
+            answers[i] = Some(Completed::Committed { job: Box::new(job), outcome: what });
+        }
+        let succeeding = successes
+            .iter_mut()
+            .map(|(i, job, result)| (job, result.clone(), attempts[*i].trace.clone()))
+            .collect();
+        store::succeed_all(&mut tx, self.events, succeeding).await?;
+        store::record_all_consumed(&mut tx, &consumed).await?;
+        tx.commit().await?;
+        for (i, job, _) in successes {
+            answers[i] = Some(Completed::Committed { job: Box::new(job), outcome: "succeeded" });
+        }
+        Ok(answers.into_iter().map(|a| a.expect("every attempt is answered")).collect())
+    }
+}

@@ -1,0 +1,164 @@
+//! Lease transactions, several dispatches to one commit.
+//!
+//! Each document's task hands its dispatch event to the [`Leaser`] and waits for the
+//! decision. The leaser's task takes whatever dispatches are waiting (up to [`BATCH`]) and
+//! decides them all in one transaction: the dedupe rows, the jobs locked in `job_id` order,
+//! the newest succeeded versions, then every write — `JobLeased` events and job rows in two
+//! statements, dedupe rows in one. A lone dispatch is one transaction of its own, as before;
+//! under load the batches grow and the statements per job fall.
+//!
+//! Nothing of the guarantee changes: every job of the batch is locked before the
+//! transaction's first write (so its events keep their order, see
+//! [`JobRow::fresh_xid`](crate::store::JobRow::fresh_xid)), and a dispatch that ends its job
+//! records its dedupe row in the same commit. If the transaction fails, every dispatch of the
+//! batch gets the error and is tried again by its task.
+
+use std::collections::HashMap;
+
+use chrono::{DateTime, Utc};
+use jobfold_common::config::Config;
+use jobfold_common::metrics as pm;
+use jobfold_schemas::event::{ErrorClass, TraceContext};
+use sqlx::PgPool;
+use uuid::Uuid;
+
+use crate::batch::{self, Batcher};
+use crate::store::{self, Consumed, Events, JobRow, LeaseDecision};
+
+/// Dispatches decided in one transaction, at most.
+pub const BATCH: usize = 64;
+
+/// A dispatch event, as the lease transaction needs it.
+#[derive(Debug, Clone)]
+pub struct Dispatch {
+    pub job_id: Uuid,
+    pub event_id: Uuid,
+    pub input_version: i64,
+    pub stream_version: i32,
+    pub trace: Option<TraceContext>,
+    /// Where it was consumed, for its dedupe row.
+    pub consumed: Consumed,
+}
+
+/// What the lease transaction made of a dispatch.
+#[derive(Debug)]
+pub enum Leased {
+    /// Leased: run the handler.
+    Run(Box<JobRow>),
+    /// Nothing to run: a duplicate, or the job ended (dedupe row committed).
+    Done,
+    /// Another worker holds a live lease: try again at this instant.
+    WaitUntil(DateTime<Utc>),
+}
+
+/// What the lease transactions need to know.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    pub config: Config,
+    pub pool: PgPool,
+    pub events: Events,
+    /// This worker's name in leases.
+    pub owner: String,
+}
+
+/// Leases dispatches, several to a transaction.
+pub type Leaser = Batcher<Dispatch, Leased>;
+
+/// Starts the leasing task; it ends when every clone of the returned [`Leaser`] is dropped.
+pub fn start(settings: Settings) -> Leaser {
+    Batcher::start("lease", BATCH, move |dispatches: Vec<Dispatch>| {
+        let settings = settings.clone();
+        async move {
+            let n = dispatches.len();
+            match lease_batch(&settings, dispatches).await {
+                Ok(decided) => decided.into_iter().map(Ok).collect(),
+                Err(e) => batch::each_failed(n, &e),
+            }
+        }
+    })
+}
+
+/// One transaction for the whole batch; the decisions in the batch's order.
+async fn lease_batch(
+    settings: &Settings,
+    dispatches: Vec<Dispatch>,
+) -> anyhow::Result<Vec<Leased>> {
+    let mut tx = settings.pool.begin().await?;
+    let group = dispatches.first().map(|d| d.consumed.group.clone()).unwrap_or_default();
+    let event_ids: Vec<Uuid> = dispatches.iter().map(|d| d.event_id).collect();
+    let consumed = store::consumed_among(&mut tx, &group, &event_ids).await?;
+    let job_ids: Vec<Uuid> =
+        dispatches.iter().filter(|d| !consumed.contains(&d.event_id)).map(|d| d.job_id).collect();
+    let locked = store::lock_jobs(&mut tx, &job_ids).await?;
+    let pairs: Vec<(&str, &str)> =
+        locked.iter().map(|j| (j.document_id.as_str(), j.kind.as_str())).collect();
+    let newest = store::newest_succeeded_each(&mut tx, &pairs).await?;
+    let mut jobs: HashMap<Uuid, (JobRow, Option<i64>)> =
+        locked.into_iter().zip(newest).map(|(job, newest)| (job.job_id, (job, newest))).collect();
+
+    let now = Utc::now();
+    let mut decided = Vec::with_capacity(dispatches.len());
+    let mut to_record = Vec::new();
+    let mut to_lease = Vec::new();
+    for (i, dispatch) in dispatches.iter().enumerate() {
+        if consumed.contains(&dispatch.event_id) {
+            metrics::counter!(pm::DUPLICATES_SKIPPED_TOTAL).increment(1);
+            tracing::debug!(event_id = %dispatch.event_id, "Duplicate event skipped.");
+            decided.push(Leased::Done);
+            continue;
+        }
+        let Some((mut job, newer)) = jobs.remove(&dispatch.job_id) else {
+            tracing::warn!(job_id = %dispatch.job_id, "Event for an unknown job skipped.");
+            to_record.push(dispatch.consumed.clone());
+            decided.push(Leased::Done);
+            continue;
+        };
+        let trace = dispatch.trace.clone();
+        match store::decide(&job, dispatch.input_version, dispatch.stream_version, newer, now) {
+            LeaseDecision::Wait(until) => decided.push(Leased::WaitUntil(until)),
+            LeaseDecision::Skip(why) => {
+                tracing::debug!(job_id = %job.job_id, why, "Dispatch event skipped.");
+                to_record.push(dispatch.consumed.clone());
+                decided.push(Leased::Done);
+            }
+            LeaseDecision::Supersede(newer) => {
+                store::supersede(&mut tx, &settings.events, &mut job, newer, trace).await?;
+                to_record.push(dispatch.consumed.clone());
+                crate::worker::completed(&job, "superseded");
+                decided.push(Leased::Done);
+            }
+            LeaseDecision::Quarantine(reason) => {
+                let owner = settings.config.quarantine_owner(&job.kind);
+                store::quarantine(
+                    &mut tx,
+                    &settings.events,
+                    &mut job,
+                    ErrorClass::Retryable,
+                    &reason,
+                    &owner,
+                    trace,
+                )
+                .await?;
+                to_record.push(dispatch.consumed.clone());
+                crate::worker::completed(&job, "quarantined");
+                decided.push(Leased::Done);
+            }
+            LeaseDecision::Lease => {
+                to_lease.push((i, job));
+                decided.push(Leased::Done); // replaced below by the leased row
+            }
+        }
+    }
+    let leases = to_lease
+        .iter_mut()
+        .map(|(i, job)| (job, dispatches[*i].event_id, dispatches[*i].trace.clone()))
+        .collect();
+    let ttl = settings.config.processor.lease_ttl;
+    store::take_leases(&mut tx, &settings.events, leases, &settings.owner, ttl).await?;
+    store::record_all_consumed(&mut tx, &to_record).await?;
+    tx.commit().await?;
+    for (i, job) in to_lease {
+        decided[i] = Leased::Run(Box::new(job));
+    }
+    Ok(decided)
+}
