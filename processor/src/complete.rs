@@ -109,8 +109,12 @@ struct Batch<'a, H> {
 impl<H: Handler> Batch<'_, H> {
     /// One transaction for `attempts`; what became of each, in their order.
     async fn complete(&self, attempts: &[Attempt]) -> anyhow::Result<Vec<Completed>> {
-        let mut tx = self.pool.begin().await?;
         let job_ids: Vec<Uuid> = attempts.iter().map(|a| a.job.job_id).collect();
+        // One document's attempts finish one after another, so a job comes once per batch;
+        // should it come twice, the batch fails and each attempt is completed alone.
+        let distinct: std::collections::HashSet<&Uuid> = job_ids.iter().collect();
+        anyhow::ensure!(distinct.len() == job_ids.len(), "a job appears twice in one batch");
+        let mut tx = self.pool.begin().await?;
         let mut current: HashMap<Uuid, JobRow> = store::lock_jobs(&mut tx, &job_ids)
             .await?
             .into_iter()

@@ -100,7 +100,15 @@ async fn lease_batch(
     let mut decided = Vec::with_capacity(dispatches.len());
     let mut to_record = Vec::new();
     let mut to_lease = Vec::new();
+    let mut ended = Vec::new();
+    let mut seen = std::collections::HashSet::with_capacity(dispatches.len());
     for (i, dispatch) in dispatches.iter().enumerate() {
+        // One document's dispatches are handled one after another, so a job comes once per
+        // batch; should it come twice, the second waits for the next transaction.
+        if !seen.insert(dispatch.job_id) {
+            decided.push(Leased::WaitUntil(now));
+            continue;
+        }
         if consumed.contains(&dispatch.event_id) {
             metrics::counter!(pm::DUPLICATES_SKIPPED_TOTAL).increment(1);
             tracing::debug!(event_id = %dispatch.event_id, "Duplicate event skipped.");
@@ -124,7 +132,7 @@ async fn lease_batch(
             LeaseDecision::Supersede(newer) => {
                 store::supersede(&mut tx, &settings.events, &mut job, newer, trace).await?;
                 to_record.push(dispatch.consumed.clone());
-                crate::worker::completed(&job, "superseded");
+                ended.push((job, "superseded"));
                 decided.push(Leased::Done);
             }
             LeaseDecision::Quarantine(reason) => {
@@ -140,7 +148,7 @@ async fn lease_batch(
                 )
                 .await?;
                 to_record.push(dispatch.consumed.clone());
-                crate::worker::completed(&job, "quarantined");
+                ended.push((job, "quarantined"));
                 decided.push(Leased::Done);
             }
             LeaseDecision::Lease => {
@@ -157,6 +165,9 @@ async fn lease_batch(
     store::take_leases(&mut tx, &settings.events, leases, &settings.owner, ttl).await?;
     store::record_all_consumed(&mut tx, &to_record).await?;
     tx.commit().await?;
+    for (job, outcome) in &ended {
+        crate::worker::completed(job, outcome);
+    }
     for (i, job) in to_lease {
         decided[i] = Leased::Run(Box::new(job));
     }
