@@ -120,6 +120,12 @@ impl<H: Handler> Batch<'_, H> {
             .into_iter()
             .map(|job| (job.job_id, job))
             .collect();
+        // A job written meanwhile by a transaction that started after this one cannot get
+        // its events here (they could reach Kafka ahead of that one's): each alone, then.
+        anyhow::ensure!(
+            current.values().all(|job| job.fresh_xid),
+            "a job of the batch was written by a later transaction"
+        );
         let mut answers: Vec<Option<Completed>> = attempts.iter().map(|_| None).collect();
         let mut consumed = Vec::with_capacity(attempts.len());
         let mut successes = Vec::new();

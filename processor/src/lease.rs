@@ -121,6 +121,12 @@ async fn lease_batch(
             decided.push(Leased::Done);
             continue;
         };
+        if !job.fresh_xid {
+            // Written meanwhile by a transaction that started after this one: decided in the
+            // next transaction, whose xid comes after it.
+            decided.push(Leased::WaitUntil(now));
+            continue;
+        }
         let trace = dispatch.trace.clone();
         match store::decide(&job, dispatch.input_version, dispatch.stream_version, newer, now) {
             LeaseDecision::Wait(until) => decided.push(Leased::WaitUntil(until)),

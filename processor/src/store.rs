@@ -43,10 +43,11 @@ pub struct JobRow {
     pub deadline: Option<DateTime<Utc>>,
     pub stream_version: i32,
     pub accepted_at: DateTime<Utc>,
-    /// The row was locked by a transaction that had no xid yet: its xid, assigned after the
-    /// lock, is above that of every earlier writer of this job. Only such a transaction may
-    /// append to the job's stream, or the relay, which follows xid order, could publish the
-    /// job's events out of order. Set by [`lock_job`].
+    /// This transaction's xid is above that of every earlier writer of this job. Only such a
+    /// transaction may append to the job's stream, or the relay, which follows xid order,
+    /// could publish the job's events out of order. Set by [`lock_job`] (true when the row was
+    /// locked by a transaction that had no xid yet: its xid comes after the lock) and
+    /// [`lock_jobs`] (from the job's latest event).
     #[sqlx(default)]
     pub fresh_xid: bool,
 }
@@ -295,8 +296,13 @@ pub async fn lock_job(tx: &mut PgConnection, job_id: Uuid) -> Result<Option<JobR
         .await
 }
 
-/// [`lock_job`] for several jobs in one statement, locked in `job_id` order (so two such
-/// transactions never wait on each other in a cycle). Missing jobs are left out.
+/// [`lock_job`] for several jobs, locked in `job_id` order (so two such transactions never
+/// wait on each other in a cycle). Missing jobs are left out.
+///
+/// Locking the first row gives the transaction its xid, so a later row it had to wait for
+/// may have been written by a transaction with a higher xid. Such a job's `fresh_xid` is
+/// false (its latest event's xid is above this transaction's): appending to it is refused,
+/// and the caller leaves it to a transaction of its own.
 ///
 /// # Errors
 /// The database failed.
@@ -305,12 +311,27 @@ pub async fn lock_jobs(
     job_ids: &[Uuid],
 ) -> Result<Vec<JobRow>, sqlx::Error> {
     // language=PostgreSQL
-    sqlx::query_as(&format!(
+    let mut jobs: Vec<JobRow> = sqlx::query_as(&format!(
         "SELECT {JOB_COLUMNS} FROM jobs WHERE job_id = ANY($1) ORDER BY job_id FOR UPDATE"
     ))
     .bind(job_ids)
-    .fetch_all(tx)
-    .await
+    .fetch_all(&mut *tx)
+    .await?;
+    // language=PostgreSQL
+    let late: Vec<Uuid> = sqlx::query_scalar(
+        r#"
+        SELECT j.job_id FROM unnest($1::uuid[]) AS j(job_id)
+        WHERE (SELECT e.xid FROM job_events e WHERE e.job_id = j.job_id
+               ORDER BY e.stream_version DESC LIMIT 1) > pg_current_xact_id()
+        "#,
+    )
+    .bind(jobs.iter().map(|j| j.job_id).collect::<Vec<_>>())
+    .fetch_all(&mut *tx)
+    .await?;
+    for job in &mut jobs {
+        job.fresh_xid = !late.contains(&job.job_id);
+    }
+    Ok(jobs)
 }
 
 /// Which of `event_ids` this group already consumed (their dedupe rows exist).

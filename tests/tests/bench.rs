@@ -39,6 +39,7 @@ fn the_bench_runs_every_measurement() {
         "| accept, 1 client | ",
         "| accept, 16 clients | ",
         "| accept, batches of 100 | ",
+        "| limit: the relay's log read alone | ",
         "| relay, draining a backlog ",
         "| relay, full accept load ",
         "| relay, half load ",

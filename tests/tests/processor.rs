@@ -853,3 +853,48 @@ async fn a_failing_business_write_fails_its_attempt_alone() {
     assert_eq!(consumed, 5, "the bad attempt's dispatch is not recorded as consumed");
     it.cleanup().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_appends_only_to_jobs_no_later_transaction_wrote() {
+    use jobfold_processor::store;
+    let it = Installation::new("proc-late").await;
+    let acceptor = it.acceptor().await;
+    let events = it.events().await;
+    let jobs: Vec<NewJob> =
+        ["doc-a", "doc-b", "doc-c"].iter().map(|d| job(d, 1, json!({ "text": "x" }))).collect();
+    let ids = accept_all(&acceptor, &it, &jobs).await;
+    let (a, b, c) = (ids[0], ids[1], ids[2]);
+    let due = || {
+        jobfold_schemas::Payload::RetryDue(jobfold_schemas::event::RetryDue {
+            due_at: chrono::Utc::now(),
+            reason: jobfold_schemas::event::DispatchReason::Stalled,
+        })
+    };
+
+    // A batch locks `a` first, which gives it its xid.
+    let mut batch = it.pool.begin().await.unwrap();
+    assert!(store::lock_jobs(&mut batch, &[a]).await.unwrap()[0].fresh_xid);
+    // A transaction begun later (a higher xid) locks `b` and appends to it.
+    let mut later = it.pool.begin().await.unwrap();
+    let mut b_row = store::lock_job(&mut later, b).await.unwrap().unwrap();
+    events.append(&mut later, &mut b_row, due(), None, None).await.unwrap();
+    // The batch waits for `b` (and takes `c`) ...
+    let waiting = tokio::spawn(async move {
+        let rows = store::lock_jobs(&mut batch, &[b, c]).await.unwrap();
+        (batch, rows)
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    later.commit().await.unwrap();
+    let (mut batch, mut rows) = waiting.await.unwrap();
+    rows.sort_by_key(|r| r.job_id != b);
+    let (b_row, c_row) = rows.split_at_mut(1);
+    // ... and may not append to `b`: its xid is below that of `b`'s last event, so the relay
+    // would publish the append first. `c`, which no later transaction wrote, is fine.
+    assert!(!b_row[0].fresh_xid);
+    let refused = events.append(&mut batch, &mut b_row[0], due(), None, None).await;
+    assert!(refused.unwrap_err().to_string().contains("out of order"));
+    assert!(c_row[0].fresh_xid);
+    events.append(&mut batch, &mut c_row[0], due(), None, None).await.unwrap();
+    batch.commit().await.unwrap();
+    it.cleanup().await;
+}

@@ -393,11 +393,24 @@ async fn measure_accept_and_relay(
     .fetch_one(&pool)
     .await?;
     let relay_rate = timed as f64 / elapsed;
+    // What reading the same backlog costs alone: the relay's own query and decoding, nothing
+    // produced. Reading and producing share the machine's cores, so their costs add up.
+    let read_rate = log_read(config, &pool, start_position).await?;
+    let together = 1.0 / (1.0 / read_rate + 1.0 / limits.producer);
+    rows.push(Row::new("limit: the relay's log read alone").rate(read_rate).note(format!(
+        "the same {backlog} events read in batches of {} with the relay's query, \
+                 nothing produced; with the raw producer on the same cores: {together:.0}/s",
+        config.relay.batch_size
+    )));
     rows.push(
         Row::new(format!("relay, draining a backlog (batches of {})", config.relay.batch_size))
             .rate(relay_rate)
             .versus(relay_rate, limits.producer, "raw producer")
-            .note(format!("{backlog} events")),
+            .note(format!(
+                "{backlog} events; {:.0}% of reading and producing them one after the other \
+                 ({together:.0}/s)",
+                100.0 * relay_rate / together
+            )),
     );
 
     // The relay under accept load: as much as 4 batch clients give, then half of that.
@@ -670,6 +683,26 @@ async fn per_job_costs(pool: &PgPool) -> anyhow::Result<(f64, f64, f64)> {
         }
         last = now;
     }
+}
+
+/// Events/s of the relay's log query alone, from `from` to the end of the log.
+async fn log_read(config: &Config, pool: &PgPool, from: (i64, i64)) -> anyhow::Result<f64> {
+    let mut conn = pool.acquire().await?;
+    let mut after = jobfold_relay::log::Position { xid: from.0, seq: from.1 };
+    let (mut read, started) = (0usize, Instant::now());
+    loop {
+        let batch = jobfold_relay::log::claim(
+            &mut conn,
+            after,
+            &config.topics.events,
+            config.relay.batch_size,
+        )
+        .await?;
+        let Some((last, _)) = batch.last() else { break };
+        after = *last;
+        read += batch.len();
+    }
+    Ok(read as f64 / started.elapsed().as_secs_f64())
 }
 
 /// Where the relay's cursor stands.
