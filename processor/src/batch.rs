@@ -1,14 +1,15 @@
-//! Group commit: many tasks hand one item each to a batcher, whose task processes whatever
-//! is waiting at once (up to a maximum) in one go and answers each.
+//! Group commit: many tasks hand one item each to a batcher, whose tasks process whatever
+//! is waiting at once (up to a maximum) in one go and answer each.
 //!
 //! No item waits for a batch to fill: a lone item is processed at once, and items arriving
 //! while a batch runs form the next one. So under load the batches grow by themselves, and
 //! at rest nothing is added to an item's latency.
 
 use std::future::Future;
+use std::sync::Arc;
 
 use jobfold_common::metrics as pm;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{Mutex, mpsc, oneshot};
 
 type Reply<R> = oneshot::Sender<anyhow::Result<R>>;
 
@@ -30,28 +31,39 @@ impl<T, R> std::fmt::Debug for Batcher<T, R> {
 }
 
 impl<T: Send + 'static, R: Send + 'static> Batcher<T, R> {
-    /// Starts the task that calls `process` on batches of up to `max` items; `process`
-    /// answers each item, in order. `name` labels the batch size histogram
-    /// ([`pm::TRANSACTION_JOBS`]). The task ends when every clone of the batcher is dropped.
-    pub fn start<F, Fut>(name: &'static str, max: usize, process: F) -> Self
+    /// Starts `workers` tasks that call `process` on batches of up to `max` items; `process`
+    /// answers each item, in order. While a worker processes a batch, the next one takes
+    /// what has arrived since, so up to `workers` batches run at once (a slow batch — slow
+    /// business writes, a lock wait — does not hold up the rest). `name` labels the batch
+    /// size histogram ([`pm::TRANSACTION_JOBS`]). The tasks end when every clone of the
+    /// batcher is dropped.
+    pub fn start<F, Fut>(name: &'static str, max: usize, workers: usize, process: F) -> Self
     where
-        F: Fn(Vec<T>) -> Fut + Send + 'static,
+        F: Fn(Vec<T>) -> Fut + Clone + Send + 'static,
         Fut: Future<Output = Vec<anyhow::Result<R>>> + Send,
     {
-        let (requests, mut receiver) = mpsc::channel::<(T, Reply<R>)>(max * 4);
-        tokio::spawn(async move {
-            let mut batch = Vec::with_capacity(max);
-            while receiver.recv_many(&mut batch, max).await > 0 {
-                let (items, replies): (Vec<T>, Vec<Reply<R>>) = batch.drain(..).unzip();
-                metrics::histogram!(pm::TRANSACTION_JOBS, "transaction" => name)
-                    .record(items.len() as f64);
-                let answers = process(items).await;
-                debug_assert_eq!(answers.len(), replies.len());
-                for (reply, answer) in replies.into_iter().zip(answers) {
-                    let _ = reply.send(answer);
+        let (requests, receiver) = mpsc::channel::<(T, Reply<R>)>(max * workers.max(1) * 2);
+        let receiver = Arc::new(Mutex::new(receiver));
+        for _ in 0..workers.max(1) {
+            let (receiver, process) = (Arc::clone(&receiver), process.clone());
+            tokio::spawn(async move {
+                let mut batch = Vec::with_capacity(max);
+                loop {
+                    // The lock is held only while waiting for the batch, not while it runs.
+                    if receiver.lock().await.recv_many(&mut batch, max).await == 0 {
+                        return;
+                    }
+                    let (items, replies): (Vec<T>, Vec<Reply<R>>) = batch.drain(..).unzip();
+                    metrics::histogram!(pm::TRANSACTION_JOBS, "transaction" => name)
+                        .record(items.len() as f64);
+                    let answers = process(items).await;
+                    debug_assert_eq!(answers.len(), replies.len());
+                    for (reply, answer) in replies.into_iter().zip(answers) {
+                        let _ = reply.send(answer);
+                    }
                 }
-            }
-        });
+            });
+        }
         Self { requests }
     }
 

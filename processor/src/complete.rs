@@ -1,8 +1,8 @@
 //! Completion transactions, several finished attempts to one commit.
 //!
-//! Each job's task hands its finished attempt to the [`Completer`] and waits. The
-//! completer's task takes whatever attempts are waiting (up to [`BATCH`]) and commits them
-//! in one transaction: the jobs locked in `job_id` order, the generation fence of each, the
+//! Each job's task hands its finished attempt to the [`Completer`] and waits. A completing
+//! task takes whatever attempts are waiting (up to [`BATCH`]; up to [`WORKERS`] such
+//! transactions at once) and commits them in one transaction: the jobs locked in `job_id` order, the generation fence of each, the
 //! handlers' business writes in that order, then the successes in three statements for them
 //! all (results, events, job rows), the rarer outcomes one by one, and every dedupe row in
 //! one statement.
@@ -28,6 +28,8 @@ use crate::store::{self, Consumed, Events, JobRow, Outcome};
 
 /// Attempts committed in one transaction, at most.
 pub const BATCH: usize = 64;
+/// Completion transactions at once, at most.
+pub const WORKERS: usize = 4;
 
 /// A finished attempt, to be committed.
 #[derive(Debug, Clone)]
@@ -63,7 +65,7 @@ pub fn start<H: Handler>(
     events: Events,
     handler: Arc<H>,
 ) -> Completer {
-    Batcher::start("completion", BATCH, move |attempts: Vec<Attempt>| {
+    Batcher::start("completion", BATCH, WORKERS, move |attempts: Vec<Attempt>| {
         let (config, pool, events, handler) =
             (config.clone(), pool.clone(), events.clone(), Arc::clone(&handler));
         async move { complete_all(&config, &pool, &events, &*handler, &attempts).await }

@@ -1,17 +1,19 @@
 //! Lease transactions, several dispatches to one commit.
 //!
 //! Each document's task hands its dispatch event to the [`Leaser`] and waits for the
-//! decision. The leaser's task takes whatever dispatches are waiting (up to [`BATCH`]) and
-//! decides them all in one transaction: the dedupe rows, the jobs locked in `job_id` order,
-//! the newest succeeded versions, then every write — `JobLeased` events and job rows in two
-//! statements, dedupe rows in one. A lone dispatch is one transaction of its own, as before;
-//! under load the batches grow and the statements per job fall.
+//! decision. A leasing task takes whatever dispatches are waiting (up to [`BATCH`]; up to
+//! [`WORKERS`] such transactions at once) and decides them all in one transaction: the
+//! dedupe rows, the jobs locked in `job_id` order, the newest succeeded versions, then every
+//! write — `JobLeased` events and job rows in two statements, dedupe rows in one. A lone
+//! dispatch is one transaction of its own, as before; under load the batches grow and the
+//! statements per job fall.
 //!
-//! Nothing of the guarantee changes: every job of the batch is locked before the
-//! transaction's first write (so its events keep their order, see
-//! [`JobRow::fresh_xid`](crate::store::JobRow::fresh_xid)), and a dispatch that ends its job
-//! records its dedupe row in the same commit. If the transaction fails, every dispatch of the
-//! batch gets the error and is tried again by its task.
+//! Nothing of the guarantee changes: every job is locked before the transaction writes to it,
+//! and a job written meanwhile by a later transaction (see
+//! [`JobRow::fresh_xid`](crate::store::JobRow::fresh_xid)) is left to the next one, so its
+//! events keep their order; a dispatch that ends its job records its dedupe row in the same
+//! commit. If the transaction fails, every dispatch of the batch gets the error and is tried
+//! again by its task.
 
 use std::collections::HashMap;
 
@@ -27,6 +29,8 @@ use crate::store::{self, Consumed, Events, JobRow, LeaseDecision};
 
 /// Dispatches decided in one transaction, at most.
 pub const BATCH: usize = 64;
+/// Lease transactions at once, at most.
+pub const WORKERS: usize = 4;
 
 /// A dispatch event, as the lease transaction needs it.
 #[derive(Debug, Clone)]
@@ -66,7 +70,7 @@ pub type Leaser = Batcher<Dispatch, Leased>;
 
 /// Starts the leasing task; it ends when every clone of the returned [`Leaser`] is dropped.
 pub fn start(settings: Settings) -> Leaser {
-    Batcher::start("lease", BATCH, move |dispatches: Vec<Dispatch>| {
+    Batcher::start("lease", BATCH, WORKERS, move |dispatches: Vec<Dispatch>| {
         let settings = settings.clone();
         async move {
             let n = dispatches.len();
