@@ -29,7 +29,7 @@ use crate::store::{self, Consumed, Events, JobRow, Outcome};
 /// Attempts committed in one transaction, at most.
 pub const BATCH: usize = 64;
 /// Completion transactions at once, at most.
-pub const WORKERS: usize = 4;
+pub const WORKERS: usize = 2;
 
 /// A finished attempt, to be committed.
 #[derive(Debug, Clone)]

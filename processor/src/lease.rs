@@ -30,7 +30,7 @@ use crate::store::{self, Consumed, Events, JobRow, LeaseDecision};
 /// Dispatches decided in one transaction, at most.
 pub const BATCH: usize = 64;
 /// Lease transactions at once, at most.
-pub const WORKERS: usize = 4;
+pub const WORKERS: usize = 2;
 
 /// A dispatch event, as the lease transaction needs it.
 #[derive(Debug, Clone)]
