@@ -19,7 +19,7 @@ use jobfold_schemas::event::{DispatchReason, RetryDue};
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 
-use crate::store::{Events, JobRow};
+use crate::store::{Events, JOB_COLUMNS, JobRow};
 
 /// Jobs re-dispatched per round, at most.
 const ROUND: i64 = 500;
@@ -82,9 +82,7 @@ async fn dispatch(
     // language=PostgreSQL
     let locked = sqlx::query_as::<_, JobRowWithReason>(&format!(
         r#"
-        SELECT job_id, document_id, kind, payload, input_version, state::text AS state, attempt,
-               generation, lease_until, lease_owner, max_attempts, deadline, stream_version,
-               accepted_at, pg_current_xact_id_if_assigned() IS NULL AS fresh_xid,
+        SELECT {JOB_COLUMNS},
                CASE WHEN state = 'leased' THEN 'lease_expired' ELSE 'stalled' END AS reason
         FROM jobs
         WHERE job_id = $3 AND {DUE}

@@ -77,7 +77,7 @@ impl Events {
         available_at: Option<DateTime<Utc>>,
         trace: Option<TraceContext>,
     ) -> anyhow::Result<()> {
-        self.write(tx, job, payload, available_at, trace, true).await
+        self.write_all(tx, vec![Append { job, payload, available_at, trace }], true).await
     }
 
     /// Appends `payload` like [`append`](Self::append) but leaves `jobs.stream_version` to
@@ -93,7 +93,7 @@ impl Events {
         payload: Payload,
         trace: Option<TraceContext>,
     ) -> anyhow::Result<()> {
-        self.write(tx, job, payload, None, trace, false).await
+        self.write_all(tx, vec![Append { job, payload, available_at: None, trace }], false).await
     }
 
     /// Appends one event to each of several jobs in one statement, like
@@ -116,18 +116,6 @@ impl Events {
             })
             .collect::<anyhow::Result<Vec<_>>>()?;
         self.write_all(tx, appends, false).await
-    }
-
-    async fn write(
-        &self,
-        tx: &mut PgConnection,
-        job: &mut JobRow,
-        payload: Payload,
-        available_at: Option<DateTime<Utc>>,
-        trace: Option<TraceContext>,
-        bump: bool,
-    ) -> anyhow::Result<()> {
-        self.write_all(tx, vec![Append { job, payload, available_at, trace }], bump).await
     }
 
     /// Appends each event as its job's next (one per job): the one statement behind every
@@ -354,37 +342,8 @@ pub async fn consumed_among(
     Ok(ids.into_iter().collect())
 }
 
-/// Whether this group already consumed `event_id` (its dedupe row exists).
-///
-/// # Errors
-/// The database failed.
-pub async fn already_consumed(
-    tx: &mut PgConnection,
-    group: &str,
-    event_id: Uuid,
-) -> Result<bool, sqlx::Error> {
-    // language=PostgreSQL
-    sqlx::query_scalar(
-        "SELECT EXISTS (SELECT 1 FROM consumed_events WHERE consumer_group = $1 AND event_id = $2)",
-    )
-    .bind(group)
-    .bind(event_id)
-    .fetch_one(tx)
-    .await
-}
-
-/// Writes the dedupe row and advances the partition offset row, in the caller's transaction.
-///
-/// # Errors
-/// The database failed.
-pub async fn record_consumed(
-    tx: &mut PgConnection,
-    consumed: &Consumed,
-) -> Result<(), sqlx::Error> {
-    record_all_consumed(tx, std::slice::from_ref(consumed)).await
-}
-
-/// [`record_consumed`] for several events in one statement.
+/// Writes the events' dedupe rows and advances their partition offset rows, in the
+/// caller's transaction, in one statement.
 ///
 /// # Errors
 /// The database failed.
@@ -428,8 +387,8 @@ pub async fn record_all_consumed(
     Ok(())
 }
 
-/// [`newest_succeeded`] for several `(document_id, kind)` pairs in one statement, in their
-/// order.
+/// For each `(document_id, kind)` pair, the newest input version already succeeded, if any
+/// — in one statement, in the pairs' order.
 ///
 /// # Errors
 /// The database failed.
@@ -451,26 +410,6 @@ pub async fn newest_succeeded_each(
     .bind(documents)
     .bind(kinds)
     .fetch_all(tx)
-    .await
-}
-
-/// The newest input version of `kind` already succeeded for `document_id`, if any.
-///
-/// # Errors
-/// The database failed.
-pub async fn newest_succeeded(
-    tx: &mut PgConnection,
-    document_id: &str,
-    kind: &str,
-) -> Result<Option<i64>, sqlx::Error> {
-    // language=PostgreSQL
-    sqlx::query_scalar(
-        "SELECT max(input_version) FROM jobs \
-         WHERE document_id = $1 AND kind = $2 AND state = 'succeeded'",
-    )
-    .bind(document_id)
-    .bind(kind)
-    .fetch_one(tx)
     .await
 }
 
