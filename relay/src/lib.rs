@@ -30,7 +30,6 @@ use anyhow::Context;
 use jobfold_common::config::Config;
 use jobfold_common::metrics as m;
 use jobfold_common::{db, failpoint, gauges, kafka};
-use rdkafka::producer::FutureProducer;
 use sqlx::postgres::{PgConnectOptions, PgListener};
 use sqlx::{Connection, PgConnection, PgPool};
 use tokio_util::sync::CancellationToken;
@@ -118,7 +117,7 @@ async fn relay(
     config: &Config,
     pool: &PgPool,
     mut conn: PgConnection,
-    producer: &mut FutureProducer,
+    producer: &mut publish::EventProducer,
     shutdown: &CancellationToken,
 ) -> anyhow::Result<()> {
     let mut listener = PgListener::connect_with(pool).await?;
@@ -169,7 +168,7 @@ async fn relay(
 async fn drain(
     config: &Config,
     conn: &mut PgConnection,
-    producer: &mut FutureProducer,
+    producer: &mut publish::EventProducer,
     shutdown: &CancellationToken,
     blocked: &mut HashSet<String>,
 ) -> anyhow::Result<bool> {
@@ -187,8 +186,9 @@ async fn drain(
         let sent = if rows.is_empty() {
             None
         } else {
-            cursor = rows.last().map_or(cursor, |r| r.seq);
-            Some(publish::send(producer, &rows, blocked).await)
+            let events = outbox::events(&rows)?;
+            cursor = events.last().map_or(cursor, |e| e.seq);
+            Some(publish::send(producer, &events, blocked).await)
         };
         if let Some(previous) = in_flight.take()
             && !complete(config, conn, producer, shutdown, previous).await?
@@ -220,56 +220,55 @@ async fn drain(
 async fn drain_log(
     config: &Config,
     conn: &mut PgConnection,
-    producer: &mut FutureProducer,
+    producer: &mut publish::EventProducer,
     shutdown: &CancellationToken,
     blocked: &mut HashSet<String>,
 ) -> anyhow::Result<bool> {
     let mut read = log::cursor(conn).await?;
-    let mut in_flight: VecDeque<(Vec<log::Position>, HashSet<i64>, publish::Sent)> =
-        VecDeque::new();
-    let batch = config.relay.batch_size;
+    let mut in_flight: VecDeque<(Vec<log::Position>, publish::Sent)> = VecDeque::new();
+    let size = config.relay.batch_size;
     let topic = &config.topics.events;
-    let mut rows = if shutdown.is_cancelled() {
-        Vec::new()
+    let mut batch = if shutdown.is_cancelled() {
+        log::Batch::default()
     } else {
-        log::claim(conn, read, topic, batch).await?
+        log::claim(conn, read, size).await?
     };
     loop {
-        let full = rows.len() == batch as usize;
-        let mut next = Vec::new();
-        if let Some((last, _)) = rows.last() {
+        let full = batch.len() == size as usize;
+        let mut next = log::Batch::default();
+        let positions = batch.positions()?;
+        if let Some(last) = positions.last() {
             read = *last;
-            let (positions, rows): (Vec<_>, Vec<_>) = std::mem::take(&mut rows).into_iter().unzip();
-            // A delayed event is passed over (the outbox sends it), as if delivered.
-            let passed: HashSet<i64> = positions
-                .iter()
-                .zip(&rows)
-                .filter(|(_, r)| r.is_none())
-                .map(|(p, _)| p.seq)
-                .collect();
-            let rows: Vec<_> = rows.into_iter().flatten().collect();
+            // Delayed events are not among them: the outbox sends those.
+            let events = batch.events(topic)?;
             // Postgres reads the next batch while this one is handed to the producer.
             let claim_next = async {
                 if full && !shutdown.is_cancelled() {
-                    log::claim(conn, read, topic, batch).await
+                    log::claim(conn, read, size).await
                 } else {
-                    Ok(Vec::new())
+                    Ok(log::Batch::default())
                 }
             };
             let started = Instant::now();
-            let (claimed, sent) = tokio::join!(claim_next, publish::send(producer, &rows, blocked));
+            let (claimed, sent) =
+                tokio::join!(claim_next, publish::send(producer, &events, blocked));
             next = claimed?;
-            tracing::debug!(sent = rows.len(), read = next.len(), elapsed = ?started.elapsed(), "Sent a batch, read the next.");
-            in_flight.push_back((positions, passed, sent));
+            tracing::debug!(sent = events.len(), read = next.len(), elapsed = ?started.elapsed(), "Sent a batch, read the next.");
+            in_flight.push_back((positions, sent));
         }
         while in_flight.len() > LOG_BATCHES_IN_FLIGHT || (!full && !in_flight.is_empty()) {
-            let (positions, mut passed, sent) = in_flight.pop_front().expect("checked: not empty");
+            let (positions, sent) = in_flight.pop_front().expect("checked: not empty");
             let Some(outcome) = delivered(config, shutdown, sent).await else {
                 return Ok(shutdown.is_cancelled());
             };
             failpoint::hit(failpoint::RELAY_AFTER_PRODUCE_BEFORE_MARK);
-            passed.extend(outcome.delivered.iter().map(|(seq, _)| *seq));
-            let prefix = positions.iter().take_while(|p| passed.contains(&p.seq)).count();
+            // The cursor stops just before the first event that did not reach Kafka.
+            let undelivered = outcome.undelivered();
+            let prefix = if undelivered.is_empty() {
+                positions.len()
+            } else {
+                positions.iter().take_while(|p| !undelivered.contains(&p.seq)).count()
+            };
             if prefix > 0 {
                 log::advance(conn, positions[prefix - 1]).await?;
             }
@@ -281,7 +280,7 @@ async fn drain_log(
         if !full {
             return Ok(shutdown.is_cancelled());
         }
-        rows = next;
+        batch = next;
     }
 }
 
@@ -291,7 +290,7 @@ async fn drain_log(
 async fn complete(
     config: &Config,
     conn: &mut PgConnection,
-    producer: &mut FutureProducer,
+    producer: &mut publish::EventProducer,
     shutdown: &CancellationToken,
     sent: publish::Sent,
 ) -> anyhow::Result<bool> {
@@ -333,7 +332,7 @@ async fn delivered(
 /// if the old one hit a fatal error).
 async fn settle(
     config: &Config,
-    producer: &mut FutureProducer,
+    producer: &mut publish::EventProducer,
     outcome: &publish::Outcome,
     recorded: u64,
 ) -> anyhow::Result<bool> {
@@ -343,14 +342,14 @@ async fn settle(
     for (_, available_at) in &outcome.delivered {
         latency.record((now - *available_at).as_seconds_f64().max(0.0));
     }
-    if outcome.failed.is_empty() && outcome.held_back == 0 {
+    if outcome.failed.is_empty() && outcome.held_back.is_empty() {
         return Ok(true);
     }
     metrics::counter!(m::RELAY_DELIVERY_ERRORS_TOTAL).increment(outcome.failed.len() as u64);
     if let Some((seq, error)) = outcome.failed.first() {
         tracing::warn!(
             failed = outcome.failed.len(),
-            held_back = outcome.held_back,
+            held_back = outcome.held_back.len(),
             first_seq = seq,
             error = %error,
             "Some events were not delivered; they are tried again."

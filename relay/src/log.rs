@@ -20,9 +20,10 @@
 //! ordered by their input versions, which the processor checks; their first events come from
 //! separate accepts.
 
-use sqlx::PgConnection;
+use sqlx::postgres::PgRow;
+use sqlx::{PgConnection, Row};
 
-use crate::outbox::OutboxRow;
+use crate::publish::Event;
 
 /// A position in the log, in the order the relay reads it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, sqlx::FromRow)]
@@ -89,48 +90,83 @@ pub async fn rewind(conn: &mut PgConnection, count: i64) -> Result<Position, sql
     .await
 }
 
-/// Up to `limit` events after `after` whose transactions have ended, in cursor order, as
-/// rows for `topic` (`None` for a delayed event: the outbox sends it when it is due, and the
-/// cursor moves past it like any other). An event's `available_at` is when it occurred.
+/// Up to `limit` events after `after` whose transactions have ended, in cursor order. A
+/// delayed event is in the batch without its body: the outbox sends it when it is due, and the
+/// cursor moves past it like any other. An event's `available_at` is when it occurred.
 ///
 /// # Errors
 /// The connection failed.
 pub async fn claim(
     conn: &mut PgConnection,
     after: Position,
-    topic: &str,
     limit: u32,
-) -> Result<Vec<(Position, Option<OutboxRow>)>, sqlx::Error> {
+) -> Result<Batch, sqlx::Error> {
+    // The first six columns are the ones `Event::decode` reads.
     // language=PostgreSQL
-    let rows: Vec<LogRow> = sqlx::query_as(
+    let rows = sqlx::query(
         r#"
-        SELECT e.xid::text::bigint AS xid, e.seq, e.delayed, $3 AS topic,
+        SELECT e.seq,
                coalesce(e.key, (SELECT j.document_id FROM jobs j WHERE j.job_id = e.job_id)) AS key,
                CASE WHEN e.delayed THEN ''::bytea ELSE e.body END AS body,
-               e.occurred_at AS available_at, e.traceparent, e.tracestate
+               e.occurred_at AS available_at, e.traceparent, e.tracestate,
+               e.xid, e.delayed
         FROM job_events e
         WHERE (e.xid, e.seq) > ($1::text::xid8, $2)
           AND e.xid < pg_snapshot_xmin(pg_current_snapshot())
         ORDER BY e.xid, e.seq
-        LIMIT $4
+        LIMIT $3
         "#,
     )
     .bind(after.xid.to_string())
     .bind(after.seq)
-    .bind(topic)
     .bind(i64::from(limit))
     .fetch_all(conn)
     .await?;
-    Ok(rows
-        .into_iter()
-        .map(|r| (Position { xid: r.xid, seq: r.row.seq }, (!r.delayed).then_some(r.row)))
-        .collect())
+    Ok(Batch { rows })
 }
 
-#[derive(sqlx::FromRow)]
-struct LogRow {
-    xid: i64,
-    delayed: bool,
-    #[sqlx(flatten)]
-    row: OutboxRow,
+/// Events read from the log, kept as Postgres sent them.
+#[derive(Debug, Default)]
+pub struct Batch {
+    rows: Vec<PgRow>,
+}
+
+impl Batch {
+    pub fn len(&self) -> usize {
+        self.rows.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.rows.is_empty()
+    }
+
+    /// Each event's place in the log, in cursor order.
+    ///
+    /// # Errors
+    /// A row could not be decoded.
+    pub fn positions(&self) -> Result<Vec<Position>, sqlx::Error> {
+        // An xid8 is sent as a 64-bit integer: read as one (a cast to text and back costs
+        // Postgres more than the rest of the row).
+        self.rows
+            .iter()
+            .map(|row| {
+                Ok(Position { xid: row.try_get_unchecked(6)?, seq: row.try_get_unchecked(0)? })
+            })
+            .collect()
+    }
+
+    /// The events to publish at commit (all but the delayed ones), for `topic`, in cursor
+    /// order.
+    ///
+    /// # Errors
+    /// A row could not be decoded.
+    pub fn events<'a>(&'a self, topic: &'a str) -> Result<Vec<Event<'a>>, sqlx::Error> {
+        let mut events = Vec::with_capacity(self.rows.len());
+        for row in &self.rows {
+            if !row.try_get_unchecked::<bool, _>(7)? {
+                events.push(Event::decode(row, topic)?);
+            }
+        }
+        Ok(events)
+    }
 }

@@ -2,27 +2,14 @@
 //! [`jobfold_common::gauges::relay_backlog`], shared with `jobfold stats`). Each takes the connection that holds the active
 //! lock: if that connection dies, the relay stops marking rows and stands by again.
 
-use chrono::{DateTime, Utc};
-use sqlx::PgConnection;
+use sqlx::postgres::PgRow;
+use sqlx::{PgConnection, Row};
 
-/// A committed, due outbox row with its event body.
-#[derive(Debug, Clone, sqlx::FromRow)]
-pub struct OutboxRow {
-    pub seq: i64,
-    pub topic: String,
-    /// The Kafka key: the document id.
-    pub key: String,
-    /// The event in the Confluent wire format, as stored in job_events.
-    pub body: Vec<u8>,
-    /// When the row became publishable: its commit, or a scheduled retry's due time.
-    pub available_at: DateTime<Utc>,
-    /// The event's W3C trace context, sent as Kafka headers.
-    pub traceparent: Option<String>,
-    pub tracestate: Option<String>,
-}
+use crate::publish::Event;
 
 /// The oldest `limit` unpublished rows that are due and come after `after_seq`, in log order,
-/// among those the log cursor has passed.
+/// among those the log cursor has passed. Each row is read as an [`Event`] for the topic in
+/// its seventh column (see [`events`]).
 ///
 /// Log order keeps per-document order: events of one job are written by transactions that
 /// follow one another, so a later event always has a higher seq and commits later. And a
@@ -35,11 +22,12 @@ pub async fn claim(
     conn: &mut PgConnection,
     after_seq: i64,
     limit: u32,
-) -> Result<Vec<OutboxRow>, sqlx::Error> {
+) -> Result<Vec<PgRow>, sqlx::Error> {
+    // The first six columns are the ones `Event::decode` reads.
     // language=PostgreSQL
-    sqlx::query_as(
+    sqlx::query(
         r#"
-        SELECT o.seq, o.topic, o.key, o.available_at, o.traceparent, o.tracestate, e.body
+        SELECT o.seq, o.key, e.body, o.available_at, o.traceparent, o.tracestate, o.topic
         FROM outbox o
         JOIN job_events e USING (seq)
         CROSS JOIN relay_cursor c
@@ -53,6 +41,14 @@ pub async fn claim(
     .bind(i64::from(limit))
     .fetch_all(conn)
     .await
+}
+
+/// The events of rows from [`claim`], each for its own topic.
+///
+/// # Errors
+/// A row could not be decoded.
+pub fn events(rows: &[PgRow]) -> Result<Vec<Event<'_>>, sqlx::Error> {
+    rows.iter().map(|row| Event::decode(row, row.try_get_unchecked(6)?)).collect()
 }
 
 /// Marks rows whose delivery the broker acknowledged; with `delete`, deletes them instead

@@ -1,4 +1,4 @@
-//! Producing a batch of outbox rows and collecting every delivery report.
+//! Producing a batch of events and collecting every delivery report.
 //!
 //! The producer is idempotent (`enable.idempotence`, `acks=all`) with the gapless
 //! guarantee: librdkafka retries internally and never delivers a later message of a
@@ -8,18 +8,21 @@
 //! gives up on it after `relay.shutdown_timeout`, leaving its rows unpublished. So marking
 //! exactly the acknowledged rows keeps per-document order.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
+use std::sync::Mutex;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use jobfold_common::config::Config;
 use jobfold_schemas::event::{TRACEPARENT, TRACESTATE};
+use rdkafka::ClientContext;
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{Header, OwnedHeaders};
-use rdkafka::producer::{DeliveryFuture, FutureProducer, FutureRecord, Producer};
+use rdkafka::producer::{BaseRecord, DeliveryResult, Producer, ProducerContext, ThreadedProducer};
 use rdkafka::util::Timeout;
-
-use crate::outbox::OutboxRow;
+use sqlx::Row;
+use sqlx::postgres::PgRow;
+use tokio::sync::oneshot;
 
 /// The relay's producer defaults; every one can be overridden under `[kafka]`.
 pub const PRODUCER_DEFAULTS: &[(&str, &str)] = &[
@@ -32,12 +35,54 @@ pub const PRODUCER_DEFAULTS: &[(&str, &str)] = &[
     ("message.timeout.ms", "0"),
 ];
 
+/// The relay's producer: delivery reports are counted per batch by [`Reports`], with no
+/// allocation or channel per message.
+pub type EventProducer = ThreadedProducer<Reports>;
+
 /// Builds the relay's producer.
 ///
 /// # Errors
 /// librdkafka refused the configuration.
-pub fn producer(config: &Config) -> Result<FutureProducer, KafkaError> {
-    config.kafka_client_with(PRODUCER_DEFAULTS).create()
+pub fn producer(config: &Config) -> Result<EventProducer, KafkaError> {
+    config.kafka_client_with(PRODUCER_DEFAULTS).create_with_context(Reports::default())
+}
+
+/// One event to produce, borrowed from the row Postgres sent: nothing is copied before
+/// librdkafka copies it into its queue.
+#[derive(Debug, Clone, Copy)]
+pub struct Event<'a> {
+    pub seq: i64,
+    pub topic: &'a str,
+    /// The Kafka key: the document id.
+    pub key: &'a str,
+    /// The event in the Confluent wire format, as stored in job_events.
+    pub body: &'a [u8],
+    /// When the event became publishable: its commit, or a scheduled retry's due time.
+    pub available_at: DateTime<Utc>,
+    /// The event's W3C trace context, sent as Kafka headers.
+    pub traceparent: Option<&'a str>,
+    pub tracestate: Option<&'a str>,
+}
+
+impl<'a> Event<'a> {
+    /// Reads the first six columns of a relay query, in this order: `seq`, `key`, `body`,
+    /// `available_at`, `traceparent`, `tracestate`. Their types are the relay's own queries'
+    /// and are not checked again per row (`try_get_unchecked`): at thousands of rows a batch,
+    /// the check cost more than the decoding.
+    ///
+    /// # Errors
+    /// A value does not decode (a null where there must be none).
+    pub fn decode(row: &'a PgRow, topic: &'a str) -> Result<Self, sqlx::Error> {
+        Ok(Event {
+            seq: row.try_get_unchecked(0)?,
+            topic,
+            key: row.try_get_unchecked(1)?,
+            body: row.try_get_unchecked(2)?,
+            available_at: row.try_get_unchecked(3)?,
+            traceparent: row.try_get_unchecked(4)?,
+            tracestate: row.try_get_unchecked(5)?,
+        })
+    }
 }
 
 /// What happened to one batch.
@@ -49,45 +94,131 @@ pub struct Outcome {
     pub failed: Vec<(i64, KafkaError)>,
     /// Not sent because an earlier row of the same document failed to enqueue: sending them
     /// would put them on the topic ahead of it.
-    pub held_back: usize,
+    pub held_back: Vec<i64>,
+}
+
+impl Outcome {
+    /// The seqs of the batch's events that did not reach Kafka.
+    pub fn undelivered(&self) -> HashSet<i64> {
+        self.failed.iter().map(|(seq, _)| *seq).chain(self.held_back.iter().copied()).collect()
+    }
+}
+
+/// Delivery reports of the relay's producer, tallied per batch.
+///
+/// Each message carries `(batch << 32) | index` as its delivery opaque (a plain number, no
+/// allocation); the report callback, on librdkafka's polling thread, finds the batch's tally
+/// and keeps the failures; once the batch is sealed (all enqueued) and its last report
+/// arrived, the batch gets its answer.
+#[derive(Debug, Default)]
+pub struct Reports {
+    tallies: Mutex<HashMap<u32, Tally>>,
+}
+
+#[derive(Debug)]
+struct Tally {
+    /// Reports to come: enqueued messages (added when the batch is sealed) minus reports.
+    outstanding: i64,
+    sealed: bool,
+    /// (index in the batch, why).
+    failed: Vec<(usize, KafkaError)>,
+    done: oneshot::Sender<Vec<(usize, KafkaError)>>,
+}
+
+const _: () = assert!(usize::BITS >= 64, "the delivery opaque holds a batch and an index");
+
+impl ClientContext for Reports {}
+
+impl ProducerContext for Reports {
+    type DeliveryOpaque = usize;
+
+    fn delivery(&self, result: &DeliveryResult<'_>, opaque: usize) {
+        let (batch, index) = ((opaque >> 32) as u32, opaque & 0xffff_ffff);
+        let mut tallies = self.tallies.lock().expect("no panic while holding the tallies");
+        let Some(tally) = tallies.get_mut(&batch) else { return };
+        if let Err((e, _)) = result {
+            tally.failed.push((index, e.clone()));
+        }
+        tally.outstanding -= 1;
+        Reports::answer_if_done(&mut tallies, batch);
+    }
+}
+
+impl Reports {
+    /// Starts tallying `batch`: its reports may arrive while it is still being enqueued.
+    fn open(&self, batch: u32) -> oneshot::Receiver<Vec<(usize, KafkaError)>> {
+        let (done, reports) = oneshot::channel();
+        let tally = Tally { outstanding: 0, sealed: false, failed: Vec::new(), done };
+        self.tallies.lock().expect("no panic while holding the tallies").insert(batch, tally);
+        reports
+    }
+
+    /// All `enqueued` messages of `batch` are in the producer's queue.
+    fn seal(&self, batch: u32, enqueued: usize) {
+        let mut tallies = self.tallies.lock().expect("no panic while holding the tallies");
+        if let Some(tally) = tallies.get_mut(&batch) {
+            tally.outstanding += i64::try_from(enqueued).expect("a batch fits in i64");
+            tally.sealed = true;
+        }
+        Reports::answer_if_done(&mut tallies, batch);
+    }
+
+    fn answer_if_done(tallies: &mut HashMap<u32, Tally>, batch: u32) {
+        if tallies.get(&batch).is_some_and(|t| t.sealed && t.outstanding == 0)
+            && let Some(tally) = tallies.remove(&batch)
+        {
+            // The batch may have been abandoned on shutdown: nobody to tell.
+            let _ = tally.done.send(tally.failed);
+        }
+    }
 }
 
 /// A batch handed to the producer, its delivery reports still to come.
 pub struct Sent {
-    pending: Vec<(i64, DateTime<Utc>, DeliveryFuture)>,
+    /// (seq, available_at) of each enqueued event, in the order of their indexes.
+    enqueued: Vec<(i64, DateTime<Utc>)>,
+    reports: oneshot::Receiver<Vec<(usize, KafkaError)>>,
     outcome: Outcome,
 }
 
 impl std::fmt::Debug for Sent {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Sent").field("pending", &self.pending.len()).finish_non_exhaustive()
+        f.debug_struct("Sent").field("enqueued", &self.enqueued.len()).finish_non_exhaustive()
     }
 }
 
-/// Enqueues `rows` in order, without waiting for delivery.
+/// Numbers batches for their delivery opaques.
+static NEXT_BATCH: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+
+/// Enqueues `events` in order, without waiting for delivery.
 ///
-/// `blocked` holds the documents with a row that could not be enqueued in this pass: their
-/// later rows are held back, or they would reach the topic ahead of it. The caller keeps it
-/// across the batches of one pass.
+/// `blocked` holds the documents with an event that could not be enqueued in this pass:
+/// their later events are held back, or they would reach the topic ahead of it. The caller
+/// keeps it across the batches of one pass.
 pub async fn send(
-    producer: &FutureProducer,
-    rows: &[OutboxRow],
+    producer: &EventProducer,
+    events: &[Event<'_>],
     blocked: &mut HashSet<String>,
 ) -> Sent {
-    let mut sent = Sent { pending: Vec::with_capacity(rows.len()), outcome: Outcome::default() };
-    for row in rows {
-        if blocked.contains(row.key.as_str()) {
-            sent.outcome.held_back += 1;
+    let batch = NEXT_BATCH.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let reports = producer.context().open(batch);
+    let mut sent =
+        Sent { enqueued: Vec::with_capacity(events.len()), reports, outcome: Outcome::default() };
+    for event in events {
+        if !blocked.is_empty() && blocked.contains(event.key) {
+            sent.outcome.held_back.push(event.seq);
             continue;
         }
-        let mut record = FutureRecord::to(&row.topic).key(&row.key).payload(&row.body);
-        if let Some(headers) = trace_headers(row) {
+        let opaque = (batch as usize) << 32 | sent.enqueued.len();
+        let mut record =
+            BaseRecord::with_opaque_to(event.topic, opaque).key(event.key).payload(event.body);
+        if let Some(headers) = trace_headers(event) {
             record = record.headers(headers);
         }
         loop {
-            match producer.send_result(record) {
-                Ok(delivery) => {
-                    sent.pending.push((row.seq, row.available_at, delivery));
+            match producer.send(record) {
+                Ok(()) => {
+                    sent.enqueued.push((event.seq, event.available_at));
                     break;
                 }
                 Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), back)) => {
@@ -97,29 +228,30 @@ pub async fn send(
                 }
                 Err((e, _)) => {
                     tracing::error!(
-                        seq = row.seq,
-                        topic = %row.topic,
-                        document_id = %row.key,
+                        seq = event.seq,
+                        topic = %event.topic,
+                        document_id = %event.key,
                         error = %e,
-                        "Outbox row cannot be produced; later events of its document wait behind it."
+                        "Event cannot be produced; later events of its document wait behind it."
                     );
-                    blocked.insert(row.key.clone());
-                    sent.outcome.failed.push((row.seq, e));
+                    blocked.insert(event.key.to_owned());
+                    sent.outcome.failed.push((event.seq, e));
                     break;
                 }
             }
         }
     }
+    producer.context().seal(batch, sent.enqueued.len());
     sent
 }
 
-/// The row's W3C trace context as Kafka headers (`traceparent`, `tracestate`), if it has one:
-/// consumers and tracing tools read it without decoding the event.
-fn trace_headers(row: &OutboxRow) -> Option<OwnedHeaders> {
-    let traceparent = row.traceparent.as_deref()?;
+/// The event's W3C trace context as Kafka headers (`traceparent`, `tracestate`), if it has
+/// one: consumers and tracing tools read it without decoding the event.
+fn trace_headers(event: &Event<'_>) -> Option<OwnedHeaders> {
+    let traceparent = event.traceparent?;
     let headers = OwnedHeaders::new_with_capacity(2)
         .insert(Header { key: TRACEPARENT, value: Some(traceparent) });
-    Some(match row.tracestate.as_deref() {
+    Some(match event.tracestate {
         Some(state) => headers.insert(Header { key: TRACESTATE, value: Some(state) }),
         None => headers,
     })
@@ -129,29 +261,34 @@ impl Sent {
     /// Waits for every delivery report of the batch.
     pub async fn delivered(self) -> Outcome {
         let mut outcome = self.outcome;
-        for (seq, available_at, delivery) in self.pending {
-            match delivery.await {
-                Ok(Ok(_)) => outcome.delivered.push((seq, available_at)),
-                Ok(Err((e, _))) => outcome.failed.push((seq, e)),
-                Err(_canceled) => outcome.failed.push((seq, KafkaError::Canceled)),
+        match self.reports.await {
+            Ok(failed) if failed.is_empty() => outcome.delivered = self.enqueued,
+            Ok(mut failed) => {
+                failed.sort_unstable_by_key(|(index, _)| *index);
+                let mut failed = failed.into_iter().peekable();
+                for (index, (seq, available_at)) in self.enqueued.into_iter().enumerate() {
+                    match failed.next_if(|(at, _)| *at == index) {
+                        Some((_, e)) => outcome.failed.push((seq, e)),
+                        None => outcome.delivered.push((seq, available_at)),
+                    }
+                }
             }
+            // The producer was dropped (rebuilt after a fatal error) with the batch queued.
+            Err(_) => outcome
+                .failed
+                .extend(self.enqueued.into_iter().map(|(seq, _)| (seq, KafkaError::Canceled))),
         }
         outcome
     }
 }
 
-/// Produces `rows` in order and waits for every delivery report.
-pub async fn publish(producer: &FutureProducer, rows: &[OutboxRow]) -> Outcome {
-    send(producer, rows, &mut HashSet::new()).await.delivered().await
-}
-
 /// Whether the producer hit a fatal error (e.g. the gapless guarantee) and must be rebuilt.
-pub fn is_fatal(producer: &FutureProducer) -> bool {
+pub fn is_fatal(producer: &EventProducer) -> bool {
     producer.client().fatal_error().is_some()
 }
 
 /// Waits up to `timeout` for queued messages to be delivered, on shutdown.
-pub fn flush(producer: &FutureProducer, timeout: Duration) {
+pub fn flush(producer: &EventProducer, timeout: Duration) {
     if let Err(e) = producer.flush(Timeout::After(timeout)) {
         tracing::warn!(error = %e, "Producer flush on shutdown did not complete.");
     }

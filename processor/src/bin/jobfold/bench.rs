@@ -4,6 +4,7 @@
 //! Everything happens in a database and topics of its own (`jobfold_bench_*`), dropped at
 //! the end; the configured database is used only to create it.
 
+use std::collections::HashSet;
 use std::fmt::Write as _;
 use std::time::{Duration, Instant};
 
@@ -14,8 +15,6 @@ use jobfold_common::accept::{Acceptor, NewJob};
 use jobfold_common::config::{Config, Sensitive};
 use jobfold_schemas::codec::registry_settings;
 use jobfold_schemas::{Codec, JobEvent};
-use rdkafka::producer::{FutureProducer, FutureRecord};
-use rdkafka::util::Timeout;
 use serde_json::json;
 use sqlx::PgPool;
 
@@ -32,6 +31,9 @@ pub(crate) struct Sizes {
     /// Slow jobs: how many, and how long each handler sleeps.
     pub(crate) slow_jobs: usize,
     pub(crate) slow_ms: u64,
+    /// Events for the relay to drain: the accepted ones, then copies of them up to this many,
+    /// so that its start and end are a small part of the time.
+    pub(crate) relay_backlog: usize,
 }
 
 impl Sizes {
@@ -46,6 +48,7 @@ impl Sizes {
             e2e_jobs: 5_000,
             slow_jobs: 200,
             slow_ms: 10_000,
+            relay_backlog: 1_000_000,
         }
     }
 
@@ -61,6 +64,7 @@ impl Sizes {
             e2e_jobs: 300,
             slow_jobs: 20,
             slow_ms: 1_000,
+            relay_backlog: 0,
         }
     }
 
@@ -75,6 +79,7 @@ impl Sizes {
             e2e_jobs: 50_000,
             slow_jobs: 200,
             slow_ms: 10_000,
+            relay_backlog: 5_000_000,
         }
     }
 }
@@ -228,6 +233,8 @@ struct Limits {
     commit_16: f64,
     rows: f64,
     producer: f64,
+    /// CPU per message of the raw producer (µs): the machine's, the producing process's.
+    producer_cpu: Option<(f64, f64)>,
 }
 
 async fn measure_limits(
@@ -271,11 +278,16 @@ async fn measure_limits(
             .note(format!("rows/s, INSERT … SELECT FROM unnest of 1000 rows of {size} B")),
     );
     // The best of two runs: the first also warms the broker up, as the relay finds it later.
-    let producer = raw_producer(config, &bodies).await?.max(raw_producer(config, &bodies).await?);
+    let (first, second) =
+        (raw_producer(config, &bodies).await?, raw_producer(config, &bodies).await?);
+    let (producer, producer_cpu) = if first.0 >= second.0 { first } else { second };
     rows.push(Row::new("limit: raw rdkafka producer").rate(producer).note(format!(
-        "{} distinct events of {size} B, keyed by 1000 documents, the relay's producer \
-         settings; best of 2 runs",
-        sizes.raw_messages
+        "{} distinct events of {size} B from memory, keyed by 1000 documents, through the \
+         relay's producer code and settings; best of 2 runs{}",
+        sizes.raw_messages,
+        producer_cpu.map_or(String::new(), |(machine, own)| format!(
+            "; CPU per event: {machine:.2} µs on the machine, {own:.2} µs of it producing"
+        ))
     )));
     let consumer = raw_consumer(config, &config.topics.requests, 2 * sizes.raw_messages).await?;
     rows.push(
@@ -284,7 +296,7 @@ async fn measure_limits(
             .note("the same messages read back, all partitions assigned"),
     );
     pool.close().await;
-    Ok(Limits { commit_1, commit_16, rows: multi, producer })
+    Ok(Limits { commit_1, commit_16, rows: multi, producer, producer_cpu })
 }
 
 async fn measure_accept_and_relay(
@@ -367,6 +379,7 @@ async fn measure_accept_and_relay(
         std::env::temp_dir().join(format!("jobfold-bench-{}", uuid::Uuid::new_v4().simple()));
     std::fs::create_dir_all(&logs)?;
     let bin = std::env::current_exe()?.parent().context("the binary's directory")?.to_path_buf();
+    copy_backlog(&pool, sizes.relay_backlog).await?;
     let backlog = jobfold_common::gauges::unpublished(&pool).await?;
     let start_position = cursor(&pool).await?;
     let mut relay = crate::demo::spawn(config, &bin.join("jobfold-relay"), "relay", &logs, None)?;
@@ -382,9 +395,12 @@ async fn measure_accept_and_relay(
         anyhow::ensure!(Instant::now() < deadline, "the relay did not start publishing");
         tokio::time::sleep(Duration::from_millis(1)).await;
     };
-    let started = Instant::now();
+    let mut cpu_of = vec![relay_pid];
+    cpu_of.extend(local_backends(&pool, "jobfold-relay").await?);
+    let (started, cpu) = (Instant::now(), CpuTime::now(&cpu_of));
     wait_drained(&pool, Duration::from_secs(600)).await?;
     let elapsed = started.elapsed().as_secs_f64();
+    let cpu = cpu.zip(CpuTime::now(&cpu_of));
     let timed: i64 = sqlx::query_scalar(
         "SELECT count(*) FROM job_events WHERE (xid, seq) > ($1::text::xid8, $2)",
     )
@@ -393,6 +409,19 @@ async fn measure_accept_and_relay(
     .fetch_one(&pool)
     .await?;
     let relay_rate = timed as f64 / elapsed;
+    // Where each event's CPU went, next to the raw producer's.
+    let cpu_note = cpu.map_or(String::new(), |(before, after)| {
+        let (machine, processes) = before.per_item_since(&after, timed as f64);
+        let postgres: f64 = processes[1..].iter().sum();
+        let raw = limits
+            .producer_cpu
+            .map_or(String::new(), |(machine, _)| format!(" (the raw producer: {machine:.2} µs)"));
+        format!(
+            "; CPU per event: {machine:.2} µs on the machine{raw}, of it {:.2} µs in the relay \
+             and {postgres:.2} µs in its Postgres backend",
+            processes[0]
+        )
+    });
     // What reading the same backlog costs alone: the relay's own query and decoding, nothing
     // produced. Reading and producing share the machine's cores, so their costs add up.
     let read_rate = log_read(config, &pool, start_position).await?;
@@ -407,8 +436,8 @@ async fn measure_accept_and_relay(
             .rate(relay_rate)
             .versus(relay_rate, limits.producer, "raw producer")
             .note(format!(
-                "{backlog} events; {:.0}% of reading and producing them one after the other \
-                 ({together:.0}/s)",
+                "{backlog} events (the accepted ones and copies); {:.0}% of reading and producing \
+                 them one after the other ({together:.0}/s){cpu_note}",
                 100.0 * relay_rate / together
             )),
     );
@@ -691,18 +720,35 @@ async fn log_read(config: &Config, pool: &PgPool, from: (i64, i64)) -> anyhow::R
     let mut after = jobfold_relay::log::Position { xid: from.0, seq: from.1 };
     let (mut read, started) = (0usize, Instant::now());
     loop {
-        let batch = jobfold_relay::log::claim(
-            &mut conn,
-            after,
-            &config.topics.events,
-            config.relay.batch_size,
-        )
-        .await?;
-        let Some((last, _)) = batch.last() else { break };
+        let batch = jobfold_relay::log::claim(&mut conn, after, config.relay.batch_size).await?;
+        // Decoded as the relay decodes them.
+        let positions = batch.positions()?;
+        let Some(last) = positions.last() else { break };
         after = *last;
-        read += batch.len();
+        read += batch.events(&config.topics.events)?.len();
     }
     Ok(read as f64 / started.elapsed().as_secs_f64())
+}
+
+/// Copies the accepted events (each a job's first) as later events of the same jobs until
+/// the log holds at least `events`: rows of the same size and keys for the relay to drain.
+async fn copy_backlog(pool: &PgPool, events: usize) -> anyhow::Result<()> {
+    let accepted: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM job_events").fetch_one(pool).await?;
+    let rounds = (events as u64).div_ceil(accepted.max(1) as u64).saturating_sub(1);
+    for round in 1..=rounds {
+        // language=PostgreSQL
+        sqlx::query(
+            "INSERT INTO job_events (event_id, job_id, stream_version, kind, body, key) \
+             SELECT gen_random_uuid(), job_id, stream_version + $1, kind, body, key \
+             FROM job_events WHERE stream_version = 1",
+        )
+        .bind(i32::try_from(round)?)
+        .execute(pool)
+        .await?;
+    }
+    sqlx::query("ANALYZE job_events").execute(pool).await?;
+    Ok(())
 }
 
 /// Where the relay's cursor stands.
@@ -866,6 +912,69 @@ async fn topic_latencies(
 }
 
 /// The process's peak resident memory (VmHWM), in MiB.
+/// CPU seconds used so far, from `/proc` (Linux; `None` elsewhere): by the whole machine
+/// (all cores, busy time) and by each of `pids`.
+#[derive(Debug, Clone)]
+struct CpuTime {
+    machine: f64,
+    processes: Vec<f64>,
+}
+
+/// Clock ticks per second in `/proc`: `USER_HZ`, 100 on every Linux architecture that matters.
+const USER_HZ: f64 = 100.0;
+
+impl CpuTime {
+    fn now(pids: &[u32]) -> Option<Self> {
+        let stat = std::fs::read_to_string("/proc/stat").ok()?;
+        let ticks: Vec<f64> = stat
+            .lines()
+            .next()?
+            .split_whitespace()
+            .skip(1)
+            .filter_map(|t| t.parse().ok())
+            .collect();
+        // user nice system idle iowait irq softirq steal …: busy is all but idle and iowait.
+        let busy = ticks.iter().take(8).sum::<f64>() - ticks.get(3)? - ticks.get(4)?;
+        let processes = pids
+            .iter()
+            .map(|pid| {
+                let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+                // Fields after the command name (which may hold spaces): utime is the 12th.
+                let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
+                let (user, system): (f64, f64) =
+                    (fields.get(11)?.parse().ok()?, fields.get(12)?.parse().ok()?);
+                Some((user + system) / USER_HZ)
+            })
+            .collect::<Option<Vec<f64>>>()?;
+        Some(CpuTime { machine: busy / USER_HZ, processes })
+    }
+
+    /// Microseconds of CPU per item since `self`: the machine's, then each process's.
+    fn per_item_since(&self, later: &CpuTime, items: f64) -> (f64, Vec<f64>) {
+        let per = |a: f64, b: f64| (b - a) * 1e6 / items.max(1.0);
+        let processes = self.processes.iter().zip(&later.processes).map(|(a, b)| per(*a, *b));
+        (per(self.machine, later.machine), processes.collect())
+    }
+}
+
+/// The Postgres backends serving `application` — on this machine, so their CPU can be read
+/// from `/proc`; empty if the database runs elsewhere.
+async fn local_backends(pool: &PgPool, application: &str) -> anyhow::Result<Vec<u32>> {
+    let pids: Vec<i32> =
+        sqlx::query_scalar("SELECT pid FROM pg_stat_activity WHERE application_name = $1")
+            .bind(application)
+            .fetch_all(pool)
+            .await?;
+    Ok(pids
+        .into_iter()
+        .filter_map(|pid| u32::try_from(pid).ok())
+        .filter(|pid| {
+            std::fs::read(format!("/proc/{pid}/cmdline"))
+                .is_ok_and(|c| String::from_utf8_lossy(&c).starts_with("postgres"))
+        })
+        .collect())
+}
+
 fn peak_rss_mib(pid: u32) -> anyhow::Result<f64> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
     let kib: f64 = status
@@ -976,42 +1085,46 @@ fn sample_event(i: usize) -> JobEvent {
 
 /// Messages per second a producer with the relay's settings delivers to a topic of the
 /// same partitions, keyed like the relay's, with `bodies` as values.
-async fn raw_producer(config: &Config, bodies: &[Vec<u8>]) -> anyhow::Result<f64> {
-    let producer: FutureProducer =
-        config.kafka_client_with(jobfold_relay::publish::PRODUCER_DEFAULTS).create()?;
-    // Warm up (metadata, connections, producer id) before timing, as the relay is.
-    producer
-        .send(
-            FutureRecord::to(&config.topics.requests).key("warm-up").payload(&[0u8][..]),
-            Timeout::Never,
-        )
-        .await
-        .map_err(|(e, _)| e)?;
-    let keys: Vec<String> = (0..1000).map(|i| format!("doc-{i}")).collect();
-    let messages = bodies.len();
-    let started = Instant::now();
-    let mut pending = std::collections::VecDeque::with_capacity(messages);
-    for i in 0..messages {
-        let mut record = FutureRecord::to(&config.topics.requests)
-            .key(&keys[i % keys.len()])
-            .payload(&bodies[i]);
-        loop {
-            match producer.send_result(record) {
-                Ok(delivery) => {
-                    pending.push_back(delivery);
-                    break;
-                }
-                Err((_, back)) => {
-                    // Queue full: let deliveries drain, as the relay does.
-                    record = back;
-                    tokio::time::sleep(Duration::from_millis(1)).await;
-                }
-            }
+/// The producer's rate, and the CPU per message it took: the machine's and this process's
+/// (µs), if `/proc` tells.
+async fn raw_producer(
+    config: &Config,
+    bodies: &[Vec<u8>],
+) -> anyhow::Result<(f64, Option<(f64, f64)>)> {
+    use jobfold_relay::publish::{self, Event};
+    fn event<'a>(i: usize, topic: &'a str, keys: &'a [String], body: &'a [u8]) -> Event<'a> {
+        let (traceparent, tracestate) = (None, None);
+        let key = &keys[i % keys.len()];
+        Event {
+            seq: i as i64,
+            topic,
+            key,
+            body,
+            available_at: chrono::Utc::now(),
+            traceparent,
+            tracestate,
         }
     }
-    for delivery in pending {
-        delivery.await.map_err(|_| anyhow::anyhow!("delivery canceled"))?.map_err(|(e, _)| e)?;
+    let producer = publish::producer(config)?;
+    let topic = &config.topics.requests;
+    let keys: Vec<String> = (0..1000).map(|i| format!("doc-{i}")).collect();
+    // Warm up (metadata, connections, producer id) before timing, as the relay is.
+    let warm_up = [event(0, topic, &keys, &[0u8])];
+    let outcome = publish::send(&producer, &warm_up, &mut HashSet::new()).await.delivered().await;
+    if let Some((_, e)) = outcome.failed.into_iter().next() {
+        return Err(e.into());
     }
-    let _ = rdkafka::producer::Producer::flush(&producer, Timeout::After(Duration::from_secs(30)));
-    Ok(messages as f64 / started.elapsed().as_secs_f64())
+    let events: Vec<Event<'_>> =
+        bodies.iter().enumerate().map(|(i, body)| event(i, topic, &keys, body)).collect();
+    let (started, cpu) = (Instant::now(), CpuTime::now(&[std::process::id()]));
+    let outcome = publish::send(&producer, &events, &mut HashSet::new()).await.delivered().await;
+    if let Some((_, e)) = outcome.failed.into_iter().next() {
+        return Err(e.into());
+    }
+    let rate = bodies.len() as f64 / started.elapsed().as_secs_f64();
+    let cpu = cpu.zip(CpuTime::now(&[std::process::id()])).map(|(before, after)| {
+        let (machine, own) = before.per_item_since(&after, bodies.len() as f64);
+        (machine, own[0])
+    });
+    Ok((rate, cpu))
 }
