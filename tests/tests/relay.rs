@@ -432,3 +432,90 @@ async fn a_later_event_does_not_overtake_its_jobs_delayed_one() {
     relay.await.unwrap().unwrap();
     it.cleanup().await;
 }
+
+/// Each delivery report reaches its own event: in one batch, an event the broker refuses
+/// (larger than its topic allows) and one librdkafka refuses to enqueue fail by their own
+/// seqs, a later event of the refused document is held back, and the rest are delivered —
+/// and on the topic.
+#[tokio::test]
+async fn every_delivery_report_reaches_its_own_event() {
+    use jobfold_relay::publish::{self, Event};
+    use rdkafka::consumer::{BaseConsumer, Consumer};
+    use rdkafka::{Message, Offset, TopicPartitionList};
+
+    let mut it = Installation::new("reports").await;
+    let (open, strict) = (&it.config.topics.events, &it.config.topics.requests);
+    let topics = [
+        jobfold_common::kafka::TopicSpec {
+            name: open,
+            partitions: 1,
+            replication_factor: 1,
+            config: vec![],
+        },
+        jobfold_common::kafka::TopicSpec {
+            name: strict,
+            partitions: 1,
+            replication_factor: 1,
+            config: vec![("max.message.bytes", "4096".to_owned())],
+        },
+    ];
+    jobfold_common::kafka::ensure_topics(&it.config, &topics).await.unwrap();
+    // Without the gapless guarantee a refused batch fails alone instead of stopping the
+    // producer: this test is about which event each report reaches.
+    it.config.kafka.0.insert("enable.gapless.guarantee".into(), "false".into());
+    let producer = publish::producer(&it.config).unwrap();
+
+    // Random bytes do not compress: the broker sees more than the topic's 4 KiB.
+    let refused_by_broker: Vec<u8> = (0..16 * 1024).map(|_| rand::random::<u8>()).collect();
+    let too_large_to_enqueue = vec![0u8; 2 * 1024 * 1024];
+    let event = |seq, topic, key, body| Event {
+        seq,
+        topic,
+        key,
+        body,
+        available_at: Utc::now(),
+        traceparent: None,
+        tracestate: None,
+    };
+    let (open, strict) = (it.config.topics.events.as_str(), it.config.topics.requests.as_str());
+    let events = [
+        event(10, open, "doc-a", b"first".as_slice()),
+        event(20, strict, "doc-b", &refused_by_broker),
+        event(30, open, "doc-c", b"third".as_slice()),
+        event(40, open, "doc-d", &too_large_to_enqueue),
+        event(50, open, "doc-d", b"after the refused one".as_slice()),
+        event(60, open, "doc-e", b"sixth".as_slice()),
+    ];
+    let mut blocked = HashSet::new();
+    let outcome = tokio::time::timeout(
+        Duration::from_secs(60),
+        publish::send(&producer, &events, &mut blocked).await.delivered(),
+    )
+    .await
+    .expect("every report arrives");
+
+    let delivered: Vec<i64> = outcome.delivered.iter().map(|(seq, _)| *seq).collect();
+    let failed: Vec<i64> = outcome.failed.iter().map(|(seq, _)| *seq).collect();
+    assert_eq!(delivered, [10, 30, 60]);
+    assert_eq!(failed, [40, 20], "enqueue failures first, then failed reports");
+    assert_eq!(outcome.held_back, [50]);
+    assert_eq!(outcome.undelivered(), HashSet::from([20, 40, 50]));
+    assert!(blocked.contains("doc-d"));
+
+    // What was reported delivered is on the topic, and nothing else.
+    let consumer: BaseConsumer =
+        it.config.kafka_client_with(&[("group.id", "reports")]).create().unwrap();
+    let mut assignment = TopicPartitionList::new();
+    assignment.add_partition_offset(open, 0, Offset::Beginning).unwrap();
+    consumer.assign(&assignment).unwrap();
+    let (_, high) = consumer.fetch_watermarks(open, 0, Duration::from_secs(10)).unwrap();
+    let mut keys = Vec::new();
+    while keys.len() < usize::try_from(high).unwrap() {
+        if let Some(message) = consumer.poll(Duration::from_secs(10)) {
+            let message = message.unwrap();
+            keys.push(String::from_utf8(message.key().unwrap().to_vec()).unwrap());
+        }
+    }
+    assert_eq!(keys, ["doc-a", "doc-c", "doc-e"]);
+    it.cleanup().await;
+}
