@@ -38,6 +38,7 @@ fn the_bench_runs_every_measurement() {
         "| limit: raw rdkafka consumer | ",
         "| accept, 1 client | ",
         "| accept, 16 clients | ",
+        "| accept, half that rate ",
         "| accept, batches of 100 | ",
         "| limit: the relay's log read alone | ",
         "| relay, draining a backlog ",
@@ -53,10 +54,14 @@ fn the_bench_runs_every_measurement() {
         let line = written.lines().find(|l| l.starts_with(row));
         let line = line.unwrap_or_else(|| panic!("no row {row:?} in:\n{written}"));
         // Throughput and memory stand next to a limit; the limits and latency-only rows not.
-        let latency_only = row.contains("half load") || row.contains("steady");
+        let latency_only =
+            row.contains("half load") || row.contains("half that rate") || row.contains("steady");
         let compared = line.contains("% of ");
         assert!(compared || row.starts_with("| limit") || latency_only, "{line}");
     }
+    // Where the relay's CPU went, next to the raw producer's (read from /proc).
+    let drain = written.lines().find(|l| l.starts_with("| relay, draining")).unwrap();
+    assert!(drain.contains("CPU per event") && drain.contains("the raw producer: "), "{drain}");
     // The scratch databases are dropped again.
     assert!(scratch() <= scratch_before, "scratch databases left behind");
 }
