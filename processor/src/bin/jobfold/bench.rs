@@ -424,21 +424,27 @@ async fn measure_accept_and_relay(
     // Where each event's CPU went, next to the raw producer's.
     let cpu_note = cpu.map_or(String::new(), |(before, after)| {
         let (machine, processes) = before.per_item_since(&after, timed as f64);
-        let postgres: f64 = processes[1..].iter().sum();
-        let raw = limits.producer_cpu.map_or(String::new(), |(raw, _)| {
-            // With every core busy, rates go as the inverse of the machine's CPU per event: even
-            // if reading cost the relay nothing, its Postgres backend's share caps it here.
-            format!(
-                " (the raw producer: {raw:.2} µs; with Postgres's share added to it, at most \
-                 {:.0}% of the raw producer's rate)",
-                100.0 * raw / (raw + postgres)
-            )
-        });
-        format!(
-            "; CPU per event: {machine:.2} µs on the machine, of it {:.2} µs in the relay and \
-             {postgres:.2} µs in its Postgres backend{raw}",
-            processes[0]
-        )
+        let relay = processes[0];
+        let mut note = format!(
+            "; CPU per event: {machine:.2} µs on the machine, {relay:.2} µs of it in the relay"
+        );
+        // The backend's share only where Postgres runs on this machine.
+        if processes.len() > 1 {
+            let postgres: f64 = processes[1..].iter().sum();
+            write!(note, " and {postgres:.2} µs in its Postgres backend").expect("to a String");
+            if let Some((raw, _)) = limits.producer_cpu {
+                // With every core busy, rates go as the inverse of the machine's CPU per event:
+                // even if reading cost the relay nothing, its backend's share caps it here.
+                write!(
+                    note,
+                    " (the raw producer: {raw:.2} µs; with Postgres's share added to it, at most \
+                     {:.0}% of the raw producer's rate)",
+                    100.0 * raw / (raw + postgres)
+                )
+                .expect("to a String");
+            }
+        }
+        note
     });
     // What reading the same backlog costs alone: the relay's own query and decoding, nothing
     // produced. Reading and producing share the machine's cores, so their costs add up.
