@@ -24,6 +24,26 @@ pub const KIND: &str = "index-document";
 #[derive(Debug, Default, Clone, Copy)]
 pub struct IndexDocument;
 
+/// Appends one row to `index_writes`, the audit of business writes: it has no unique key, so
+/// a write committed twice shows as two rows. Call it inside the write's transaction.
+///
+/// # Errors
+/// The statement failed; the transaction should be rolled back.
+pub async fn record_write(tx: &mut PgConnection, job: &JobContext) -> Result<(), sqlx::Error> {
+    // language=PostgreSQL
+    sqlx::query(
+        "INSERT INTO index_writes (job_id, document_id, input_version, generation) \
+         VALUES ($1, $2, $3, $4)",
+    )
+    .bind(job.job_id)
+    .bind(&job.document_id)
+    .bind(job.input_version)
+    .bind(job.generation)
+    .execute(tx)
+    .await?;
+    Ok(())
+}
+
 /// Lower-case alphanumeric words and how often each occurs.
 pub fn term_frequencies(text: &str) -> BTreeMap<String, u64> {
     let mut terms = BTreeMap::new();
@@ -101,17 +121,7 @@ impl Handler for IndexDocument {
                     .await?;
             return Ok(Committed::Stale { newer_version: newer });
         }
-        // language=PostgreSQL
-        sqlx::query(
-            "INSERT INTO index_writes (job_id, document_id, input_version, generation) \
-             VALUES ($1, $2, $3, $4)",
-        )
-        .bind(job.job_id)
-        .bind(&job.document_id)
-        .bind(job.input_version)
-        .bind(job.generation)
-        .execute(&mut *tx)
-        .await?;
+        record_write(tx, job).await?;
         Ok(Committed::Applied)
     }
 }

@@ -10,6 +10,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Mutex;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
@@ -113,6 +114,8 @@ impl Outcome {
 #[derive(Debug, Default)]
 pub struct Reports {
     tallies: Mutex<HashMap<u32, Tally>>,
+    /// The number of the next batch.
+    next_batch: AtomicU32,
 }
 
 #[derive(Debug)]
@@ -145,12 +148,14 @@ impl ProducerContext for Reports {
 }
 
 impl Reports {
-    /// Starts tallying `batch`: its reports may arrive while it is still being enqueued.
-    fn open(&self, batch: u32) -> oneshot::Receiver<Vec<(usize, KafkaError)>> {
+    /// Numbers a new batch and starts tallying it: its reports may arrive while it is still
+    /// being enqueued.
+    fn open(&self) -> (u32, oneshot::Receiver<Vec<(usize, KafkaError)>>) {
+        let batch = self.next_batch.fetch_add(1, Ordering::Relaxed);
         let (done, reports) = oneshot::channel();
         let tally = Tally { outstanding: 0, sealed: false, failed: Vec::new(), done };
         self.tallies.lock().expect("no panic while holding the tallies").insert(batch, tally);
-        reports
+        (batch, reports)
     }
 
     /// All `enqueued` messages of `batch` are in the producer's queue.
@@ -187,9 +192,6 @@ impl std::fmt::Debug for Sent {
     }
 }
 
-/// Numbers batches for their delivery opaques.
-static NEXT_BATCH: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-
 /// Enqueues `events` in order, without waiting for delivery.
 ///
 /// `blocked` holds the documents with an event that could not be enqueued in this pass:
@@ -200,8 +202,7 @@ pub async fn send(
     events: &[Event<'_>],
     blocked: &mut HashSet<String>,
 ) -> Sent {
-    let batch = NEXT_BATCH.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let reports = producer.context().open(batch);
+    let (batch, reports) = producer.context().open();
     let mut sent =
         Sent { enqueued: Vec::with_capacity(events.len()), reports, outcome: Outcome::default() };
     for event in events {

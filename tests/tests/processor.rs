@@ -707,16 +707,7 @@ impl jobfold_processor::handler::Handler for Together {
         if job.document_id == "doc-bad" && job.attempt == 1 {
             sqlx::query("SELECT 1 / 0").execute(&mut *tx).await?;
         }
-        sqlx::query(
-            "INSERT INTO index_writes (job_id, document_id, input_version, generation) \
-             VALUES ($1, $2, $3, $4)",
-        )
-        .bind(job.job_id)
-        .bind(&job.document_id)
-        .bind(job.input_version)
-        .bind(job.generation)
-        .execute(&mut *tx)
-        .await?;
+        jobfold_processor::index::record_write(tx, job).await?;
         Ok(jobfold_processor::handler::Committed::Applied)
     }
 }
