@@ -21,6 +21,26 @@ use serde::{Deserialize, Serialize};
 /// Exit status for invalid configuration.
 pub const EXIT_CONFIG: i32 = 2;
 
+/// Largest error text kept from a handler (in events, the job row and quarantine); longer
+/// text is cut at a character boundary, so one verbose failure cannot make an event too large.
+pub const MAX_ERROR_BYTES: usize = 8 * 1024;
+
+/// For a binary's `main`: a run that failed on invalid configuration (found only once the
+/// broker was asked, such as a size limit the events topic cannot hold) prints the message
+/// and exits with status 2, like a configuration error at load; other errors are returned.
+///
+/// # Errors
+/// The run's own error, when it is not a [`ConfigError`].
+pub fn exit_on_config_error(binary: &str, result: anyhow::Result<()>) -> anyhow::Result<()> {
+    if let Err(e) = &result
+        && let Some(config) = e.chain().find_map(|c| c.downcast_ref::<ConfigError>())
+    {
+        eprintln!("{binary}: {config}");
+        std::process::exit(EXIT_CONFIG);
+    }
+    result
+}
+
 const DEFAULTS: &str = include_str!("../default.toml");
 
 /// A secret: shown as `*********` by `Debug`, `Display` and `Serialize`.
@@ -163,6 +183,11 @@ pub struct Relay {
     pub shutdown_timeout: Duration,
     /// Advisory lock key of the active relay; relays sharing a key share one active slot.
     pub lock_key: i64,
+    /// A transaction open this long that holds back publication (the relay reads only
+    /// below the oldest running transaction) is logged with its backend's pid, database and
+    /// application.
+    #[serde(with = "humantime_serde")]
+    pub horizon_warn_after: Duration,
 }
 
 /// Running jobs.
@@ -181,6 +206,10 @@ pub struct Processor {
     pub heartbeat: Duration,
     /// Jobs running at once in this process, across partitions.
     pub max_in_flight: usize,
+    /// Largest result a handler may return, as JSON, in bytes. A larger one ends the attempt
+    /// as a permanent failure (the job is quarantined with the reason): its `JobSucceeded`
+    /// event must fit the events topic's `max.message.bytes`.
+    pub max_output_bytes: usize,
     /// Postgres connections of the processor's pool (leases, completions, heartbeats).
     pub db_connections: u32,
     /// First retry delay; doubled per attempt, capped, with full jitter.
@@ -277,6 +306,9 @@ pub enum ConfigError {
     /// A value fits its type but breaks a rule.
     #[error("invalid configuration: key `{key}`: {problem}")]
     Invalid { key: &'static str, problem: String },
+    /// A key named at run time (an environment variable, a librdkafka option) is wrong.
+    #[error("invalid configuration: {key}: {problem}")]
+    Named { key: String, problem: String },
 }
 
 /// Every error figment found, each as "key `a.b` (from source): problem".
@@ -298,8 +330,30 @@ fn describe(error: &figment::Error) -> String {
         .join("; ")
 }
 
-/// Top-level keys that `JOBFOLD_*` variables may set. Other `JOBFOLD_*` variables belong to
-/// the service scripts (`JOBFOLD_STATE_DIR`, ...) or to tests (`JOBFOLD_FAILPOINT`).
+/// `JOBFOLD_*` variables that are not configuration: the service scripts' (`docker/`), the
+/// test harness's and the fault points'. Any other `JOBFOLD_*` variable must name a key.
+const NOT_CONFIG: [&str; 18] = [
+    "JOBFOLD_BIN",
+    "JOBFOLD_CACHE_DIR",
+    "JOBFOLD_CONFIG",
+    "JOBFOLD_FAILPOINT",
+    "JOBFOLD_KAFKA_CONTROLLER_PORT",
+    "JOBFOLD_KAFKA_PORT",
+    "JOBFOLD_KAFKA_SASL_PASSWORD",
+    "JOBFOLD_KAFKA_SASL_PORT",
+    "JOBFOLD_KAFKA_SASL_USER",
+    "JOBFOLD_PG_BIN",
+    "JOBFOLD_PG_PORT",
+    "JOBFOLD_REGISTRY_PORT",
+    "JOBFOLD_REGISTRY_PROFILE",
+    "JOBFOLD_ROOT",
+    "JOBFOLD_SASL_BROKERS",
+    "JOBFOLD_SASL_PASSWORD",
+    "JOBFOLD_SASL_USERNAME",
+    "JOBFOLD_STATE_DIR",
+];
+
+/// Top-level keys that `JOBFOLD_*` variables may set.
 const ENV_KEYS: [&str; 13] = [
     "database_url",
     "api_token",
@@ -332,6 +386,7 @@ impl Config {
             }
             figment = figment.merge(Toml::file_exact(path));
         }
+        check_env_names(std::env::vars().map(|(key, _)| key))?;
         let settings = Env::prefixed("JOBFOLD_")
             .filter(|key| {
                 let top = key.as_str().split("__").next().unwrap_or_default().to_ascii_lowercase();
@@ -445,6 +500,30 @@ impl Config {
         if self.accept.kinds.values().any(|k| k.max_attempts < 1) {
             return invalid("accept.kinds.max_attempts", "must be at least 1");
         }
+        if p.max_output_bytes < 2 {
+            return invalid("processor.max_output_bytes", "must be at least 2");
+        }
+        self.validate_kafka_options()
+    }
+
+    /// Every `[kafka]` option must be one librdkafka knows, with a value it takes: checked
+    /// here, at start, rather than when the first client is created.
+    fn validate_kafka_options(&self) -> Result<(), ConfigError> {
+        for (key, value) in &self.kafka.0 {
+            let mut client = rdkafka::ClientConfig::new();
+            client.set(key, value);
+            if let Err(e) = client.create_native_config() {
+                let problem = match e {
+                    rdkafka::error::KafkaError::ClientConfig(_, description, _, _) => description,
+                    other => other.to_string(),
+                };
+                let shown = if KafkaOptions::is_secret(key) { "*********" } else { value };
+                return Err(ConfigError::Named {
+                    key: format!("key `kafka.{key}` (JOBFOLD_KAFKA__{})", env_name(key)),
+                    problem: format!("librdkafka refuses {shown:?}: {problem}"),
+                });
+            }
+        }
         Ok(())
     }
 
@@ -466,4 +545,51 @@ impl Config {
         }
         client
     }
+}
+
+/// The environment variable's spelling of a librdkafka option: `linger.ms` is `LINGER_MS`.
+fn env_name(option: &str) -> String {
+    option.to_ascii_uppercase().replace('.', "_")
+}
+
+/// Every configuration key a `JOBFOLD_*` variable can set, spelt as a variable.
+fn env_key_names() -> Vec<String> {
+    use figment::value::Value;
+    let defaults: BTreeMap<String, Value> =
+        Figment::from(Toml::string(DEFAULTS)).extract().expect("the compiled-in defaults parse");
+    let mut names = vec!["JOBFOLD_API_TOKEN".to_owned()];
+    for (key, value) in &defaults {
+        match value {
+            Value::Dict(_, table) if key != "kafka" => names
+                .extend(table.keys().map(|k| format!("JOBFOLD_{key}__{k}").to_ascii_uppercase())),
+            Value::Dict(..) => {}
+            _ => names.push(format!("JOBFOLD_{key}").to_ascii_uppercase()),
+        }
+    }
+    names
+}
+
+/// Refuses a `JOBFOLD_*` variable that names no configuration key (a misspelling would
+/// otherwise be ignored without a word), naming the nearest valid one.
+fn check_env_names(variables: impl Iterator<Item = String>) -> Result<(), ConfigError> {
+    let mut known: Option<Vec<String>> = None;
+    for variable in variables {
+        let Some(rest) = variable.strip_prefix("JOBFOLD_") else { continue };
+        if NOT_CONFIG.contains(&variable.as_str()) || rest.starts_with("KAFKA__") {
+            continue;
+        }
+        let top = rest.split("__").next().unwrap_or_default().to_ascii_lowercase();
+        if ENV_KEYS.contains(&top.as_str()) {
+            // A known section: figment names a misspelt key inside it (unknown field).
+            continue;
+        }
+        let known = known.get_or_insert_with(env_key_names);
+        let nearest =
+            known.iter().min_by_key(|k| strsim::levenshtein(k, &variable)).expect("there are keys");
+        return Err(ConfigError::Named {
+            key: format!("environment variable {variable}"),
+            problem: format!("names no configuration key; did you mean {nearest}?"),
+        });
+    }
+    Ok(())
 }
