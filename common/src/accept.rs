@@ -57,6 +57,13 @@ pub enum AcceptError {
     /// A field breaks a rule; nothing was written.
     #[error("invalid field `{field}`: {problem}")]
     Invalid { field: &'static str, problem: String },
+    /// The input is larger than `accept.max_input_bytes`; nothing was written.
+    #[error("input is {size} bytes, more than the limit of {limit}")]
+    TooLarge { size: usize, limit: usize },
+    /// Postgres refused the job's data (SQLSTATE class 22, data exception, or 23, integrity
+    /// constraint): the request's fault, not an outage; retrying it cannot help.
+    #[error("the database refused the job's data ({code}): {message}")]
+    Unstorable { code: String, message: String },
     /// The idempotency key was used before for a different request.
     #[error("idempotency key {key:?} was already used for a different request (job {job_id})")]
     Conflict { key: String, job_id: Uuid },
@@ -65,7 +72,46 @@ pub enum AcceptError {
     Encode(#[from] jobfold_schemas::codec::EncodeError),
     /// The database failed; nothing was accepted unless the caller's transaction commits.
     #[error("database: {0}")]
-    Database(#[from] sqlx::Error),
+    Database(sqlx::Error),
+}
+
+impl From<sqlx::Error> for AcceptError {
+    /// A data error about the job's own row is the request's fault
+    /// ([`AcceptError::Unstorable`]); anything else is the database's ([`AcceptError::Database`]).
+    fn from(e: sqlx::Error) -> Self {
+        match crate::db::data_error(&e) {
+            Some((code, message)) => Self::Unstorable { code, message },
+            None => Self::Database(e),
+        }
+    }
+}
+
+impl AcceptError {
+    /// Whether the request itself is at fault: sending it again cannot succeed.
+    pub fn is_request_fault(&self) -> bool {
+        !matches!(self, Self::Database(_) | Self::Encode(_))
+    }
+}
+
+/// The JSON path of the first string or object key in `value` holding U+0000, which
+/// Postgres's `text` and `jsonb` cannot store.
+pub fn find_nul(value: &serde_json::Value) -> Option<String> {
+    use serde_json::Value;
+    match value {
+        Value::String(s) if s.contains('\0') => Some(String::new()),
+        Value::Array(items) => items
+            .iter()
+            .enumerate()
+            .find_map(|(i, item)| find_nul(item).map(|path| format!("[{i}]{path}"))),
+        Value::Object(fields) => fields.iter().find_map(|(key, item)| {
+            if key.contains('\0') {
+                Some(format!(".{}", key.replace('\0', "\\u0000")))
+            } else {
+                find_nul(item).map(|path| format!(".{key}{path}"))
+            }
+        }),
+        _ => None,
+    }
 }
 
 /// Accepts jobs. Cheap to clone.
@@ -101,6 +147,8 @@ impl Acceptor {
         let name = |field, value: &str| {
             if value.trim().is_empty() {
                 invalid(field, "must not be empty".into())
+            } else if value.contains('\0') {
+                invalid(field, "must not contain U+0000 (NUL)".into())
             } else if value.len() > MAX_NAME_BYTES {
                 invalid(field, format!("must be at most {MAX_NAME_BYTES} bytes"))
             } else {
@@ -117,10 +165,13 @@ impl Acceptor {
         }
         let size = serde_json::to_vec(&job.input).map(|v| v.len()).unwrap_or(usize::MAX);
         if size > self.policy.max_input_bytes {
-            return invalid(
-                "input",
-                format!("is {size} bytes, more than the limit of {}", self.policy.max_input_bytes),
-            );
+            return Err(AcceptError::TooLarge { size, limit: self.policy.max_input_bytes });
+        }
+        if let Some(path) = find_nul(&job.input) {
+            return Err(AcceptError::Invalid {
+                field: "input",
+                problem: format!("`input{path}` contains U+0000 (NUL), which cannot be stored"),
+            });
         }
         Ok(())
     }

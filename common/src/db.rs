@@ -2,6 +2,8 @@
 
 use std::time::Duration;
 
+use anyhow::Context;
+
 use sqlx::PgPool;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 
@@ -16,14 +18,29 @@ pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../migrations");
 /// A pool of at most `max` connections to the configured database.
 ///
 /// # Errors
-/// The URL does not parse or the database cannot be reached.
-pub async fn connect(config: &Config, max: u32) -> Result<PgPool, sqlx::Error> {
-    let options: PgConnectOptions = config.database_url.expose().parse()?;
+/// The URL does not parse or the database cannot be reached; the error names the address
+/// (never the password).
+pub async fn connect(config: &Config, max: u32) -> anyhow::Result<PgPool> {
+    let options: PgConnectOptions =
+        config.database_url.expose().parse().context("parsing database_url")?;
+    let target = target(&options);
     PgPoolOptions::new()
         .max_connections(max)
         .acquire_timeout(Duration::from_secs(10))
         .connect_with(options)
         .await
+        .with_context(|| format!("connecting to Postgres at {target}"))
+}
+
+/// Where `options` connect: `host:port/database as user`, without the password.
+fn target(options: &PgConnectOptions) -> String {
+    format!(
+        "{}:{}/{} as {}",
+        options.get_host(),
+        options.get_port(),
+        options.get_database().unwrap_or("(default database)"),
+        options.get_username()
+    )
 }
 
 /// Connects and applies pending migrations.
@@ -34,4 +51,15 @@ pub async fn connect_and_migrate(config: &Config, max: u32) -> anyhow::Result<Pg
     let pool = connect(config, max).await?;
     MIGRATOR.run(&pool).await?;
     Ok(pool)
+}
+
+/// The SQLSTATE and message of a data error about the row being written: class 22 (data
+/// exception: a NUL in text, a value out of range, bad encoding) or class 23 (integrity
+/// constraint). Such an error is the fault of what was written, not of the database:
+/// writing the same again fails the same way, so it must never be retried for ever.
+pub fn data_error(e: &sqlx::Error) -> Option<(String, String)> {
+    let sqlx::Error::Database(db) = e else { return None };
+    let code = db.code()?;
+    (code.starts_with("22") || code.starts_with("23"))
+        .then(|| (code.into_owned(), db.message().to_owned()))
 }

@@ -62,6 +62,8 @@ pub fn router(state: ApiState, max_body: usize) -> Router {
         .route("/metrics", get(metrics))
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(ready))
+        .fallback(no_route)
+        .method_not_allowed_fallback(wrong_method)
         .layer(DefaultBodyLimit::max(max_body))
         .layer(middleware::from_fn_with_state(state.clone(), authorize))
         .with_state(state)
@@ -146,6 +148,12 @@ impl From<AcceptError> for ApiError {
             AcceptError::Invalid { .. } => {
                 Self::new(StatusCode::UNPROCESSABLE_ENTITY, "invalid_field", e.to_string())
             }
+            AcceptError::TooLarge { .. } => {
+                Self::new(StatusCode::PAYLOAD_TOO_LARGE, "payload_too_large", e.to_string())
+            }
+            AcceptError::Unstorable { .. } => {
+                Self::new(StatusCode::UNPROCESSABLE_ENTITY, "unstorable", e.to_string())
+            }
             AcceptError::Conflict { .. } => {
                 Self::new(StatusCode::CONFLICT, "idempotency_key_reused", e.to_string())
             }
@@ -213,7 +221,7 @@ async fn submit(
     let is_json = headers
         .get(header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
-        .is_some_and(|v| v.starts_with("application/json"));
+        .is_some_and(is_json_media_type);
     if !is_json {
         return Err(ApiError::new(
             StatusCode::UNSUPPORTED_MEDIA_TYPE,
@@ -254,6 +262,27 @@ async fn submit(
     let location = format!("/v1/jobs/{}", accepted.job_id);
     let body = Submitted { job_id: accepted.job_id, created: accepted.created };
     Ok((status, [(header::LOCATION, location)], axum::Json(body)).into_response())
+}
+
+/// `application/json`, with or without parameters (`; charset=utf-8`); not
+/// `application/jsonx` nor `text/json`.
+fn is_json_media_type(value: &str) -> bool {
+    let essence = value.split(';').next().unwrap_or_default().trim();
+    essence.eq_ignore_ascii_case("application/json")
+}
+
+/// Any path the API does not serve: the JSON error shape, 404.
+async fn no_route(method: Method, uri: axum::http::Uri) -> ApiError {
+    ApiError::new(StatusCode::NOT_FOUND, "not_found", format!("no route {method} {}", uri.path()))
+}
+
+/// A served path with a method it does not take: the JSON error shape, 405.
+async fn wrong_method(method: Method, uri: axum::http::Uri) -> ApiError {
+    ApiError::new(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "method_not_allowed",
+        format!("{} does not take {method}", uri.path()),
+    )
 }
 
 fn not_found(id: &str) -> ApiError {
@@ -357,4 +386,19 @@ async fn replay(
 async fn ready(State(state): State<ApiState>) -> Result<&'static str, ApiError> {
     sqlx::query("SELECT 1").execute(&state.pool).await?;
     Ok("ready")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::is_json_media_type;
+
+    #[test]
+    fn only_application_json_is_json() {
+        assert!(is_json_media_type("application/json"));
+        assert!(is_json_media_type("application/json; charset=utf-8"));
+        assert!(is_json_media_type("Application/JSON"));
+        assert!(!is_json_media_type("application/jsonx"));
+        assert!(!is_json_media_type("application/json-patch+json"));
+        assert!(!is_json_media_type("text/json"));
+    }
 }

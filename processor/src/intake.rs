@@ -8,13 +8,15 @@
 //! repeat return the job already accepted.
 //!
 //! Bad input loses nothing and blocks nothing: a message that cannot decode, or a request
-//! that is invalid, is stored in `dead_letters` with its raw key and value, and the
-//! partition moves on. Failures that may heal (registry or database unreachable) are
-//! retried with backoff, without moving on.
+//! that is invalid — a bad field, an input over the limit, a U+0000 Postgres cannot store,
+//! any data error Postgres raises about the request's row (SQLSTATE classes 22 and 23) — is
+//! stored in `dead_letters` with its raw key and value, and the partition moves on. Only
+//! failures that may heal (registry or database unreachable) are retried with backoff,
+//! without moving on.
 
 use std::time::Duration;
 
-use jobfold_common::accept::{AcceptError, Acceptor, NewJob};
+use jobfold_common::accept::{Acceptor, NewJob};
 use jobfold_common::config::Config;
 use jobfold_common::metrics as m;
 use jobfold_schemas::event::{TRACEPARENT, TRACESTATE, TraceContext};
@@ -166,7 +168,9 @@ impl Intake {
                 metrics::counter!(m::INTAKE_DUPLICATES_TOTAL).increment(1);
                 Ok(Handled::Duplicate)
             }
-            Err(e @ (AcceptError::Invalid { .. } | AcceptError::Conflict { .. })) => {
+            // The request's own fault (a bad field, too large, data Postgres refuses, a
+            // reused key): dead-lettered, and the partition moves on.
+            Err(e) if e.is_request_fault() => {
                 self.dead_letter(message, &format!("invalid request: {e}")).await
             }
             Err(e) => Err(Transient(e.to_string())),

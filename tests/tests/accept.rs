@@ -87,13 +87,12 @@ async fn invalid_jobs_are_refused_naming_the_field() {
         (job("", 1, None), "document_id"),
         (job("doc", 0, None), "input_version"),
         (NewJob { kind: " ".into(), ..job("doc", 1, None) }, "kind"),
-        (
-            NewJob {
-                input: json!("x".repeat(it.config.accept.max_input_bytes)),
-                ..job("doc", 1, None)
-            },
-            "input",
-        ),
+        // Postgres's text and jsonb cannot hold U+0000: the request's fault, named.
+        (job("doc\0", 1, None), "document_id"),
+        (NewJob { kind: "index\0".into(), ..job("doc", 1, None) }, "kind"),
+        (job("doc", 1, Some("key\0")), "idempotency_key"),
+        (NewJob { input: json!({"a": [1, "x\0y"]}), ..job("doc", 1, None) }, "input"),
+        (NewJob { input: json!({"a\0": 1}), ..job("doc", 1, None) }, "input"),
     ];
     for (bad, field) in cases {
         match acceptor.accept(&it.pool, &bad).await {
@@ -101,6 +100,31 @@ async fn invalid_jobs_are_refused_naming_the_field() {
             other => panic!("expected an invalid `{field}`, got {other:?}"),
         }
     }
+    let nested = NewJob { input: json!({"a": [1, "x\0y"]}), ..job("doc", 1, None) };
+    let message = acceptor.accept(&it.pool, &nested).await.unwrap_err().to_string();
+    assert!(message.contains("`input.a[1]`"), "{message}");
+    let large = NewJob {
+        input: json!("x".repeat(it.config.accept.max_input_bytes)),
+        ..job("doc", 1, None)
+    };
+    assert!(matches!(
+        acceptor.accept(&it.pool, &large).await,
+        Err(AcceptError::TooLarge { limit, .. }) if limit == it.config.accept.max_input_bytes
+    ));
+    // A data error Postgres raises about the job's row (here a check constraint of this
+    // test's own) is the request's fault too, not an outage.
+    sqlx::query(
+        "ALTER TABLE jobs ADD CONSTRAINT test_forbidden CHECK (document_id <> 'forbidden')",
+    )
+    .execute(&it.pool)
+    .await
+    .unwrap();
+    let refused = acceptor.accept(&it.pool, &job("forbidden", 1, None)).await.unwrap_err();
+    assert!(
+        matches!(&refused, AcceptError::Unstorable { code, .. } if code == "23514"),
+        "{refused:?}"
+    );
+    assert!(refused.is_request_fault());
     assert_eq!(it.count("jobs").await, 0);
     it.cleanup().await;
 }
@@ -207,6 +231,72 @@ async fn the_http_api_answers_errors_as_json_with_the_right_status() {
     assert_eq!(response.status().as_u16(), 413);
     let body: serde_json::Value = response.json().await.unwrap();
     assert_eq!(body["error"]["code"], "payload_too_large");
+
+    // An input over the limit in a body under the body limit: 413 too, not 422.
+    let over = format!(
+        r#"{{"document_id":"d","kind":"k","input_version":1,"input":"{}"}}"#,
+        "x".repeat(it.config.accept.max_input_bytes)
+    );
+    let response = post(over).send().await.unwrap();
+    assert_eq!(response.status().as_u16(), 413);
+    let body: serde_json::Value = response.json().await.unwrap();
+    assert_eq!(body["error"]["code"], "payload_too_large");
+
+    // U+0000, valid JSON, that Postgres cannot store: 422 naming the field, not 503.
+    let response =
+        post(r#"{"document_id":"d","kind":"k","input_version":1,"input":{"t":"a\u0000b"}}"#.into())
+            .send()
+            .await
+            .unwrap();
+    assert_eq!(response.status().as_u16(), 422);
+    let body: serde_json::Value = response.json().await.unwrap();
+    assert!(body["error"]["message"].as_str().unwrap().contains("`input.t`"), "{body}");
+    let response =
+        post(r#"{"document_id":"d\u0000","kind":"k","input_version":1,"input":{}}"#.into())
+            .send()
+            .await
+            .unwrap();
+    assert_eq!(response.status().as_u16(), 422);
+    let body: serde_json::Value = response.json().await.unwrap();
+    assert!(body["error"]["message"].as_str().unwrap().contains("document_id"), "{body}");
+
+    // Only application/json is JSON.
+    let response = client
+        .post(format!("{url}/v1/jobs"))
+        .header("content-type", "application/jsonx")
+        .body(r#"{"document_id":"d","kind":"k","input_version":1,"input":{}}"#)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status().as_u16(), 415);
+    let body: serde_json::Value = response.json().await.unwrap();
+    assert_eq!(body["error"]["code"], "unsupported_media_type");
+
+    // Unknown routes and wrong methods answer the JSON error shape.
+    let response = client.get(format!("{url}/v1/nothing-here")).send().await.unwrap();
+    assert_eq!(response.status().as_u16(), 404);
+    let body: serde_json::Value = response.json().await.unwrap();
+    assert_eq!(body["error"]["code"], "not_found");
+    let response = client.delete(format!("{url}/v1/jobs")).send().await.unwrap();
+    assert_eq!(response.status().as_u16(), 405);
+    let body: serde_json::Value = response.json().await.unwrap();
+    assert_eq!(body["error"]["code"], "method_not_allowed");
+
+    // A data error Postgres raises about the job's row: 422, not 503.
+    sqlx::query(
+        "ALTER TABLE jobs ADD CONSTRAINT test_forbidden CHECK (document_id <> 'forbidden')",
+    )
+    .execute(&it.pool)
+    .await
+    .unwrap();
+    let response =
+        post(r#"{"document_id":"forbidden","kind":"k","input_version":1,"input":{}}"#.into())
+            .send()
+            .await
+            .unwrap();
+    assert_eq!(response.status().as_u16(), 422);
+    let body: serde_json::Value = response.json().await.unwrap();
+    assert_eq!(body["error"]["code"], "unstorable");
 
     let key = |k: &str, v: i64| {
         client
