@@ -33,6 +33,8 @@ pub struct Snapshot {
     pub quarantined: BTreeMap<String, i64>,
     /// Messages the intake or the processor could not decode.
     pub dead_letters: i64,
+    /// Events the relay parked (Kafka refuses them, or they wait behind one that it refuses).
+    pub relay_parked: i64,
     /// Events the relay still owes Kafka (after its cursor, or due in the outbox).
     pub relay_backlog: i64,
     /// Seconds since the oldest due, unpublished outbox row became due (0 with none).
@@ -90,6 +92,7 @@ pub async fn read(pool: &PgPool) -> Result<Snapshot, sqlx::Error> {
     // language=PostgreSQL
     snapshot.dead_letters =
         sqlx::query_scalar("SELECT count(*) FROM dead_letters").fetch_one(pool).await?;
+    snapshot.relay_parked = relay_parked(pool).await?.0;
     let (backlog, age) = relay_backlog(pool).await?;
     snapshot.relay_backlog = backlog;
     snapshot.relay_oldest_unpublished_age_seconds = age;
@@ -124,8 +127,23 @@ where
     Ok((count, age.unwrap_or(0.0).max(0.0)))
 }
 
-/// Events the relay has not published yet, due or not: after its log cursor, or unpublished
-/// in the outbox. Counts them all: for checks and tools, not for a scrape.
+/// Events in the relay's park (refused by Kafka, or waiting behind a refused event of their
+/// document), and the documents they hold back.
+///
+/// # Errors
+/// The database failed.
+pub async fn relay_parked<'c, E>(executor: E) -> Result<(i64, i64), sqlx::Error>
+where
+    E: sqlx::PgExecutor<'c>,
+{
+    // language=PostgreSQL
+    sqlx::query_as("SELECT count(*), count(DISTINCT key) FROM relay_parked")
+        .fetch_one(executor)
+        .await
+}
+
+/// Events the relay has not published yet, due or not: after its log cursor, unpublished
+/// in the outbox, or parked. Counts them all: for checks and tools, not for a scrape.
 ///
 /// # Errors
 /// The database failed.
@@ -139,6 +157,7 @@ where
         SELECT (SELECT count(*) FROM job_events e, relay_cursor c
                 WHERE NOT e.delayed AND (e.xid, e.seq) > (c.published_xid, c.published_seq))
              + (SELECT count(*) FROM outbox WHERE published_at IS NULL)
+             + (SELECT count(*) FROM relay_parked)
         "#,
     )
     .fetch_one(executor)

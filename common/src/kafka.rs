@@ -6,9 +6,12 @@ use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
 use rdkafka::client::DefaultClientContext;
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, ConsumerContext};
 use rdkafka::error::{KafkaError, KafkaResult};
+
 use rdkafka::types::RDKafkaErrorCode;
 
-use crate::config::Config;
+use anyhow::Context;
+
+use crate::config::{Config, ConfigError};
 
 /// Defaults of jobfold's consumers (intake, processors); `[kafka]` options override them.
 ///
@@ -31,6 +34,136 @@ pub fn commit_stored<C: ConsumerContext, K: Consumer<C>>(consumer: &K) -> KafkaR
         Ok(()) | Err(KafkaError::ConsumerCommit(RDKafkaErrorCode::NoOffset)) => Ok(()),
         Err(e) => Err(e),
     }
+}
+
+/// How long one metadata request may wait for the brokers before the wait is reported.
+const METADATA_ATTEMPT: Duration = Duration::from_secs(5);
+/// How long a binary waits at start for the brokers to answer before it gives up.
+const BROKERS_AT_START: Duration = Duration::from_secs(60);
+
+/// The topics the cluster has. An unreachable cluster is reported, naming the brokers, after
+/// [`METADATA_ATTEMPT`], then asked again up to [`BROKERS_AT_START`] (a broker still starting).
+///
+/// # Errors
+/// No broker answered in time, or the configuration is refused.
+pub async fn topic_names(config: &Config) -> anyhow::Result<std::collections::HashSet<String>> {
+    let client = config.kafka_client();
+    let brokers = config.kafka_brokers.clone();
+    tokio::task::spawn_blocking(move || {
+        let consumer: BaseConsumer = client.create()?;
+        let started = std::time::Instant::now();
+        loop {
+            match consumer.fetch_metadata(None, METADATA_ATTEMPT) {
+                Ok(metadata) => {
+                    return Ok(metadata
+                        .topics()
+                        .iter()
+                        .filter(|t| t.error().is_none() && !t.partitions().is_empty())
+                        .map(|t| t.name().to_owned())
+                        .collect());
+                }
+                Err(e) if started.elapsed() + METADATA_ATTEMPT < BROKERS_AT_START => {
+                    tracing::warn!(brokers = %brokers, error = %e, "Kafka does not answer at {brokers}; trying again.");
+                }
+                Err(e) => {
+                    anyhow::bail!(
+                        "Kafka does not answer at {brokers} (kafka_brokers) after {}s: {e}",
+                        started.elapsed().as_secs()
+                    )
+                }
+            }
+        }
+    })
+    .await?
+}
+
+/// Room for an event's envelope and its Kafka record around the largest input or result:
+/// ids, document id, kind and idempotency key (each at most 512 bytes), trace context (also
+/// sent as headers), error text (at most [`crate::config::MAX_ERROR_BYTES`]) and record and
+/// batch framing.
+pub const EVENT_ENVELOPE_BYTES: usize = 16 * 1024;
+
+/// librdkafka's default `message.max.bytes`.
+const LIBRDKAFKA_MESSAGE_MAX_BYTES: usize = 1_000_000;
+
+/// The events topic's `max.message.bytes`: the largest record batch the broker takes.
+///
+/// # Errors
+/// The broker cannot be reached or does not describe the topic.
+pub async fn max_message_bytes(config: &Config, topic: &str) -> anyhow::Result<usize> {
+    use rdkafka::admin::ResourceSpecifier;
+    let admin: AdminClient<DefaultClientContext> = config.kafka_client().create()?;
+    let options = AdminOptions::new().request_timeout(Some(Duration::from_secs(30)));
+    let described = admin.describe_configs(&[ResourceSpecifier::Topic(topic)], &options).await?;
+    let resource = described
+        .into_iter()
+        .next()
+        .context("no answer describing the topic")?
+        .map_err(|code| anyhow::anyhow!("describing topic {topic}: {code}"))?;
+    let value = resource
+        .get("max.message.bytes")
+        .and_then(|entry| entry.value.clone())
+        .with_context(|| format!("topic {topic} has no max.message.bytes"))?;
+    value.parse().with_context(|| format!("topic {topic}: max.message.bytes {value:?}"))
+}
+
+/// The largest event the relay may produce to a topic whose `max.message.bytes` is
+/// `topic_limit`: the smaller of that and the producer's own `message.max.bytes`.
+pub fn event_limit(config: &Config, topic_limit: usize) -> usize {
+    let producer = config
+        .kafka
+        .0
+        .get("message.max.bytes")
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(LIBRDKAFKA_MESSAGE_MAX_BYTES);
+    topic_limit.min(producer)
+}
+
+/// Refuses limits under which an accepted job or a handler's result could make an event the
+/// events topic refuses: `accept.max_input_bytes` and `processor.max_output_bytes`, each with
+/// [`EVENT_ENVELOPE_BYTES`], must fit the topic's `max.message.bytes` and the producer's
+/// `message.max.bytes`.
+///
+/// # Errors
+/// [`ConfigError::Named`], naming both settings; binaries exit with status 2.
+pub fn check_event_limits(config: &Config, topic_limit: usize) -> Result<(), ConfigError> {
+    let topic = &config.topics.events;
+    let limit = event_limit(config, topic_limit);
+    let limit_name = if limit < topic_limit {
+        format!("kafka.message.max.bytes ({limit})")
+    } else {
+        format!("the max.message.bytes of topic {topic} ({topic_limit})")
+    };
+    for (key, value) in [
+        ("accept.max_input_bytes", config.accept.max_input_bytes),
+        ("processor.max_output_bytes", config.processor.max_output_bytes),
+    ] {
+        if value + EVENT_ENVELOPE_BYTES > limit {
+            return Err(ConfigError::Named {
+                key: format!("key `{key}`"),
+                problem: format!(
+                    "{value} bytes plus {EVENT_ENVELOPE_BYTES} of event envelope do not fit \
+                     {limit_name}: an event could be refused by Kafka; lower {key} or raise \
+                     the topic's max.message.bytes"
+                ),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Reads the events topic's limit and checks the configured sizes against it
+/// ([`check_event_limits`]); returns the largest event the relay may produce.
+///
+/// # Errors
+/// The broker could not describe the topic, or [`ConfigError`].
+pub async fn checked_event_limit(config: &Config) -> anyhow::Result<usize> {
+    let topic_limit =
+        max_message_bytes(config, &config.topics.events).await.with_context(|| {
+            format!("reading the max.message.bytes of topic {}", config.topics.events)
+        })?;
+    check_event_limits(config, topic_limit)?;
+    Ok(event_limit(config, topic_limit))
 }
 
 /// A topic to create if missing.
@@ -70,19 +203,8 @@ pub async fn ensure_topics(config: &Config, topics: &[TopicSpec<'_>]) -> anyhow:
     // Look first: where topics exist, no CreateTopics request is made at all (a principal
     // without the right to create topics, or a broker without the API, still runs).
     let names: Vec<String> = topics.iter().map(|t| t.name.to_owned()).collect();
-    let client = config.kafka_client();
-    let missing: Vec<String> = tokio::task::spawn_blocking(move || -> KafkaResult<Vec<String>> {
-        let consumer: BaseConsumer = client.create()?;
-        let metadata = consumer.fetch_metadata(None, Duration::from_secs(30))?;
-        let existing: std::collections::HashSet<&str> = metadata
-            .topics()
-            .iter()
-            .filter(|t| t.error().is_none() && !t.partitions().is_empty())
-            .map(|t| t.name())
-            .collect();
-        Ok(names.into_iter().filter(|n| !existing.contains(n.as_str())).collect())
-    })
-    .await??;
+    let existing = topic_names(config).await?;
+    let missing: Vec<String> = names.into_iter().filter(|n| !existing.contains(n)).collect();
     if missing.is_empty() {
         return Ok(());
     }

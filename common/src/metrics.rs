@@ -22,6 +22,16 @@ pub const RELAY_PUBLISH_LATENCY_SECONDS: &str = "jobfold_relay_publish_latency_s
 pub const RELAY_ACTIVE: &str = "jobfold_relay_active";
 /// Published outbox rows deleted after the retention period.
 pub const RELAY_PRUNED_TOTAL: &str = "jobfold_relay_pruned_total";
+/// Events parked because Kafka refuses them for what they are, and those waiting behind
+/// them in their documents.
+pub const RELAY_PARKED: &str = "jobfold_relay_parked";
+/// Documents whose events are held in the park.
+pub const RELAY_PARKED_DOCUMENTS: &str = "jobfold_relay_parked_documents";
+/// Events Kafka (or the relay's size check) refused for what they are; each is parked.
+pub const RELAY_REFUSED_TOTAL: &str = "jobfold_relay_refused_total";
+/// How long the cluster's oldest transaction holding an id has been open: the relay reads
+/// only below it, so while it stays open nothing committed after it began is published.
+pub const RELAY_HORIZON_AGE_SECONDS: &str = "jobfold_relay_horizon_age_seconds";
 /// Messages the intake could not decode, stored in dead_letters.
 pub const DEAD_LETTERS_TOTAL: &str = "jobfold_dead_letters_total";
 /// Intake requests skipped because their request id was accepted before.
@@ -93,6 +103,22 @@ pub fn describe() {
     );
     describe_gauge!(RELAY_ACTIVE, Unit::Count, "1 while this relay is the active one.");
     describe_counter!(RELAY_PRUNED_TOTAL, Unit::Count, "Published outbox rows pruned.");
+    describe_gauge!(
+        RELAY_PARKED,
+        Unit::Count,
+        "Events parked: refused by Kafka, or waiting behind a refused event of their document."
+    );
+    describe_gauge!(RELAY_PARKED_DOCUMENTS, Unit::Count, "Documents with parked events.");
+    describe_counter!(
+        RELAY_REFUSED_TOTAL,
+        Unit::Count,
+        "Events refused for what they are (size, bytes) and parked."
+    );
+    describe_gauge!(
+        RELAY_HORIZON_AGE_SECONDS,
+        Unit::Seconds,
+        "Age of the cluster's oldest transaction holding an id; the relay reads below it."
+    );
     describe_counter!(DEAD_LETTERS_TOTAL, Unit::Count, "Undecodable messages dead-lettered.");
     describe_gauge!(IN_FLIGHT, Unit::Count, "Jobs running in this processor.");
     describe_counter!(COMPLETED_TOTAL, Unit::Count, "Attempts completed, by outcome.");

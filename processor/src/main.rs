@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 
 use clap::Parser;
-use jobfold_common::config::Config;
+use jobfold_common::config::{self, Config};
 use jobfold_common::{shutdown, telemetry};
 
 /// Accepts and runs jobfold jobs.
@@ -26,5 +26,8 @@ async fn main() -> anyhow::Result<()> {
     let config = Config::load_or_exit("jobfold-processor", args.config.as_deref());
     telemetry::init_tracing(config.log_json);
     telemetry::install_metrics(config.metrics_addr)?;
-    jobfold_processor::run(config, shutdown::on_signal()).await
+    config::exit_on_config_error(
+        "jobfold-processor",
+        jobfold_processor::run(config, shutdown::on_signal()).await,
+    )
 }

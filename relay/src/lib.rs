@@ -11,6 +11,9 @@
 //! - [`log`]: events publishable at commit, read from `job_events` after a cursor.
 //! - [`outbox`]: delayed events (a scheduled retry), published when due: claim, mark, prune.
 //! - [`publish`]: producing a batch and collecting its delivery reports.
+//! - [`parked`]: events Kafka refuses for what they are, parked with their document's later
+//!   events so the cursor moves on for everyone else.
+//! - [`horizon`]: which transaction holds publication back, named where operators look.
 //!
 //! One relay is active per lock key: a Postgres session advisory lock, held by the
 //! connection that also claims and marks rows. When the active relay dies its session ends,
@@ -19,11 +22,13 @@
 //! Shutdown: the batch in flight is produced, its reports awaited and marked; then the
 //! relay exits.
 
+pub mod horizon;
 pub mod log;
 pub mod outbox;
+pub mod parked;
 pub mod publish;
 
-use std::collections::{HashSet, VecDeque};
+use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
@@ -52,19 +57,22 @@ pub const LOG_BATCHES_IN_FLIGHT: usize = 4;
 /// Start-up failed: the database, the broker or the topics could not be set up. Later
 /// failures (a lost connection, a broker outage) are logged and retried.
 pub async fn run(config: Config, shutdown: CancellationToken) -> anyhow::Result<()> {
-    let pool = db::connect_and_migrate(&config, 2).await.context("connecting to Postgres")?;
+    let pool = db::connect_and_migrate(&config, 2).await?;
     kafka::ensure_topics(&config, &kafka::jobfold_topics(&config))
         .await
         .context("creating the topics")?;
+    // The largest event the topic and the producer take: larger ones are parked unsent.
+    let max_bytes = kafka::checked_event_limit(&config).await?;
     m::describe();
-    tracing::info!(?config, "Starting the relay.");
+    tracing::info!(?config, max_event_bytes = max_bytes, "Starting the relay.");
     metrics::gauge!(m::RELAY_ACTIVE).set(0.0);
-    let mut producer = publish::producer(&config).context("creating the producer")?;
+    let mut producer =
+        publish::producer_for(&config, max_bytes).context("creating the producer")?;
     while !shutdown.is_cancelled() {
         let Some(lock) = stand_by(&config, &shutdown).await else { break };
         tracing::info!(lock_key = config.relay.lock_key, "Active: relaying the outbox.");
         metrics::gauge!(m::RELAY_ACTIVE).set(1.0);
-        let result = relay(&config, &pool, lock, &mut producer, &shutdown).await;
+        let result = relay(&config, &pool, lock, &mut producer, max_bytes, &shutdown).await;
         metrics::gauge!(m::RELAY_ACTIVE).set(0.0);
         match result {
             Ok(()) => break,
@@ -116,37 +124,48 @@ async fn try_lock(config: &Config) -> Result<Option<PgConnection>, sqlx::Error> 
 async fn relay(
     config: &Config,
     pool: &PgPool,
-    mut conn: PgConnection,
+    conn: PgConnection,
     producer: &mut publish::EventProducer,
+    max_bytes: usize,
     shutdown: &CancellationToken,
 ) -> anyhow::Result<()> {
     let mut listener = PgListener::connect_with(pool).await?;
     listener.listen(NOTIFY_CHANNEL).await?;
     let mut gauges_at = Instant::now() - GAUGE_INTERVAL;
     let mut prune_at = Instant::now();
+    let mut horizon = horizon::Watch::default();
+    let mut active = Active { config, conn, producer, shutdown, max_bytes };
     loop {
-        // The log, then due delayed rows the log cursor has passed. A document whose event
-        // could not be produced holds back its later events for the rest of the pass.
-        let mut blocked = HashSet::new();
-        let stop = drain_log(config, &mut conn, producer, shutdown, &mut blocked).await?
-            || drain(config, &mut conn, producer, shutdown, &mut blocked).await?;
+        // Parked events an operator released, then the log, then due delayed rows the log
+        // cursor has passed. A document with a parked event has its later events parked
+        // behind it; one whose event could not be enqueued holds back its later events for
+        // the rest of the pass.
+        let mut blocked = publish::Blocked::default();
+        let stop = active.release(&mut blocked).await?
+            || active.drain_log(&mut blocked).await?
+            || active.drain(&mut blocked).await?;
         if stop {
             return Ok(());
         }
+        let conn = &mut active.conn;
         if gauges_at.elapsed() >= GAUGE_INTERVAL {
-            let (count, age) = gauges::relay_backlog(&mut conn).await?;
+            let (count, age) = gauges::relay_backlog(&mut *conn).await?;
             metrics::gauge!(m::RELAY_BACKLOG).set(count as f64);
             metrics::gauge!(m::RELAY_OLDEST_UNPUBLISHED_AGE_SECONDS).set(age);
+            let (parked, documents) = gauges::relay_parked(&mut *conn).await?;
+            metrics::gauge!(m::RELAY_PARKED).set(parked as f64);
+            metrics::gauge!(m::RELAY_PARKED_DOCUMENTS).set(documents as f64);
+            horizon.check(&mut *conn, config.relay.horizon_warn_after).await?;
             gauges_at = Instant::now();
         }
         if prune_at.elapsed() >= config.relay.prune_interval && !config.relay.prune_after.is_zero()
         {
-            prune(config, &mut conn).await?;
+            prune(config, conn).await?;
             prune_at = Instant::now();
         }
         // Sleep until notified, the next delayed row is due, or the poll interval passes.
         let mut wait = config.relay.poll_interval;
-        if let Some(due) = outbox::seconds_to_next_due(&mut conn).await? {
+        if let Some(due) = outbox::seconds_to_next_due(conn).await? {
             wait = wait.min(Duration::from_secs_f64(due.max(0.0)));
         }
         tokio::select! {
@@ -158,152 +177,213 @@ async fn relay(
     }
 }
 
-/// One pass over the due outbox rows, batch by batch, until fewer than a full batch remain.
-/// Returns true if shutdown was requested (after finishing the batches in flight).
-///
-/// Pipelined: batch N+1 is claimed and enqueued while batch N's delivery reports arrive,
-/// and N is marked once they all have. Rows are claimed after a cursor, so rows sent but
-/// not yet marked are not claimed twice; rows that failed (below the cursor) are tried in
-/// the next pass.
-async fn drain(
-    config: &Config,
-    conn: &mut PgConnection,
-    producer: &mut publish::EventProducer,
-    shutdown: &CancellationToken,
-    blocked: &mut HashSet<String>,
-) -> anyhow::Result<bool> {
-    let mut cursor = 0;
-    let mut in_flight: Option<publish::Sent> = None;
-    loop {
-        let claim_started = Instant::now();
-        let rows = if shutdown.is_cancelled() {
-            Vec::new()
-        } else {
-            outbox::claim(conn, cursor, config.relay.batch_size).await?
-        };
-        tracing::debug!(rows = rows.len(), cursor, elapsed = ?claim_started.elapsed(), "Claimed.");
-        let full = rows.len() == config.relay.batch_size as usize;
-        let sent = if rows.is_empty() {
-            None
-        } else {
-            let events = outbox::events(&rows)?;
-            cursor = events.last().map_or(cursor, |e| e.seq);
-            Some(publish::send(producer, &events, blocked).await)
-        };
-        if let Some(previous) = in_flight.take()
-            && !complete(config, conn, producer, shutdown, previous).await?
-        {
-            // Mark what the batch behind it delivered, then end the pass.
-            if let Some(current) = sent {
-                complete(config, conn, producer, shutdown, current).await?;
-            }
-            return Ok(shutdown.is_cancelled());
-        }
-        in_flight = sent;
-        if !full {
-            if let Some(last) = in_flight.take() {
-                complete(config, conn, producer, shutdown, last).await?;
-            }
-            return Ok(shutdown.is_cancelled());
-        }
-    }
+/// The active relay: the connection holding the lock, the producer, and the largest event
+/// the topic and the producer take.
+struct Active<'a> {
+    config: &'a Config,
+    conn: PgConnection,
+    producer: &'a mut publish::EventProducer,
+    shutdown: &'a CancellationToken,
+    max_bytes: usize,
 }
 
-/// One pass over the log after the cursor, batch by batch, until fewer than a full batch
-/// remain. Returns true if shutdown was requested (after finishing the batches in flight).
-///
-/// Each batch is read while the one before is handed to the producer, and up to
-/// [`LOG_BATCHES_IN_FLIGHT`] batches are produced ahead of their delivery reports; the cursor
-/// follows the reports, batch by batch, in order. On a failure it stops just before the
-/// first event not delivered, and the pass ends: the next pass sends everything after it
-/// again (what was delivered after it becomes a duplicate).
-async fn drain_log(
-    config: &Config,
-    conn: &mut PgConnection,
-    producer: &mut publish::EventProducer,
-    shutdown: &CancellationToken,
-    blocked: &mut HashSet<String>,
-) -> anyhow::Result<bool> {
-    let mut read = log::cursor(conn).await?;
-    let mut in_flight: VecDeque<(Vec<log::Position>, publish::Sent)> = VecDeque::new();
-    let size = config.relay.batch_size;
-    let topic = &config.topics.events;
-    let mut batch = if shutdown.is_cancelled() {
-        log::Batch::default()
-    } else {
-        log::claim(conn, read, size).await?
-    };
-    loop {
-        let full = batch.len() == size as usize;
-        let mut next = log::Batch::default();
-        let positions = batch.positions()?;
-        if let Some(last) = positions.last() {
-            read = *last;
-            // Delayed events are not among them: the outbox sends those.
-            let events = batch.events(topic)?;
-            // Postgres reads the next batch while this one is handed to the producer.
-            let claim_next = async {
-                if full && !shutdown.is_cancelled() {
-                    log::claim(conn, read, size).await
-                } else {
-                    Ok(log::Batch::default())
-                }
-            };
-            let started = Instant::now();
-            let (claimed, sent) =
-                tokio::join!(claim_next, publish::send(producer, &events, blocked));
-            next = claimed?;
-            tracing::debug!(sent = events.len(), read = next.len(), elapsed = ?started.elapsed(), "Sent a batch, read the next.");
-            in_flight.push_back((positions, sent));
+impl Active<'_> {
+    /// Sends the parked events an operator released (a retry asked for, or the refused
+    /// event of their document dropped), in log order, batch by batch; then loads the
+    /// documents still parked into `blocked`. Returns true if shutdown was requested.
+    async fn release(&mut self, blocked: &mut publish::Blocked) -> anyhow::Result<bool> {
+        blocked.parked = parked::keys(&mut self.conn).await?;
+        if blocked.parked.is_empty() {
+            return Ok(false);
         }
-        while in_flight.len() > LOG_BATCHES_IN_FLIGHT || (!full && !in_flight.is_empty()) {
-            let (positions, sent) = in_flight.pop_front().expect("checked: not empty");
-            let Some(outcome) = delivered(config, shutdown, sent).await else {
-                return Ok(shutdown.is_cancelled());
+        loop {
+            if self.shutdown.is_cancelled() {
+                return Ok(true);
+            }
+            let rows = parked::releasable(&mut self.conn, self.config.relay.batch_size).await?;
+            if rows.is_empty() {
+                break;
+            }
+            let full = rows.len() == self.config.relay.batch_size as usize;
+            let events = parked::events(&rows)?;
+            // What is refused again blocks its document's later rows for this batch only:
+            // they stay parked behind it.
+            let mut again = publish::Blocked::default();
+            let sent = publish::send(self.producer, &events, &mut again, self.max_bytes).await;
+            let Some(outcome) = delivered(self.config, self.shutdown, sent).await else {
+                return Ok(true);
             };
-            failpoint::hit(failpoint::RELAY_AFTER_PRODUCE_BEFORE_MARK);
-            // The cursor stops just before the first event that did not reach Kafka.
-            let undelivered = outcome.undelivered();
-            let prefix = if undelivered.is_empty() {
-                positions.len()
+            let seqs: Vec<i64> = outcome.delivered.iter().map(|(seq, _)| *seq).collect();
+            parked::settle(&mut self.conn, &seqs, &outcome.refused).await?;
+            tracing::info!(
+                released = seqs.len(),
+                refused_again = outcome.refused.len(),
+                "Released parked events."
+            );
+            let recorded = seqs.len() as u64;
+            if !settle(self, &outcome, recorded).await? || !outcome.refused.is_empty() || !full {
+                break;
+            }
+        }
+        blocked.parked = parked::keys(&mut self.conn).await?;
+        Ok(false)
+    }
+
+    /// One pass over the due outbox rows, batch by batch, until fewer than a full batch
+    /// remain. Returns true if shutdown was requested (after finishing the batches in
+    /// flight).
+    ///
+    /// Pipelined: batch N+1 is claimed and enqueued while batch N's delivery reports arrive,
+    /// and N is marked once they all have. Rows are claimed after a cursor, so rows sent but
+    /// not yet marked are not claimed twice; rows that failed (below the cursor) are tried in
+    /// the next pass.
+    async fn drain(&mut self, blocked: &mut publish::Blocked) -> anyhow::Result<bool> {
+        let mut cursor = 0;
+        let mut in_flight: Option<publish::Sent> = None;
+        loop {
+            let claim_started = Instant::now();
+            let rows = if self.shutdown.is_cancelled() {
+                Vec::new()
             } else {
-                positions.iter().take_while(|p| !undelivered.contains(&p.seq)).count()
+                outbox::claim(&mut self.conn, cursor, self.config.relay.batch_size).await?
             };
-            if prefix > 0 {
-                log::advance(conn, positions[prefix - 1]).await?;
+            tracing::debug!(rows = rows.len(), cursor, elapsed = ?claim_started.elapsed(), "Claimed.");
+            let full = rows.len() == self.config.relay.batch_size as usize;
+            let sent = if rows.is_empty() {
+                None
+            } else {
+                let events = outbox::events(&rows)?;
+                cursor = events.last().map_or(cursor, |e| e.seq);
+                Some(publish::send(self.producer, &events, blocked, self.max_bytes).await)
+            };
+            if let Some(previous) = in_flight.take()
+                && !self.complete(previous).await?
+            {
+                // Mark what the batch behind it delivered, then end the pass.
+                if let Some(current) = sent {
+                    self.complete(current).await?;
+                }
+                return Ok(self.shutdown.is_cancelled());
             }
-            let recorded = outcome.delivered.len().min(prefix) as u64;
-            if !settle(config, producer, &outcome, recorded).await? {
-                return Ok(shutdown.is_cancelled());
+            in_flight = sent;
+            if !full {
+                if let Some(last) = in_flight.take() {
+                    self.complete(last).await?;
+                }
+                return Ok(self.shutdown.is_cancelled());
             }
         }
-        if !full {
-            return Ok(shutdown.is_cancelled());
-        }
-        batch = next;
     }
-}
 
-/// Waits for a sent outbox batch's delivery reports and marks what was delivered. Returns
-/// false if the batch had failures (the pass should end; the rows are tried again later) or
-/// shutdown gave up on it.
-async fn complete(
-    config: &Config,
-    conn: &mut PgConnection,
-    producer: &mut publish::EventProducer,
-    shutdown: &CancellationToken,
-    sent: publish::Sent,
-) -> anyhow::Result<bool> {
-    let Some(outcome) = delivered(config, shutdown, sent).await else {
-        return Ok(false);
-    };
-    failpoint::hit(failpoint::RELAY_AFTER_PRODUCE_BEFORE_MARK);
-    let seqs: Vec<i64> = outcome.delivered.iter().map(|(seq, _)| *seq).collect();
-    let mark_started = Instant::now();
-    let delete = config.relay.prune_after.is_zero();
-    let marked = outbox::mark_published(conn, &seqs, delete).await?;
-    tracing::debug!(marked, elapsed = ?mark_started.elapsed(), "Marked.");
-    settle(config, producer, &outcome, marked).await
+    /// One pass over the log after the cursor, batch by batch, until fewer than a full batch
+    /// remain. Returns true if shutdown was requested (after finishing the batches in
+    /// flight).
+    ///
+    /// Each batch is read while the one before is handed to the producer, and up to
+    /// [`LOG_BATCHES_IN_FLIGHT`] batches are produced ahead of their delivery reports; the
+    /// cursor follows the reports, batch by batch, in order. Refused events and those
+    /// waiting behind them are parked in the transaction that moves the cursor past them.
+    /// On a failure that may pass, the cursor stops just before the first event not
+    /// delivered, and the pass ends: the next pass sends everything after it again (what was
+    /// delivered after it becomes a duplicate).
+    async fn drain_log(&mut self, blocked: &mut publish::Blocked) -> anyhow::Result<bool> {
+        let mut read = log::cursor(&mut self.conn).await?;
+        let mut in_flight: VecDeque<(Vec<log::Position>, publish::Sent)> = VecDeque::new();
+        let size = self.config.relay.batch_size;
+        let topic = &self.config.topics.events;
+        let mut batch = if self.shutdown.is_cancelled() {
+            log::Batch::default()
+        } else {
+            log::claim(&mut self.conn, read, size).await?
+        };
+        loop {
+            let full = batch.len() == size as usize;
+            let mut next = log::Batch::default();
+            let positions = batch.positions()?;
+            if let Some(last) = positions.last() {
+                read = *last;
+                // Delayed events are not among them: the outbox sends those.
+                let events = batch.events(topic)?;
+                // Postgres reads the next batch while this one is handed to the producer.
+                let conn = &mut self.conn;
+                let shutdown = self.shutdown;
+                let claim_next = async {
+                    if full && !shutdown.is_cancelled() {
+                        log::claim(conn, read, size).await
+                    } else {
+                        Ok(log::Batch::default())
+                    }
+                };
+                let started = Instant::now();
+                let (claimed, sent) = tokio::join!(
+                    claim_next,
+                    publish::send(self.producer, &events, blocked, self.max_bytes)
+                );
+                next = claimed?;
+                tracing::debug!(sent = events.len(), read = next.len(), elapsed = ?started.elapsed(), "Sent a batch, read the next.");
+                in_flight.push_back((positions, sent));
+            }
+            while in_flight.len() > LOG_BATCHES_IN_FLIGHT || (!full && !in_flight.is_empty()) {
+                let (positions, sent) = in_flight.pop_front().expect("checked: not empty");
+                let Some(outcome) = delivered(self.config, self.shutdown, sent).await else {
+                    return Ok(self.shutdown.is_cancelled());
+                };
+                failpoint::hit(failpoint::RELAY_AFTER_PRODUCE_BEFORE_MARK);
+                // The cursor stops just before the first event that neither reached Kafka
+                // nor was parked.
+                let undelivered = outcome.undelivered();
+                let prefix = if undelivered.is_empty() {
+                    positions.len()
+                } else {
+                    positions.iter().take_while(|p| !undelivered.contains(&p.seq)).count()
+                };
+                let parking: Vec<parked::Parking> = outcome
+                    .parking()
+                    .into_iter()
+                    .filter(|p| positions[..prefix].iter().any(|at| at.seq == p.seq))
+                    .collect();
+                if prefix > 0 {
+                    let mut tx = self.conn.begin().await?;
+                    let keys = parked::park(&mut tx, topic, &parking).await?;
+                    log::advance(&mut tx, positions[prefix - 1]).await?;
+                    tx.commit().await?;
+                    blocked.parked.extend(keys);
+                }
+                let recorded = outcome.delivered.len().min(prefix) as u64;
+                if !settle(self, &outcome, recorded).await? {
+                    return Ok(self.shutdown.is_cancelled());
+                }
+            }
+            if !full {
+                return Ok(self.shutdown.is_cancelled());
+            }
+            batch = next;
+        }
+    }
+
+    /// Waits for a sent outbox batch's delivery reports and marks what was delivered or
+    /// parked (parking it in the same transaction). Returns false if the batch had failures
+    /// that may pass (the pass should end; the rows are tried again later) or shutdown gave
+    /// up on it.
+    async fn complete(&mut self, sent: publish::Sent) -> anyhow::Result<bool> {
+        let Some(outcome) = delivered(self.config, self.shutdown, sent).await else {
+            return Ok(false);
+        };
+        failpoint::hit(failpoint::RELAY_AFTER_PRODUCE_BEFORE_MARK);
+        let parking = outcome.parking();
+        let mut seqs: Vec<i64> = outcome.delivered.iter().map(|(seq, _)| *seq).collect();
+        let delivered = seqs.len();
+        seqs.extend(parking.iter().map(|p| p.seq));
+        let mark_started = Instant::now();
+        let delete = self.config.relay.prune_after.is_zero();
+        let mut tx = self.conn.begin().await?;
+        let keys = parked::park(&mut tx, &self.config.topics.events, &parking).await?;
+        let marked = outbox::mark_published(&mut tx, &seqs, delete).await?;
+        tx.commit().await?;
+        tracing::debug!(marked, parked = keys.len(), elapsed = ?mark_started.elapsed(), "Marked.");
+        let recorded = marked.min(delivered as u64);
+        settle(self, &outcome, recorded).await
+    }
 }
 
 /// Waits for a sent batch's delivery reports, through broker outages; on shutdown it gets
@@ -327,12 +407,11 @@ async fn delivered(
     }
 }
 
-/// Counts a batch whose delivered part was recorded (`recorded` events). Returns false if
-/// anything was not delivered: then the pass should end, after a pause (and a new producer
-/// if the old one hit a fatal error).
+/// Counts a batch whose delivered part was recorded (`recorded` events) and its parked
+/// events. Returns false if anything was neither delivered nor parked: then the pass should
+/// end, after a pause (and a new producer if the old one hit a fatal error).
 async fn settle(
-    config: &Config,
-    producer: &mut publish::EventProducer,
+    active: &mut Active<'_>,
     outcome: &publish::Outcome,
     recorded: u64,
 ) -> anyhow::Result<bool> {
@@ -341,6 +420,9 @@ async fn settle(
     let latency = metrics::histogram!(m::RELAY_PUBLISH_LATENCY_SECONDS);
     for (_, available_at) in &outcome.delivered {
         latency.record((now - *available_at).as_seconds_f64().max(0.0));
+    }
+    if !outcome.refused.is_empty() {
+        metrics::counter!(m::RELAY_REFUSED_TOTAL).increment(outcome.refused.len() as u64);
     }
     if outcome.failed.is_empty() && outcome.held_back.is_empty() {
         return Ok(true);
@@ -355,9 +437,9 @@ async fn settle(
             "Some events were not delivered; they are tried again."
         );
     }
-    if publish::is_fatal(producer) {
+    if publish::is_fatal(active.producer) {
         tracing::warn!("The producer hit a fatal error; building a new one.");
-        *producer = publish::producer(config)?;
+        *active.producer = publish::producer_for(active.config, active.max_bytes)?;
     }
     tokio::time::sleep(FAILURE_BACKOFF).await;
     Ok(false)

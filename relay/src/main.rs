@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 
 use clap::Parser;
-use jobfold_common::config::Config;
+use jobfold_common::config::{self, Config};
 use jobfold_common::{shutdown, telemetry};
 
 /// Publishes jobfold's committed events from the Postgres outbox to Kafka.
@@ -26,5 +26,8 @@ async fn main() -> anyhow::Result<()> {
     let config = Config::load_or_exit("jobfold-relay", args.config.as_deref());
     telemetry::init_tracing(config.log_json);
     telemetry::install_metrics(config.metrics_addr)?;
-    jobfold_relay::run(config, shutdown::on_signal()).await
+    config::exit_on_config_error(
+        "jobfold-relay",
+        jobfold_relay::run(config, shutdown::on_signal()).await,
+    )
 }

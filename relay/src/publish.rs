@@ -48,6 +48,22 @@ pub fn producer(config: &Config) -> Result<EventProducer, KafkaError> {
     config.kafka_client_with(PRODUCER_DEFAULTS).create_with_context(Reports::default())
 }
 
+/// The relay's producer for a topic that takes record batches of up to `max_bytes`: unless
+/// `[kafka]` sets them, `message.max.bytes` and `batch.size` are held to it, so librdkafka
+/// never gathers small events into a batch the broker refuses whole.
+///
+/// # Errors
+/// librdkafka refused the configuration.
+pub fn producer_for(config: &Config, max_bytes: usize) -> Result<EventProducer, KafkaError> {
+    let mut client = config.kafka_client_with(PRODUCER_DEFAULTS);
+    for option in ["message.max.bytes", "batch.size"] {
+        if !config.kafka.0.contains_key(option) {
+            client.set(option, max_bytes.min(1_000_000).to_string());
+        }
+    }
+    client.create_with_context(Reports::default())
+}
+
 /// One event to produce, borrowed from the row Postgres sent: nothing is copied before
 /// librdkafka copies it into its queue.
 #[derive(Debug, Clone, Copy)]
@@ -91,18 +107,84 @@ impl<'a> Event<'a> {
 pub struct Outcome {
     /// Acknowledged by the broker: (seq, when the row became available).
     pub delivered: Vec<(i64, DateTime<Utc>)>,
-    /// Not delivered: (seq, why). These rows stay unpublished.
+    /// Refused for what the event is ([`is_message_fault`], or larger than the relay may
+    /// send): (seq, why). Sending it again cannot help: it is parked.
+    pub refused: Vec<(i64, String)>,
+    /// Not sent because an earlier event of the same document is parked (or was refused in
+    /// this batch): parked behind it, in order.
+    pub waiting: Vec<i64>,
+    /// Not delivered for a reason that may pass (the producer was rebuilt, the cluster
+    /// refused): (seq, why). These rows stay unpublished and are sent again.
     pub failed: Vec<(i64, KafkaError)>,
-    /// Not sent because an earlier row of the same document failed to enqueue: sending them
-    /// would put them on the topic ahead of it.
+    /// Not sent because an earlier event of the same document failed to enqueue: sending
+    /// them would put them on the topic ahead of it.
     pub held_back: Vec<i64>,
 }
 
 impl Outcome {
-    /// The seqs of the batch's events that did not reach Kafka.
+    /// The seqs of the batch's events that neither reached Kafka nor were parked: the
+    /// cursor must not pass them.
     pub fn undelivered(&self) -> HashSet<i64> {
         self.failed.iter().map(|(seq, _)| *seq).chain(self.held_back.iter().copied()).collect()
     }
+
+    /// The events to park: the refused ones, and the ones waiting behind a parked event.
+    pub fn parking(&self) -> Vec<crate::parked::Parking> {
+        let refused = self.refused.iter().map(|(seq, reason)| crate::parked::Parking {
+            seq: *seq,
+            refused: true,
+            reason: reason.clone(),
+        });
+        let waiting = self.waiting.iter().map(|seq| crate::parked::Parking {
+            seq: *seq,
+            refused: false,
+            reason: crate::parked::WAITING.to_owned(),
+        });
+        refused.chain(waiting).collect()
+    }
+}
+
+/// Documents whose events must not be sent now, kept by the caller across the batches of a
+/// pass.
+#[derive(Debug, Default)]
+pub struct Blocked {
+    /// Documents with a parked event: their later events are parked behind it.
+    pub parked: HashSet<String>,
+    /// Documents with an event that failed to enqueue in this pass for a reason that may
+    /// pass: their later events are held back (sent in a later pass).
+    pub held: HashSet<String>,
+}
+
+/// Whether Kafka refused the message for what it is — its size or its bytes — so that
+/// sending it again is bound to fail the same way: it is parked instead of holding back the
+/// cursor. Errors of the cluster or the connection are not: they are tried again.
+pub fn is_message_fault(error: &KafkaError) -> bool {
+    use RDKafkaErrorCode as C;
+    matches!(
+        error.rdkafka_error_code(),
+        Some(
+            C::MessageSizeTooLarge
+                | C::InvalidMessageSize
+                | C::InvalidMessage
+                | C::InvalidRecord
+                | C::MessageBatchTooLarge
+                | C::InvalidTimestamp
+                | C::InvalidArgument
+        )
+    )
+}
+
+/// Bytes a record adds to its key, value and headers in a record batch, at most: the batch
+/// header (61 bytes), the record's own varints, and room for header names.
+pub const RECORD_OVERHEAD_BYTES: usize = 128;
+
+/// How many bytes `event` takes in a record batch, at most (before compression).
+pub fn record_size(event: &Event<'_>) -> usize {
+    RECORD_OVERHEAD_BYTES
+        + event.key.len()
+        + event.body.len()
+        + event.traceparent.map_or(0, str::len)
+        + event.tracestate.map_or(0, str::len)
 }
 
 /// Delivery reports of the relay's producer, tallied per batch.
@@ -194,20 +276,37 @@ impl std::fmt::Debug for Sent {
 
 /// Enqueues `events` in order, without waiting for delivery.
 ///
-/// `blocked` holds the documents with an event that could not be enqueued in this pass:
-/// their later events are held back, or they would reach the topic ahead of it. The caller
-/// keeps it across the batches of one pass.
+/// An event larger than `max_bytes` (the most the topic and the producer take, see
+/// [`record_size`]) is refused without being sent, as is one librdkafka refuses to enqueue
+/// for what it is; its document joins `blocked.parked`. An event of a document in
+/// `blocked.parked` is not sent but waits ([`Outcome::waiting`]); one of a document in
+/// `blocked.held` (an enqueue failure that may pass) is held back.
 pub async fn send(
     producer: &EventProducer,
     events: &[Event<'_>],
-    blocked: &mut HashSet<String>,
+    blocked: &mut Blocked,
+    max_bytes: usize,
 ) -> Sent {
     let (batch, reports) = producer.context().open();
     let mut sent =
         Sent { enqueued: Vec::with_capacity(events.len()), reports, outcome: Outcome::default() };
     for event in events {
-        if !blocked.is_empty() && blocked.contains(event.key) {
+        if !blocked.parked.is_empty() && blocked.parked.contains(event.key) {
+            sent.outcome.waiting.push(event.seq);
+            continue;
+        }
+        if !blocked.held.is_empty() && blocked.held.contains(event.key) {
             sent.outcome.held_back.push(event.seq);
+            continue;
+        }
+        let size = record_size(event);
+        if size > max_bytes {
+            let reason = format!(
+                "the event takes {size} bytes, more than the {max_bytes} its topic {} and the \
+                 producer take (max.message.bytes, message.max.bytes)",
+                event.topic
+            );
+            refuse(&mut sent.outcome, blocked, event, reason);
             continue;
         }
         let opaque = (batch as usize) << 32 | sent.enqueued.len();
@@ -227,15 +326,19 @@ pub async fn send(
                     record = back;
                     tokio::time::sleep(Duration::from_millis(1)).await;
                 }
+                Err((e, _)) if is_message_fault(&e) => {
+                    refuse(&mut sent.outcome, blocked, event, format!("Kafka refused it: {e}"));
+                    break;
+                }
                 Err((e, _)) => {
-                    tracing::error!(
+                    tracing::warn!(
                         seq = event.seq,
                         topic = %event.topic,
                         document_id = %event.key,
                         error = %e,
-                        "Event cannot be produced; later events of its document wait behind it."
+                        "Event cannot be enqueued now; later events of its document wait behind it."
                     );
-                    blocked.insert(event.key.to_owned());
+                    blocked.held.insert(event.key.to_owned());
                     sent.outcome.failed.push((event.seq, e));
                     break;
                 }
@@ -244,6 +347,21 @@ pub async fn send(
     }
     producer.context().seal(batch, sent.enqueued.len());
     sent
+}
+
+/// Records `event` as refused for `reason`: it is parked, and so are its document's later
+/// events.
+fn refuse(outcome: &mut Outcome, blocked: &mut Blocked, event: &Event<'_>, reason: String) {
+    tracing::error!(
+        seq = event.seq,
+        topic = %event.topic,
+        document_id = %event.key,
+        reason = %reason,
+        "Event parked: Kafka will not take it. Its document's later events wait behind it; \
+         see `jobfold parked list`."
+    );
+    blocked.parked.insert(event.key.to_owned());
+    outcome.refused.push((event.seq, reason));
 }
 
 /// The event's W3C trace context as Kafka headers (`traceparent`, `tracestate`), if it has
@@ -269,6 +387,15 @@ impl Sent {
                 let mut failed = failed.into_iter().peekable();
                 for (index, (seq, available_at)) in self.enqueued.into_iter().enumerate() {
                     match failed.next_if(|(at, _)| *at == index) {
+                        Some((_, e)) if is_message_fault(&e) => {
+                            tracing::error!(
+                                seq,
+                                error = %e,
+                                "Event parked: the broker refused it. Its document's later \
+                                 events wait behind it; see `jobfold parked list`."
+                            );
+                            outcome.refused.push((seq, format!("the broker refused it: {e}")));
+                        }
                         Some((_, e)) => outcome.failed.push((seq, e)),
                         None => outcome.delivered.push((seq, available_at)),
                     }

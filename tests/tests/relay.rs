@@ -434,9 +434,10 @@ async fn a_later_event_does_not_overtake_its_jobs_delayed_one() {
 }
 
 /// Each delivery report reaches its own event: in one batch, an event the broker refuses
-/// (larger than its topic allows) and one librdkafka refuses to enqueue fail by their own
-/// seqs, a later event of the refused document is held back, and the rest are delivered —
-/// and on the topic.
+/// (larger than its topic allows) and one librdkafka refuses to enqueue are refused by their
+/// own seqs (to be parked), a later event of the refused document waits behind it unsent,
+/// and the rest are delivered — and on the topic. An event over the relay's own limit is
+/// refused before it is sent.
 #[tokio::test]
 async fn every_delivery_report_reaches_its_own_event() {
     use jobfold_relay::publish::{self, Event};
@@ -486,21 +487,41 @@ async fn every_delivery_report_reaches_its_own_event() {
         event(50, open, "doc-d", b"after the refused one".as_slice()),
         event(60, open, "doc-e", b"sixth".as_slice()),
     ];
-    let mut blocked = HashSet::new();
+    let mut blocked = publish::Blocked::default();
     let outcome = tokio::time::timeout(
         Duration::from_secs(60),
-        publish::send(&producer, &events, &mut blocked).await.delivered(),
+        publish::send(&producer, &events, &mut blocked, usize::MAX).await.delivered(),
     )
     .await
     .expect("every report arrives");
 
     let delivered: Vec<i64> = outcome.delivered.iter().map(|(seq, _)| *seq).collect();
-    let failed: Vec<i64> = outcome.failed.iter().map(|(seq, _)| *seq).collect();
+    let refused: Vec<i64> = outcome.refused.iter().map(|(seq, _)| *seq).collect();
     assert_eq!(delivered, [10, 30, 60]);
-    assert_eq!(failed, [40, 20], "enqueue failures first, then failed reports");
-    assert_eq!(outcome.held_back, [50]);
-    assert_eq!(outcome.undelivered(), HashSet::from([20, 40, 50]));
-    assert!(blocked.contains("doc-d"));
+    assert_eq!(refused, [40, 20], "enqueue refusals first, then refused reports");
+    assert!(outcome.refused[1].1.contains("broker refused"), "{:?}", outcome.refused);
+    assert_eq!(outcome.waiting, [50]);
+    assert!(outcome.failed.is_empty() && outcome.held_back.is_empty(), "{outcome:?}");
+    assert!(outcome.undelivered().is_empty(), "the cursor may pass them all: they are parked");
+    assert!(blocked.parked.contains("doc-d"));
+    let parking: Vec<(i64, bool)> = outcome.parking().iter().map(|p| (p.seq, p.refused)).collect();
+    assert_eq!(parking, [(40, true), (20, true), (50, false)]);
+
+    // Over the relay's limit: refused before it is sent, and its document's next event waits.
+    let mut blocked = publish::Blocked::default();
+    let big = vec![7u8; 8 * 1024];
+    let checked = [
+        event(70, open, "doc-f", &big),
+        event(80, open, "doc-f", b"small".as_slice()),
+        event(90, open, "doc-g", b"small".as_slice()),
+    ];
+    let outcome = publish::send(&producer, &checked, &mut blocked, 4096).await.delivered().await;
+    let delivered: Vec<i64> = outcome.delivered.iter().map(|(seq, _)| *seq).collect();
+    assert_eq!(delivered, [90]);
+    assert_eq!(outcome.refused.len(), 1);
+    assert_eq!(outcome.refused[0].0, 70);
+    assert!(outcome.refused[0].1.contains("more than the 4096"), "{:?}", outcome.refused);
+    assert_eq!(outcome.waiting, [80]);
 
     // What was reported delivered is on the topic, and nothing else.
     let consumer: BaseConsumer =
@@ -516,6 +537,184 @@ async fn every_delivery_report_reaches_its_own_event() {
             keys.push(String::from_utf8(message.key().unwrap().to_vec()).unwrap());
         }
     }
-    assert_eq!(keys, ["doc-a", "doc-c", "doc-e"]);
+    assert_eq!(keys, ["doc-a", "doc-c", "doc-e", "doc-g"]);
+    it.cleanup().await;
+}
+
+/// Sets the events topic's `max.message.bytes`.
+async fn set_topic_limit(it: &Installation, bytes: usize) {
+    use rdkafka::admin::{AdminClient, AdminOptions, AlterConfig, ResourceSpecifier};
+    use rdkafka::client::DefaultClientContext;
+    let admin: AdminClient<DefaultClientContext> = it.config.kafka_client().create().unwrap();
+    let value = bytes.to_string();
+    let change = AlterConfig::new(ResourceSpecifier::Topic(&it.config.topics.events))
+        .set("max.message.bytes", &value);
+    for result in admin.alter_configs(&[change], &AdminOptions::new()).await.unwrap() {
+        result.unwrap();
+    }
+}
+
+async fn parked_rows(it: &Installation) -> Vec<(i64, bool, i32, String)> {
+    sqlx::query_as("SELECT seq, refused, attempts, reason FROM relay_parked ORDER BY seq")
+        .fetch_all(&it.pool)
+        .await
+        .unwrap()
+}
+
+/// Events after the relay's log cursor (the parked ones are behind it).
+async fn after_cursor(it: &Installation) -> i64 {
+    sqlx::query_scalar(
+        "SELECT count(*) FROM job_events e, relay_cursor c \
+         WHERE (e.xid, e.seq) > (c.published_xid, c.published_seq)",
+    )
+    .fetch_one(&it.pool)
+    .await
+    .unwrap()
+}
+
+/// An event Kafka will not take (larger than its topic allows, written under an older,
+/// larger input limit) is parked and the cursor moves on: every other document's events
+/// reach the topic once, with no re-sends; the refused document's later events wait behind
+/// it; a retry after the limit is raised sends them all, in order; a dropped event lets the
+/// events behind it go.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_event_kafka_refuses_is_parked_and_every_other_document_flows() {
+    use jobfold_relay::parked::{self, Selection};
+
+    let mut it = Installation::new("parked").await;
+    it.config.accept.max_input_bytes = 16 * 1024;
+    it.config.processor.max_output_bytes = 16 * 1024;
+    let topics = jobfold_common::kafka::jobfold_topics(&it.config);
+    let mut topics: Vec<_> = topics.into_iter().collect();
+    topics[0].config.push(("max.message.bytes", (64 * 1024).to_string()));
+    jobfold_common::kafka::ensure_topics(&it.config, &topics).await.unwrap();
+
+    let acceptor = it.acceptor().await;
+    let mut generous_policy = it.config.accept.clone();
+    generous_policy.max_input_bytes = 4 * 1024 * 1024;
+    let codec = jobfold_schemas::Codec::<jobfold_schemas::JobEvent>::connect(
+        it.registry(),
+        &it.config.topics.events,
+    )
+    .await
+    .unwrap();
+    let generous = Acceptor::new(codec, generous_policy, "older-config");
+    let large = |document: &str, version, bytes| NewJob {
+        input: json!({ "text": "x".repeat(bytes) }),
+        ..job(document, version)
+    };
+    generous.accept(&it.pool, &large("doc-big", 1, 100_000)).await.unwrap();
+    acceptor.accept(&it.pool, &job("doc-big", 2)).await.unwrap();
+    for i in 0..50 {
+        acceptor.accept(&it.pool, &job(&format!("doc-{i}"), 1)).await.unwrap();
+    }
+
+    let shutdown = CancellationToken::new();
+    let relay = tokio::spawn(jobfold_relay::run(it.config.clone(), shutdown.clone()));
+    eventually(Duration::from_secs(30), "the other documents published", || async {
+        after_cursor(&it).await == 0 && events_on_topic(&it) == 50
+    })
+    .await;
+    let rows = parked_rows(&it).await;
+    assert_eq!(rows.len(), 2, "{rows:?}");
+    assert!(rows[0].1 && rows[0].3.contains("more than the"), "refused: {rows:?}");
+    assert!(!rows[1].1, "doc-big v2 waits behind it: {rows:?}");
+    // Passes go on (poll and notifications) and nothing is sent again.
+    acceptor.accept(&it.pool, &job("doc-big", 3)).await.unwrap();
+    acceptor.accept(&it.pool, &job("doc-late", 1)).await.unwrap();
+    eventually(Duration::from_secs(30), "doc-late published, doc-big v3 parked", || async {
+        events_on_topic(&it) == 51 && parked_rows(&it).await.len() == 3
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(events_on_topic(&it), 51, "nothing was sent twice");
+    assert_eq!(after_cursor(&it).await, 0, "the cursor moved past the parked events");
+
+    // A retry without a fix is refused again; the document still waits.
+    assert_eq!(parked::request_retry(&it.pool, &Selection::All).await.unwrap(), 1);
+    eventually(Duration::from_secs(30), "the retry refused again", || async {
+        let rows = parked_rows(&it).await;
+        rows[0].2 == 2 && rows.len() == 3
+    })
+    .await;
+    assert_eq!(events_on_topic(&it), 51);
+
+    // Raise the topic's limit, restart the relay (it reads the limit at start), retry: the
+    // document's three events go out, in order.
+    shutdown.cancel();
+    relay.await.unwrap().unwrap();
+    set_topic_limit(&it, 1024 * 1024).await;
+    let shutdown = CancellationToken::new();
+    let relay = tokio::spawn(jobfold_relay::run(it.config.clone(), shutdown.clone()));
+    assert_eq!(
+        parked::request_retry(&it.pool, &Selection::Document("doc-big".into())).await.unwrap(),
+        1
+    );
+    eventually(Duration::from_secs(30), "the parked events released", || async {
+        parked_rows(&it).await.is_empty() && events_on_topic(&it) == 54
+    })
+    .await;
+    let seen = read_events(&it, Duration::from_secs(30), |seen| seen.len() >= 54).await;
+    let big: Vec<i64> =
+        seen.iter().filter(|p| p.key == "doc-big").map(|p| p.event.input_version).collect();
+    assert_eq!(big, [1, 2, 3], "the document's events in their order");
+    let ids: HashSet<Uuid> = seen.iter().map(|p| p.event.event_id).collect();
+    assert_eq!(ids.len(), 54, "no event twice on the topic");
+
+    // An event over the producer's limit (1 MB) is refused; dropping it lets the next go.
+    generous.accept(&it.pool, &large("doc-drop", 1, 1_100_000)).await.unwrap();
+    acceptor.accept(&it.pool, &job("doc-drop", 2)).await.unwrap();
+    eventually(Duration::from_secs(30), "doc-drop parked", || async {
+        parked_rows(&it).await.len() == 2
+    })
+    .await;
+    let refused = parked_rows(&it).await[0].0;
+    let listed = parked::list(&it.pool, 10).await.unwrap();
+    assert_eq!(listed[0].seq, refused);
+    assert_eq!(listed[0].event, "JobRequested");
+    assert_eq!(parked::drop_refused(&it.pool, &Selection::Seq(refused)).await.unwrap(), 1);
+    eventually(Duration::from_secs(30), "doc-drop v2 published", || async {
+        parked_rows(&it).await.is_empty() && events_on_topic(&it) == 55
+    })
+    .await;
+    shutdown.cancel();
+    relay.await.unwrap().unwrap();
+    it.cleanup().await;
+}
+
+/// The relay names the transaction that holds publication back — here one left open in
+/// another database of the same Postgres — and publishes again once it ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transaction_open_in_another_database_is_named_and_waited_for() {
+    let it = Installation::new("horizon").await;
+    it.create_topics().await;
+    let other = Installation::new("horizon-other").await;
+    let acceptor = it.acceptor().await;
+
+    // A transaction in the other database that took a transaction id, and stays open.
+    let mut holder = other.pool.begin().await.unwrap();
+    sqlx::query("CREATE TABLE held (x int)").execute(&mut *holder).await.unwrap();
+    let pid: i32 =
+        sqlx::query_scalar("SELECT pg_backend_pid()").fetch_one(&mut *holder).await.unwrap();
+    acceptor.accept(&it.pool, &job("doc-1", 1)).await.unwrap();
+
+    let mut conn = it.pool.acquire().await.unwrap();
+    let named = jobfold_relay::horizon::holder(&mut conn).await.unwrap().expect("a holder");
+    assert_eq!(named.pid, Some(pid));
+    assert!(named.database.as_deref().unwrap().starts_with("jobfold_horizon_other"), "{named:?}");
+    drop(conn);
+
+    let shutdown = CancellationToken::new();
+    let relay = tokio::spawn(jobfold_relay::run(it.config.clone(), shutdown.clone()));
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(events_on_topic(&it), 0, "held back below the open transaction");
+    holder.rollback().await.unwrap();
+    eventually(Duration::from_secs(30), "published once it ended", || async {
+        events_on_topic(&it) == 1
+    })
+    .await;
+    shutdown.cancel();
+    relay.await.unwrap().unwrap();
+    other.cleanup().await;
     it.cleanup().await;
 }

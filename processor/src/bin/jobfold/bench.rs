@@ -4,7 +4,6 @@
 //! Everything happens in a database and topics of its own (`jobfold_bench_*`), dropped at
 //! the end; the configured database is used only to create it.
 
-use std::collections::HashSet;
 use std::fmt::Write as _;
 use std::time::{Duration, Instant};
 
@@ -1160,14 +1159,20 @@ async fn raw_producer(
     let keys: Vec<String> = (0..1000).map(|i| format!("doc-{i}")).collect();
     // Warm up (metadata, connections, producer id) before timing, as the relay is.
     let warm_up = [event(0, topic, &keys, &[0u8])];
-    let outcome = publish::send(&producer, &warm_up, &mut HashSet::new()).await.delivered().await;
+    let outcome = publish::send(&producer, &warm_up, &mut publish::Blocked::default(), usize::MAX)
+        .await
+        .delivered()
+        .await;
     if let Some((_, e)) = outcome.failed.into_iter().next() {
         return Err(e.into());
     }
     let events: Vec<Event<'_>> =
         bodies.iter().enumerate().map(|(i, body)| event(i, topic, &keys, body)).collect();
     let (started, cpu) = (Instant::now(), CpuTime::now(&[std::process::id()]));
-    let outcome = publish::send(&producer, &events, &mut HashSet::new()).await.delivered().await;
+    let outcome = publish::send(&producer, &events, &mut publish::Blocked::default(), usize::MAX)
+        .await
+        .delivered()
+        .await;
     if let Some((_, e)) = outcome.failed.into_iter().next() {
         return Err(e.into());
     }

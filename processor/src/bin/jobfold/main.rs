@@ -102,6 +102,12 @@ enum Command {
         #[command(subcommand)]
         command: QuarantineCommand,
     },
+    /// Events the relay parked because Kafka refuses them (too large for the topic, say),
+    /// with their documents' later events waiting behind them: list, retry, drop.
+    Parked {
+        #[command(subcommand)]
+        command: ParkedCommand,
+    },
     /// Run the whole pipeline here: services, a relay and two processors, a workload, a
     /// processor killed midway, and a summary that checks the run. Ctrl-C stops it all.
     Demo {
@@ -176,6 +182,52 @@ enum QuarantineCommand {
     },
 }
 
+#[derive(Debug, Subcommand)]
+enum ParkedCommand {
+    /// List parked events: the refused ones first, then those waiting behind them.
+    List {
+        #[arg(long, default_value_t = 50)]
+        limit: i64,
+    },
+    /// Send refused events again, their documents' waiting events behind them (after fixing
+    /// the cause: raise the topic's max.message.bytes, restart the relays).
+    Retry {
+        #[command(flatten)]
+        which: ParkedSelection,
+    },
+    /// Drop refused events: they stay in the job_events log but never reach Kafka; their
+    /// documents' waiting events then go out, in order.
+    Drop {
+        #[command(flatten)]
+        which: ParkedSelection,
+    },
+}
+
+/// Which refused events: one by seq, a document's, or all.
+#[derive(Debug, clap::Args)]
+#[group(required = true, multiple = false)]
+struct ParkedSelection {
+    /// The refused event's seq (from `jobfold parked list`).
+    seq: Option<i64>,
+    /// Every refused event of this document.
+    #[arg(long)]
+    document: Option<String>,
+    /// Every refused event.
+    #[arg(long)]
+    all: bool,
+}
+
+impl ParkedSelection {
+    fn selection(self) -> jobfold_relay::parked::Selection {
+        use jobfold_relay::parked::Selection;
+        match (self.seq, self.document) {
+            (Some(seq), _) => Selection::Seq(seq),
+            (None, Some(document)) => Selection::Document(document),
+            (None, None) => Selection::All,
+        }
+    }
+}
+
 /// mimalloc: under load glibc malloc (allocations freed on librdkafka's threads) cost the relay
 /// more than producing; see BENCHMARKS.md.
 #[global_allocator]
@@ -204,7 +256,7 @@ async fn main() -> ExitCode {
 async fn run(config: Config, command: Command) -> anyhow::Result<()> {
     match command {
         Command::Migrate => {
-            let pool = db::connect(&config, 1).await.context("connecting to Postgres")?;
+            let pool = db::connect(&config, 1).await?;
             let before: i64 = applied(&pool).await;
             db::MIGRATOR.run(&pool).await.context("applying migrations")?;
             let after: i64 = applied(&pool).await;
@@ -212,8 +264,7 @@ async fn run(config: Config, command: Command) -> anyhow::Result<()> {
         }
         Command::Submit { document, kind, input_version, input, key } => {
             let input = serde_json::from_str(&input).context("--input is not JSON")?;
-            let pool =
-                db::connect_and_migrate(&config, 1).await.context("connecting to Postgres")?;
+            let pool = db::connect_and_migrate(&config, 1).await?;
             let settings = registry_settings(&config.schema_registry_url)?;
             let codec = Codec::<JobEvent>::connect(settings, &config.topics.events).await?;
             let acceptor = Acceptor::new(codec, config.accept.clone(), "jobfold-cli");
@@ -233,9 +284,10 @@ async fn run(config: Config, command: Command) -> anyhow::Result<()> {
         Command::Events { job_id, json } => events(config, job_id, json).await?,
         Command::Stats { totals } => stats(config, totals).await?,
         Command::Quarantine { command } => quarantine(config, command).await?,
+        Command::Parked { command } => parked(config, command).await?,
         Command::Replay { from, since, verify, export, jobs, no_progress, dedupe_window } => {
             use jobfold_processor::analytics::{self, Export, Format, Options, Rows, Source};
-            let pool = db::connect(&config, 2).await.context("connecting to Postgres")?;
+            let pool = db::connect(&config, 2).await?;
             let decoder = jobfold_schemas::Decoder::<JobEvent>::new(registry_settings(
                 &config.schema_registry_url,
             )?);
@@ -293,8 +345,58 @@ async fn run(config: Config, command: Command) -> anyhow::Result<()> {
     Ok(())
 }
 
+async fn parked(config: Config, command: ParkedCommand) -> anyhow::Result<()> {
+    use jobfold_relay::parked;
+    let pool = db::connect_and_migrate(&config, 1).await?;
+    match command {
+        ParkedCommand::List { limit } => {
+            let events = parked::list(&pool, limit).await?;
+            if events.is_empty() {
+                println!("no parked events");
+                return Ok(());
+            }
+            println!(
+                "{:>9}  {:<8}  {:<20}  {:<16}  {:>9}  {:<19}  reason",
+                "seq", "state", "document", "event", "bytes", "parked at"
+            );
+            for e in events {
+                let state = match (e.refused, e.retry_requested_at) {
+                    (true, Some(_)) => "retrying",
+                    (true, None) => "refused",
+                    (false, _) => "waiting",
+                };
+                println!(
+                    "{:>9}  {:<8}  {:<20}  {:<16}  {:>9}  {:<19}  {}",
+                    e.seq,
+                    state,
+                    e.key,
+                    e.event,
+                    e.bytes,
+                    e.parked_at.format("%Y-%m-%d %H:%M:%S"),
+                    e.reason
+                );
+            }
+        }
+        ParkedCommand::Retry { which } => {
+            let n = parked::request_retry(&pool, &which.selection()).await?;
+            if n == 0 {
+                anyhow::bail!("no refused event matches");
+            }
+            println!("{n} refused event(s) will be sent again, with the events behind them");
+        }
+        ParkedCommand::Drop { which } => {
+            let n = parked::drop_refused(&pool, &which.selection()).await?;
+            if n == 0 {
+                anyhow::bail!("no refused event matches");
+            }
+            println!("{n} refused event(s) dropped; the events behind them go out in order");
+        }
+    }
+    Ok(())
+}
+
 async fn quarantine(config: Config, command: QuarantineCommand) -> anyhow::Result<()> {
-    let pool = db::connect_and_migrate(&config, 2).await.context("connecting to Postgres")?;
+    let pool = db::connect_and_migrate(&config, 2).await?;
     match command {
         QuarantineCommand::List { owner, kind, reason, limit } => {
             let filter = QuarantineFilter { owner, kind, reason, limit: Some(limit) };
@@ -348,7 +450,7 @@ async fn quarantine(config: Config, command: QuarantineCommand) -> anyhow::Resul
 }
 
 async fn status(config: Config, job_id: uuid::Uuid, json: bool) -> anyhow::Result<()> {
-    let pool = db::connect(&config, 1).await.context("connecting to Postgres")?;
+    let pool = db::connect(&config, 1).await?;
     let Some(job) = status::job(&pool, job_id).await? else {
         anyhow::bail!("no job {job_id}");
     };
@@ -395,7 +497,7 @@ async fn status(config: Config, job_id: uuid::Uuid, json: bool) -> anyhow::Resul
 }
 
 async fn events(config: Config, job_id: uuid::Uuid, json: bool) -> anyhow::Result<()> {
-    let pool = db::connect(&config, 1).await.context("connecting to Postgres")?;
+    let pool = db::connect(&config, 1).await?;
     let decoder =
         jobfold_schemas::Decoder::<JobEvent>::new(registry_settings(&config.schema_registry_url)?);
     let Some(entries) = status::events(&pool, &decoder, job_id).await? else {
@@ -438,7 +540,7 @@ async fn events(config: Config, job_id: uuid::Uuid, json: bool) -> anyhow::Resul
 }
 
 async fn stats(config: Config, totals: bool) -> anyhow::Result<()> {
-    let pool = db::connect(&config, 2).await.context("connecting to Postgres")?;
+    let pool = db::connect(&config, 2).await?;
     let snapshot = gauges::read(&pool).await?;
     let mut rows: Vec<(String, String)> =
         vec![("unfinished (accepted, not ended)".into(), snapshot.unfinished().to_string())];
@@ -456,6 +558,7 @@ async fn stats(config: Config, totals: bool) -> anyhow::Result<()> {
     rows.extend([
         ("dead letters".into(), snapshot.dead_letters.to_string()),
         ("relay backlog".into(), snapshot.relay_backlog.to_string()),
+        ("parked events (jobfold parked list)".into(), snapshot.relay_parked.to_string()),
         (
             "oldest unpublished age".into(),
             format!("{:.1} s", snapshot.relay_oldest_unpublished_age_seconds),
