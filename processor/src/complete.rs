@@ -22,8 +22,8 @@ use serde_json::Value;
 use sqlx::PgPool;
 use uuid::Uuid;
 
-use crate::batch::{self, Batcher};
-use crate::handler::{Committed, Handler, HandlerError, JobContext};
+use crate::batch::Batcher;
+use crate::handler::{Committed, ErrorClass, Handler, HandlerError, JobContext};
 use crate::store::{self, Consumed, Events, JobRow, Outcome};
 
 /// Attempts committed in one transaction, at most.
@@ -82,9 +82,11 @@ pub async fn complete_all<H: Handler>(
     attempts: &[Attempt],
 ) -> Vec<anyhow::Result<Completed>> {
     let batch = Batch { config, pool, events, handler };
+    if attempts.len() == 1 {
+        return vec![batch.complete_alone(&attempts[0]).await];
+    }
     match batch.complete(attempts).await {
         Ok(done) => done.into_iter().map(Ok).collect(),
-        Err(e) if attempts.len() == 1 => batch::each_failed(1, &e),
         Err(e) => {
             tracing::debug!(
                 error = %format!("{e:#}"),
@@ -93,12 +95,17 @@ pub async fn complete_all<H: Handler>(
             );
             let mut answers = Vec::with_capacity(attempts.len());
             for attempt in attempts {
-                let alone = batch.complete(std::slice::from_ref(attempt)).await;
-                answers.push(alone.map(|mut done| done.remove(0)));
+                answers.push(batch.complete_alone(attempt).await);
             }
             answers
         }
     }
+}
+
+/// The data error (SQLSTATE class 22 or 23) behind a failed completion, if that is what
+/// failed: a result or business write Postgres refuses, such as text holding U+0000.
+fn data_error(e: &anyhow::Error) -> Option<(String, String)> {
+    e.chain().find_map(|c| c.downcast_ref::<sqlx::Error>()).and_then(jobfold_common::db::data_error)
 }
 
 struct Batch<'a, H> {
@@ -109,6 +116,34 @@ struct Batch<'a, H> {
 }
 
 impl<H: Handler> Batch<'_, H> {
+    /// One attempt in a transaction of its own. If Postgres refuses what the attempt writes
+    /// (a data error, class 22 or 23), that is the job's fault, not an outage: the attempt
+    /// is completed again as a permanent failure naming the error, so the job is
+    /// quarantined with the reason instead of being retried for ever.
+    async fn complete_alone(&self, attempt: &Attempt) -> anyhow::Result<Completed> {
+        let first = self.complete(std::slice::from_ref(attempt)).await;
+        let e = match first {
+            Ok(mut done) => return Ok(done.remove(0)),
+            Err(e) => e,
+        };
+        let Some((code, message)) = data_error(&e) else { return Err(e) };
+        if attempt.result.as_ref().is_err_and(|e| e.class == ErrorClass::Permanent) {
+            // Already a permanent failure, and still refused: not the result's fault.
+            return Err(e);
+        }
+        tracing::warn!(
+            job_id = %attempt.job.job_id,
+            code = %code,
+            error = %message,
+            "Postgres refuses the attempt's result; the job is quarantined."
+        );
+        let mut refused = attempt.clone();
+        refused.result = Err(HandlerError::permanent(format!(
+            "the result cannot be stored: Postgres refused it ({code}): {message}"
+        )));
+        self.complete(std::slice::from_ref(&refused)).await.map(|mut done| done.remove(0))
+    }
+
     /// One transaction for `attempts`; what became of each, in their order.
     async fn complete(&self, attempts: &[Attempt]) -> anyhow::Result<Vec<Completed>> {
         let job_ids: Vec<Uuid> = attempts.iter().map(|a| a.job.job_id).collect();

@@ -55,12 +55,12 @@ pub const BODY_OVERHEAD_BYTES: usize = 4096;
 /// # Errors
 /// Start-up failed, or a part failed.
 pub async fn run(config: Config, shutdown: CancellationToken) -> anyhow::Result<()> {
-    let pool = db::connect_and_migrate(&config, config.processor.db_connections)
-        .await
-        .context("connecting to Postgres")?;
+    let pool = db::connect_and_migrate(&config, config.processor.db_connections).await?;
     kafka::ensure_topics(&config, &kafka::jobfold_topics(&config))
         .await
         .context("creating the topics")?;
+    // A result or input the topic could refuse would stall its document on the relay.
+    kafka::checked_event_limit(&config).await?;
     m::describe();
     tracing::info!(?config, "Starting the processor.");
     let settings = registry_settings(&config.schema_registry_url)

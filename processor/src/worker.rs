@@ -35,7 +35,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use jobfold_common::config::Config;
+use jobfold_common::config::{Config, MAX_ERROR_BYTES};
 use jobfold_common::failpoint;
 use jobfold_schemas::{Decoder, JobEvent};
 use rand::Rng;
@@ -48,7 +48,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use crate::complete::{Attempt, Completed, Completer};
-use crate::handler::{Handler, JobContext};
+use crate::handler::{Handler, HandlerError, JobContext};
 use crate::lease::{Dispatch, Leased, Leaser};
 use crate::offsets::{Ticket, Tracker};
 use crate::store::{self, Consumed, Events};
@@ -456,6 +456,7 @@ async fn try_handle<H: Handler>(
     metrics::counter!(pm::HANDLER_RUNS_TOTAL).increment(1);
     failpoint::hit(failpoint::PROCESSOR_IN_HANDLER);
     heartbeat.abort();
+    let result = bounded(result, shared.config.processor.max_output_bytes);
 
     // 3. Complete, fenced by the generation (in a transaction with the other attempts
     //    finished at the time).
@@ -475,6 +476,49 @@ async fn try_handle<H: Handler>(
     }
     failpoint::hit(failpoint::PROCESSOR_AFTER_COMPLETION_BEFORE_OFFSET);
     Ok(Step::Done)
+}
+
+/// What a handler returned, made fit to commit and publish: a result larger than
+/// `max_output_bytes` (its `JobSucceeded` event would be too large for the topic) or holding
+/// U+0000 (Postgres cannot store it) becomes a permanent failure naming why; an error's text
+/// is cut to [`MAX_ERROR_BYTES`] and cleared of U+0000. So whatever a handler returns costs
+/// only its own job.
+pub fn bounded(
+    result: Result<serde_json::Value, HandlerError>,
+    max_output_bytes: usize,
+) -> Result<serde_json::Value, HandlerError> {
+    match result {
+        Ok(output) => {
+            let size = serde_json::to_vec(&output).map_or(usize::MAX, |v| v.len());
+            if size > max_output_bytes {
+                return Err(HandlerError::permanent(format!(
+                    "the result is {size} bytes, more than processor.max_output_bytes \
+                     ({max_output_bytes})"
+                )));
+            }
+            if let Some(path) = jobfold_common::accept::find_nul(&output) {
+                return Err(HandlerError::permanent(format!(
+                    "the result's `{}` contains U+0000 (NUL), which Postgres cannot store",
+                    if path.is_empty() { "." } else { &path }
+                )));
+            }
+            Ok(output)
+        }
+        Err(mut e) => {
+            if e.message.contains('\0') {
+                e.message = e.message.replace('\0', "\u{fffd}");
+            }
+            if e.message.len() > MAX_ERROR_BYTES {
+                let mut cut = MAX_ERROR_BYTES - 3;
+                while !e.message.is_char_boundary(cut) {
+                    cut -= 1;
+                }
+                e.message.truncate(cut);
+                e.message.push_str("...");
+            }
+            Err(e)
+        }
+    }
 }
 
 /// Counts a committed outcome; an ended job also records its acceptance-to-end time.
