@@ -63,3 +63,8 @@ pub fn data_error(e: &sqlx::Error) -> Option<(String, String)> {
     (code.starts_with("22") || code.starts_with("23"))
         .then(|| (code.into_owned(), db.message().to_owned()))
 }
+
+/// [`data_error`] for the `sqlx::Error` somewhere in an error's chain.
+pub fn data_error_in(e: &anyhow::Error) -> Option<(String, String)> {
+    e.chain().find_map(|c| c.downcast_ref::<sqlx::Error>()).and_then(data_error)
+}

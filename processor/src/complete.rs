@@ -102,12 +102,6 @@ pub async fn complete_all<H: Handler>(
     }
 }
 
-/// The data error (SQLSTATE class 22 or 23) behind a failed completion, if that is what
-/// failed: a result or business write Postgres refuses, such as text holding U+0000.
-fn data_error(e: &anyhow::Error) -> Option<(String, String)> {
-    e.chain().find_map(|c| c.downcast_ref::<sqlx::Error>()).and_then(jobfold_common::db::data_error)
-}
-
 struct Batch<'a, H> {
     config: &'a Config,
     pool: &'a PgPool,
@@ -126,7 +120,7 @@ impl<H: Handler> Batch<'_, H> {
             Ok(mut done) => return Ok(done.remove(0)),
             Err(e) => e,
         };
-        let Some((code, message)) = data_error(&e) else { return Err(e) };
+        let Some((code, message)) = jobfold_common::db::data_error_in(&e) else { return Err(e) };
         if attempt.result.as_ref().is_err_and(|e| e.class == ErrorClass::Permanent) {
             // Already a permanent failure, and still refused: not the result's fault.
             return Err(e);

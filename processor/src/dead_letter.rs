@@ -16,6 +16,9 @@ pub async fn store(
     message: &impl Message,
     error: &str,
 ) -> Result<(), sqlx::Error> {
+    // The reason may quote the message; Postgres text cannot hold U+0000.
+    let error = error.replace('\0', "\u{fffd}");
+    let error = error.as_str();
     tracing::warn!(
         topic = message.topic(),
         partition = message.partition(),

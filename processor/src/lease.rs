@@ -13,7 +13,9 @@
 //! [`JobRow::fresh_xid`](crate::store::JobRow::fresh_xid)) is left to the next one, so its
 //! events keep their order; a dispatch that ends its job records its dedupe row in the same
 //! commit. If the transaction fails, every dispatch of the batch gets the error and is tried
-//! again by its task.
+//! again by its task — except a data error (SQLSTATE class 22 or 23), which is about one
+//! dispatch's rows: then each is leased alone, and only that one gets it (its task
+//! dead-letters the event rather than retrying it for ever).
 
 use std::collections::HashMap;
 
@@ -74,8 +76,21 @@ pub fn start(settings: Settings) -> Leaser {
         let settings = settings.clone();
         async move {
             let n = dispatches.len();
+            let each = (n > 1).then(|| dispatches.clone());
             match lease_batch(&settings, dispatches).await {
                 Ok(decided) => decided.into_iter().map(Ok).collect(),
+                // Alone: the error itself, its cause kept (a data error is told by it).
+                Err(e) if n == 1 => vec![Err(e)],
+                // A data error is about one dispatch's rows: find it by leasing each alone,
+                // so the error reaches only the one it is about.
+                Err(e) if jobfold_common::db::data_error_in(&e).is_some() && each.is_some() => {
+                    let mut answers = Vec::with_capacity(n);
+                    for dispatch in each.expect("checked") {
+                        let alone = lease_batch(&settings, vec![dispatch]).await;
+                        answers.push(alone.map(|mut decided| decided.remove(0)));
+                    }
+                    answers
+                }
                 Err(e) => batch::each_failed(n, &e),
             }
         }

@@ -334,6 +334,32 @@ async fn handle<H: Handler>(shared: &Shared<H>, message: &OwnedMessage) -> bool 
                     _ = tokio::time::sleep(wait) => {}
                 }
             }
+            Err(e) if jobfold_common::db::data_error_in(&e).is_some() => {
+                // Postgres refuses what this event would write (a data error about its own
+                // rows, found alone): the event's fault, so it is set aside, not retried for
+                // ever with the partition behind it.
+                let (code, refused) = jobfold_common::db::data_error_in(&e).expect("checked");
+                let reason =
+                    format!("the database refused what this event causes ({code}): {refused}");
+                match crate::dead_letter::store(
+                    &shared.pool,
+                    &shared.config.processor.group,
+                    message,
+                    &reason,
+                )
+                .await
+                {
+                    Ok(()) => return true,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "Storing the dead letter failed; retrying.")
+                    }
+                }
+                tokio::select! {
+                    _ = shared.shutdown.cancelled() => return false,
+                    _ = tokio::time::sleep(backoff) => {}
+                }
+                backoff = (backoff * 2).min(RETRY_MAX);
+            }
             Err(e) => {
                 tracing::warn!(error = %format!("{e:#}"), partition = message.partition(), offset = message.offset(), "Event will be retried.");
                 tokio::select! {
@@ -562,5 +588,37 @@ async fn heartbeat(
             }
             Err(e) => tracing::warn!(error = %e, %job_id, "Heartbeat failed; retrying."),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+    use crate::handler::ErrorClass;
+
+    #[test]
+    fn a_result_over_the_limit_or_holding_nul_becomes_a_permanent_failure() {
+        let ok = bounded(Ok(json!({ "terms": ["a", "b"] })), 100);
+        assert_eq!(ok, Ok(json!({ "terms": ["a", "b"] })));
+
+        let large = bounded(Ok(json!("x".repeat(200))), 100).unwrap_err();
+        assert_eq!(large.class, ErrorClass::Permanent);
+        assert!(large.message.contains("202 bytes") && large.message.contains("(100)"));
+
+        let nul = bounded(Ok(json!({ "a": ["ok", "x\u{0}"] })), 100).unwrap_err();
+        assert_eq!(nul.class, ErrorClass::Permanent);
+        assert!(nul.message.contains("`.a[1]`"), "{}", nul.message);
+    }
+
+    #[test]
+    fn an_error_text_is_cut_and_cleared_of_nul() {
+        let long = bounded(Err(HandlerError::retryable("é".repeat(MAX_ERROR_BYTES))), 100);
+        let long = long.unwrap_err();
+        assert_eq!(long.class, ErrorClass::Retryable);
+        assert!(long.message.len() <= MAX_ERROR_BYTES && long.message.ends_with("..."));
+        let nul = bounded(Err(HandlerError::permanent("a\u{0}b")), 100).unwrap_err();
+        assert_eq!(nul.message, "a\u{fffd}b");
     }
 }

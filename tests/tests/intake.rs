@@ -115,3 +115,63 @@ async fn requests_become_jobs_once_and_poison_becomes_dead_letters() {
     );
     it.cleanup().await;
 }
+
+/// A request Postgres cannot store — U+0000 in its document id, kind or input (valid Avro,
+/// valid JSON), or a row a constraint refuses — is the request's fault: dead-lettered with
+/// the reason, and the requests behind it on every partition are accepted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_postgres_cannot_store_is_dead_lettered_and_the_partition_moves_on() {
+    let it = Installation::new("intakenul").await;
+    it.create_topics().await;
+    // A constraint of this test's own: Postgres refuses this document's row (23514).
+    sqlx::query(
+        "ALTER TABLE jobs ADD CONSTRAINT test_forbidden CHECK (document_id <> 'forbidden')",
+    )
+    .execute(&it.pool)
+    .await
+    .unwrap();
+    let codec =
+        Codec::<JobRequest>::connect(it.registry(), &it.config.topics.requests).await.unwrap();
+    let producer: FutureProducer =
+        client_config().set("enable.idempotence", "true").create().unwrap();
+    let topic = it.config.topics.requests.clone();
+    let mut sent = 0;
+    let mut poison = 0;
+    // Twelve documents spread over the partitions: each partition's first message is bad.
+    for d in 0..12 {
+        let document = format!("doc-{d}");
+        let bad = match d % 4 {
+            0 => JobRequest { input: r#"{"text":"a\u0000b"}"#.into(), ..request(&document, 1) },
+            1 => JobRequest { job_kind: "index\0document".into(), ..request(&document, 1) },
+            2 => JobRequest { document_id: format!("{document}\0"), ..request(&document, 1) },
+            _ => request("forbidden", 1),
+        };
+        for r in std::iter::once(bad).chain((1..=5).map(|v| request(&document, v))) {
+            producer
+                .send(
+                    FutureRecord::to(&topic).key(&document).payload(&codec.encode(&r).unwrap()),
+                    Timeout::Never,
+                )
+                .await
+                .map_err(|(e, _)| e)
+                .unwrap();
+            sent += 1;
+        }
+        poison += 1;
+    }
+
+    let shutdown = CancellationToken::new();
+    let processor = tokio::spawn(jobfold_processor::run(it.config.clone(), shutdown.clone()));
+    eventually(Duration::from_secs(60), "60 jobs and 12 dead letters", || async {
+        it.count("jobs").await == 60 && it.count("dead_letters").await == poison
+    })
+    .await;
+    shutdown.cancel();
+    processor.await.unwrap().unwrap();
+    let errors: Vec<String> =
+        sqlx::query_scalar("SELECT error FROM dead_letters").fetch_all(&it.pool).await.unwrap();
+    assert_eq!(errors.iter().filter(|e| e.contains("U+0000")).count(), 9, "{errors:?}");
+    assert_eq!(errors.iter().filter(|e| e.contains("23514")).count(), 3, "{errors:?}");
+    assert_eq!(committed_total(&it.config.intake.group, &topic, it.config.topics.partitions), sent);
+    it.cleanup().await;
+}

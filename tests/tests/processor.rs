@@ -824,24 +824,66 @@ async fn a_failing_business_write_fails_its_attempt_alone() {
     }
 
     // One batch: the bad business write fails the transaction; each attempt is then
-    // completed alone, and only the bad one fails.
+    // completed alone, and only the bad one fails. Its failure is a data error (division by
+    // zero, SQLSTATE 22012): writing it again would fail the same way, so its job is
+    // quarantined with the reason instead of being run again for ever.
     let handler = Together { started: Default::default(), together: 0 };
     let done = complete::complete_all(&it.config, &it.pool, &events, &handler, &attempts).await;
     for (attempt, done) in attempts.iter().zip(&done) {
         match (attempt.context.document_id.as_str(), done) {
-            ("doc-bad", Err(e)) => assert!(format!("{e:#}").contains("division by zero"), "{e:#}"),
-            (_, Ok(Completed::Committed { outcome: "succeeded", .. })) => {}
+            ("doc-bad", Ok(Completed::Committed { outcome: "quarantined", .. })) => {}
+            (document, Ok(Completed::Committed { outcome: "succeeded", .. }))
+                if document != "doc-bad" => {}
             (document, other) => panic!("{document}: {other:?}"),
         }
     }
-    assert_eq!(
-        states(&it).await,
-        [("leased".into(), 1), ("succeeded".into(), 5)],
-        "the bad attempt left its job leased, to be run again"
-    );
+    assert_eq!(states(&it).await, [("quarantined".into(), 1), ("succeeded".into(), 5)]);
+    let reason: String =
+        sqlx::query_scalar("SELECT reason FROM quarantine").fetch_one(&it.pool).await.unwrap();
+    assert!(reason.contains("22012") && reason.contains("division by zero"), "{reason}");
     assert_exactly_one_write_per_success(&it).await;
     let consumed = count_where(&it, "SELECT count(*) FROM consumed_events").await;
-    assert_eq!(consumed, 5, "the bad attempt's dispatch is not recorded as consumed");
+    assert_eq!(consumed, 6, "every dispatch is done with, the bad one too");
+
+    // A result Postgres cannot store (U+0000 in jsonb, should a handler's output get past
+    // the processor's check) quarantines its job the same way.
+    let nul = job("doc-nul", 1, json!({ "text": "x" }));
+    let id = accept_all(&acceptor, &it, &[nul]).await[0];
+    let event_id: Uuid = sqlx::query_scalar("SELECT event_id FROM job_events WHERE job_id = $1")
+        .bind(id)
+        .fetch_one(&it.pool)
+        .await
+        .unwrap();
+    let consumed =
+        Consumed { group: "test".into(), event_id, topic: "t".into(), partition: 0, offset: 99 };
+    let dispatch = Dispatch {
+        job_id: id,
+        event_id,
+        input_version: 1,
+        stream_version: 1,
+        trace: None,
+        consumed: consumed.clone(),
+    };
+    let Leased::Run(leased) = leaser.submit(dispatch).await.unwrap() else { panic!("not leased") };
+    let context = JobContext {
+        job_id: id,
+        document_id: leased.document_id.clone(),
+        kind: leased.kind.clone(),
+        input_version: 1,
+        input: leased.payload.clone(),
+        attempt: leased.attempt,
+        generation: leased.generation,
+        trace: None,
+    };
+    let attempt = Attempt {
+        job: *leased,
+        context,
+        result: Ok(json!({ "t": "a\u{0}b" })),
+        consumed,
+        trace: None,
+    };
+    let done = complete::complete_all(&it.config, &it.pool, &events, &handler, &[attempt]).await;
+    assert!(matches!(done[0], Ok(Completed::Committed { outcome: "quarantined", .. })), "{done:?}");
     it.cleanup().await;
 }
 
@@ -887,5 +929,107 @@ async fn a_batch_appends_only_to_jobs_no_later_transaction_wrote() {
     assert!(c_row[0].fresh_xid);
     events.append(&mut batch, &mut c_row[0], due(), None, None).await.unwrap();
     batch.commit().await.unwrap();
+    it.cleanup().await;
+}
+
+/// A job whose result is larger than `processor.max_output_bytes` (its `JobSucceeded` would
+/// be too large for the topic) ends quarantined with the reason, while every other
+/// document's jobs and retries succeed, the relay's cursor keeps moving and no event is sent
+/// twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_result_too_large_for_the_topic_costs_only_its_own_job() {
+    let mut it = Installation::new("proc-large").await;
+    fast(&mut it);
+    it.config.processor.max_output_bytes = 64 * 1024;
+    it.create_topics().await;
+    let acceptor = it.acceptor().await;
+    let pipeline = Pipeline::start(&it, true);
+
+    // 20,000 distinct words: the index's term list is far over 64 KiB.
+    let text: String = (0..20_000).map(|i| format!("w{i} ")).collect();
+    let mut jobs = vec![job("doc-huge", 1, json!({ "text": text }))];
+    for i in 0..30 {
+        let simulate = if i % 3 == 0 { json!({ "fail_attempts": 1 }) } else { json!({}) };
+        jobs.push(job(&format!("doc-{i}"), 1, json!({ "text": "ok", "simulate": simulate })));
+    }
+    let ids = accept_all(&acceptor, &it, &jobs).await;
+    eventually(Duration::from_secs(60), "every job to finish", || all_finished(&it, 31)).await;
+    eventually(Duration::from_secs(30), "every event published", || async {
+        it.unpublished().await == 0
+    })
+    .await;
+    pipeline.stop().await;
+
+    let (state, reason): (String, String) = sqlx::query_as(
+        "SELECT j.state::text, q.reason FROM jobs j JOIN quarantine q USING (job_id) \
+         WHERE j.job_id = $1",
+    )
+    .bind(ids[0])
+    .fetch_one(&it.pool)
+    .await
+    .unwrap();
+    assert_eq!(state, "quarantined");
+    assert!(reason.contains("processor.max_output_bytes"), "{reason}");
+    assert_eq!(states(&it).await, [("quarantined".into(), 1), ("succeeded".into(), 30)]);
+    let retried = count_where(&it, "SELECT count(*) FROM jobs WHERE attempt = 2").await;
+    assert_eq!(retried, 10, "the retries ran and succeeded");
+    assert_eq!(it.count("relay_parked").await, 0);
+    let logged = it.count("job_events").await;
+    assert_eq!(jobfold_tests::harness::events_on_topic(&it), logged, "each event once on Kafka");
+    assert_exactly_one_write_per_success(&it).await;
+    it.cleanup().await;
+}
+
+/// A dispatch event whose lease Postgres refuses (a corrupt copy on the topic whose trace
+/// state holds U+0000, which the `JobLeased` row cannot store) is dead-lettered with the
+/// reason; the partition moves on and the job runs from its genuine event.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_dispatch_postgres_refuses_to_lease_is_dead_lettered_and_the_partition_moves_on() {
+    use jobfold_schemas::codec::{decode_body, split_frame};
+    use jobfold_schemas::event::{JOB_EVENT_SCHEMA, TraceContext};
+    use rdkafka::producer::{FutureProducer, FutureRecord};
+
+    let mut it = Installation::new("proc-leasenul").await;
+    fast(&mut it);
+    it.create_topics().await;
+    let acceptor = it.acceptor().await;
+    let ids = accept_all(&acceptor, &it, &[job("doc-1", 1, json!({ "text": "x" }))]).await;
+    let body: Vec<u8> = sqlx::query_scalar("SELECT body FROM job_events WHERE job_id = $1")
+        .bind(ids[0])
+        .fetch_one(&it.pool)
+        .await
+        .unwrap();
+    let (_, avro) = split_frame(&body).unwrap();
+    let mut forged: jobfold_schemas::JobEvent = decode_body(0, &JOB_EVENT_SCHEMA, avro).unwrap();
+    forged.trace = Some(TraceContext {
+        traceparent: "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01".into(),
+        tracestate: Some("vendor=a\0b".into()),
+    });
+    let codec = jobfold_schemas::Codec::<jobfold_schemas::JobEvent>::connect(
+        it.registry(),
+        &it.config.topics.events,
+    )
+    .await
+    .unwrap();
+    let producer: FutureProducer = jobfold_tests::kafka::client_config().create().unwrap();
+    producer
+        .send(
+            FutureRecord::to(&it.config.topics.events)
+                .key("doc-1")
+                .payload(&codec.encode(&forged).unwrap()),
+            rdkafka::util::Timeout::Never,
+        )
+        .await
+        .map_err(|(e, _)| e)
+        .unwrap();
+
+    let pipeline = Pipeline::start(&it, true);
+    eventually(Duration::from_secs(60), "the job to succeed", || all_finished(&it, 1)).await;
+    pipeline.stop().await;
+    let errors: Vec<String> =
+        sqlx::query_scalar("SELECT error FROM dead_letters").fetch_all(&it.pool).await.unwrap();
+    assert_eq!(errors.len(), 1, "{errors:?}");
+    assert!(errors[0].contains("22021"), "{errors:?}");
+    assert_eq!(states(&it).await, [("succeeded".into(), 1)]);
     it.cleanup().await;
 }

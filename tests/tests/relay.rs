@@ -278,6 +278,70 @@ async fn invalid_configuration_exits_2_naming_the_key() {
     let mut relay = Service::start("jobfold-relay", &env);
     assert_eq!(relay.wait_exit(Duration::from_secs(30)).unwrap().code(), Some(2));
     assert!(relay.log_text().contains("batch_size"), "{}", relay.log_text());
+    env.remove("JOBFOLD_RELAY__BATCH_SIZE");
+
+    // A misspelt variable is refused, naming the nearest key, not silently ignored.
+    let mut misspelt = env.clone();
+    misspelt.insert("JOBFOLD_DATABSE_URL".into(), "postgres://x@127.0.0.1/x".into());
+    let mut relay = Service::start("jobfold-relay", &misspelt);
+    assert_eq!(relay.wait_exit(Duration::from_secs(30)).unwrap().code(), Some(2));
+    let log = relay.log_text();
+    assert!(log.contains("JOBFOLD_DATABSE_URL") && log.contains("JOBFOLD_DATABASE_URL"), "{log}");
+
+    // An option librdkafka does not know, or a value it does not take: exit 2 naming it.
+    for (option, value, named) in [
+        ("JOBFOLD_KAFKA__LINGER_MSS", "5", "linger.mss"),
+        ("JOBFOLD_KAFKA__LINGER_MS", "soon", "linger.ms"),
+    ] {
+        let mut bad = env.clone();
+        bad.insert(option.into(), value.into());
+        let mut relay = Service::start("jobfold-relay", &bad);
+        assert_eq!(relay.wait_exit(Duration::from_secs(30)).unwrap().code(), Some(2));
+        let log = relay.log_text();
+        assert!(log.contains(named) && log.contains(option), "{log}");
+    }
+
+    // Limits under which an accepted job could make an event the topic refuses: exit 2,
+    // naming both settings.
+    let mut large = env.clone();
+    large.insert("JOBFOLD_PROCESSOR__MAX_OUTPUT_BYTES".into(), "2000000".into());
+    for binary in ["jobfold-relay", "jobfold-processor"] {
+        let mut service = Service::start(binary, &large);
+        assert_eq!(service.wait_exit(Duration::from_secs(60)).unwrap().code(), Some(2));
+        let log = service.log_text();
+        assert!(
+            log.contains("processor.max_output_bytes") && log.contains("max.message.bytes"),
+            "{binary}: {log}"
+        );
+    }
+    it.cleanup().await;
+}
+
+/// An unreachable database or broker is reported with its address, the broker's within
+/// seconds (the binary goes on trying for a while, as for a broker still starting).
+#[tokio::test]
+async fn an_unreachable_database_or_broker_is_named() {
+    let it = Installation::new("relayunreach").await;
+    let port = jobfold_tests::harness::free_port();
+    let mut env = it.env();
+    env.insert(
+        "JOBFOLD_DATABASE_URL".into(),
+        format!("postgres://jobfold:secret@127.0.0.1:{port}/jobfold"),
+    );
+    let mut relay = Service::start("jobfold-relay", &env);
+    assert_eq!(relay.wait_exit(Duration::from_secs(30)).unwrap().code(), Some(1));
+    let log = relay.log_text();
+    assert!(log.contains(&format!("127.0.0.1:{port}/jobfold")), "{log}");
+    assert!(!log.contains("secret"), "the password is not shown: {log}");
+
+    let mut env = it.env();
+    env.insert("JOBFOLD_KAFKA_BROKERS".into(), format!("127.0.0.1:{port}"));
+    let mut relay = Service::start("jobfold-relay", &env);
+    eventually(Duration::from_secs(20), "the unreachable broker named in the log", || async {
+        relay.log_text().contains(&format!("Kafka does not answer at 127.0.0.1:{port}"))
+    })
+    .await;
+    relay.kill9();
     it.cleanup().await;
 }
 
