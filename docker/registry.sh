@@ -26,15 +26,24 @@ start() {
     port_open "$JOBFOLD_REGISTRY_PORT" && die "registry: 127.0.0.1:$JOBFOLD_REGISTRY_PORT is taken by another process (set JOBFOLD_REGISTRY_PORT)"
     local t0=$SECONDS
     mkdir -p "$DIR"
-    # JOBFOLD_REGISTRY_PROFILE=release reuses a `cargo build --release` (as `jobfold demo` does).
-    local profile="${JOBFOLD_REGISTRY_PROFILE:-debug}" flag=()
+    # JOBFOLD_REGISTRY_PROFILE=release|debug picks the build (`jobfold demo` passes its own).
+    # Unset: the profile already built — the stand-in of either profile, else the profile
+    # whose dependencies a `cargo build [--release]` compiled — so nothing is built twice.
+    local target profile="${JOBFOLD_REGISTRY_PROFILE:-}" flag=()
+    target="$(cd "$JOBFOLD_ROOT" && cargo metadata --format-version 1 --no-deps \
+        | sed -n 's/.*"target_directory":"\([^"]*\)".*/\1/p')"
+    if [[ -z "$profile" ]]; then
+        if [[ -x "$target/release/jobfold-registry-standin" ]]; then profile=release
+        elif [[ -x "$target/debug/jobfold-registry-standin" ]]; then profile=debug
+        elif [[ -d "$target/release/deps" && ! -d "$target/debug/deps" ]]; then profile=release
+        else profile=debug
+        fi
+    fi
     [[ "$profile" == release ]] && flag=(--release)
     say "registry: building jobfold-registry-standin ($profile)"
     (cd "$JOBFOLD_ROOT" && cargo build --quiet "${flag[@]}" -p jobfold-tests --bin jobfold-registry-standin) \
         || die "registry: building the stand-in failed"
-    local bin
-    bin="$(cd "$JOBFOLD_ROOT" && cargo metadata --format-version 1 --no-deps \
-        | sed -n 's/.*"target_directory":"\([^"]*\)".*/\1/p')/$profile/jobfold-registry-standin"
+    local bin="$target/$profile/jobfold-registry-standin"
     setsid "$bin" --listen "127.0.0.1:$JOBFOLD_REGISTRY_PORT" --state-file "$DIR/registry.json" \
         >>"$LOG" 2>&1 </dev/null &
     echo $! >"$PIDFILE"

@@ -39,6 +39,8 @@ pub const INTAKE_DUPLICATES_TOTAL: &str = "jobfold_intake_duplicates_total";
 
 /// Jobs running in this processor.
 pub const IN_FLIGHT: &str = "jobfold_in_flight";
+/// Partitions of the events topic this processor holds in its consumer group.
+pub const ASSIGNED_PARTITIONS: &str = "jobfold_assigned_partitions";
 /// Attempts completed, by outcome: succeeded, retry_scheduled, quarantined, superseded.
 pub const COMPLETED_TOTAL: &str = "jobfold_completed_total";
 /// Redelivered dispatch events skipped by their dedupe row, without running anything.
@@ -121,6 +123,11 @@ pub fn describe() {
     );
     describe_counter!(DEAD_LETTERS_TOTAL, Unit::Count, "Undecodable messages dead-lettered.");
     describe_gauge!(IN_FLIGHT, Unit::Count, "Jobs running in this processor.");
+    describe_gauge!(
+        ASSIGNED_PARTITIONS,
+        Unit::Count,
+        "Partitions of the events topic this processor holds in its consumer group."
+    );
     describe_counter!(COMPLETED_TOTAL, Unit::Count, "Attempts completed, by outcome.");
     describe_counter!(
         DUPLICATES_SKIPPED_TOTAL,

@@ -57,6 +57,11 @@ impl Tracker {
         }
     }
 
+    /// How many partitions this consumer holds (assigned and not revoked).
+    pub fn held(&self) -> usize {
+        self.partitions.values().filter(|p| !p.revoked).count()
+    }
+
     /// Messages still running on `partitions`.
     pub fn in_flight(&self, partitions: &[i32]) -> usize {
         partitions.iter().filter_map(|p| self.partitions.get(p)).map(|s| s.in_flight.len()).sum()

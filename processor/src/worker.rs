@@ -117,15 +117,22 @@ impl ConsumerContext for WorkerContext {
             if let Err(e) = jobfold_common::kafka::commit_stored(consumer) {
                 tracing::warn!(error = %e, "Committing offsets on revoke failed.");
             }
-            tracing::info!(?partitions, "Partitions revoked.");
+            let held = self.tracker.lock().expect("tracker").held();
+            metrics::gauge!(pm::ASSIGNED_PARTITIONS).set(held as f64);
+            tracing::info!(?partitions, held, "Partitions revoked.");
         }
     }
 
     fn post_rebalance(&self, _consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
         if let Rebalance::Assign(list) = rebalance {
             let partitions: Vec<i32> = list.elements().iter().map(|e| e.partition()).collect();
-            self.tracker.lock().expect("tracker").assign(&partitions);
-            tracing::info!(?partitions, "Partitions assigned.");
+            let held = {
+                let mut tracker = self.tracker.lock().expect("tracker");
+                tracker.assign(&partitions);
+                tracker.held()
+            };
+            metrics::gauge!(pm::ASSIGNED_PARTITIONS).set(held as f64);
+            tracing::info!(?partitions, held, "Partitions assigned.");
         }
     }
 }

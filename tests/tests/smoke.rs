@@ -259,6 +259,7 @@ async fn migrations_apply_and_constraints_hold() {
             "partition_offsets",
             "quarantine",
             "relay_cursor",
+            "relay_parked",
         ]
     );
 

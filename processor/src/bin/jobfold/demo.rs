@@ -4,8 +4,10 @@
 //! It starts what is not running yet (the native Postgres, Kafka and registry scripts
 //! under `docker/`; without Java, librdkafka's in-process mock cluster as Kafka), creates a
 //! database and topics of its own, starts a relay and two processors as separate processes,
-//! submits document-indexing jobs over HTTP, shows live progress, kills one processor with
-//! SIGKILL, waits for every job to settle and checks the outcome from Postgres and the log.
+//! waits until both processors hold partitions, submits document-indexing jobs over HTTP
+//! spread over a fixed time, shows live progress, kills with SIGKILL the processor that holds
+//! partitions and running jobs at that moment, waits for every job to settle and checks the
+//! outcome from Postgres and the log.
 //! Ctrl-C stops everything it started.
 
 use std::collections::BTreeMap;
@@ -27,6 +29,24 @@ use tokio::process::{Child, Command};
 
 /// The processors' lease in the demo: a dead worker's jobs move on within seconds.
 pub(crate) const LEASE_TTL: Duration = Duration::from_secs(4);
+/// How long both processors may take to hold partitions before the workload starts.
+const GROUP_SETTLE: Duration = Duration::from_secs(45);
+/// How long the submissions are spread over, so the kill lands while jobs run however fast
+/// the machine: the full run, and `--short`.
+pub(crate) const WORKLOAD: Duration = Duration::from_secs(12);
+pub(crate) const SHORT_WORKLOAD: Duration = Duration::from_secs(7);
+
+/// The processor killed midway: what it held then, and when the other took over.
+#[derive(Debug)]
+struct Kill {
+    name: &'static str,
+    survivor: &'static str,
+    survivor_index: usize,
+    partitions: usize,
+    in_flight: i64,
+    at: Instant,
+    taken_over: Option<Duration>,
+}
 
 /// How big a run.
 #[derive(Debug, Clone, Copy)]
@@ -34,6 +54,8 @@ pub(crate) struct Size {
     pub(crate) documents: usize,
     /// Stop as soon as the summary is printed (tests), instead of running until Ctrl-C.
     pub(crate) exit: bool,
+    /// How long the submissions are spread over ([`WORKLOAD`], [`SHORT_WORKLOAD`]).
+    pub(crate) pace: Duration,
 }
 
 /// Which Kafka to use.
@@ -169,7 +191,39 @@ async fn demo(
     for p in &started.processes[1..3] {
         wait_ready(p.http).await?;
     }
-    println!("services up after {:.1} s\n", t0.elapsed().as_secs_f64());
+    println!("services up after {:.1} s", t0.elapsed().as_secs_f64());
+    // Both processors hold partitions before any job is submitted: otherwise one may take
+    // the whole workload and killing the other would show nothing.
+    let processors = [("processor-a", 1), ("processor-b", 2)];
+    let all_partitions = config.topics.partitions as usize;
+    let settle = Instant::now();
+    let split = loop {
+        let mut held = [0; 2];
+        for (slot, (_, i)) in processors.iter().enumerate() {
+            held[slot] = assigned_partitions(started.processes[*i].metrics).await.unwrap_or(0);
+        }
+        if held.iter().all(|&n| n > 0) && held.iter().sum::<usize>() == all_partitions {
+            println!(
+                "consumer group {}: processor-a holds {} partitions, processor-b {} ({:.1} s)\n",
+                config.processor.group,
+                held[0],
+                held[1],
+                settle.elapsed().as_secs_f64()
+            );
+            break true;
+        }
+        if settle.elapsed() >= GROUP_SETTLE {
+            println!(
+                "\n>>> the consumer group did not give both processors partitions within {:?} \
+                 (processor-a holds {}, processor-b {} of {all_partitions}): the broker has not \
+                 finished the rebalance, so a processor killed now may hold no work; the demo \
+                 goes on, and its kill check will say so.\n",
+                GROUP_SETTLE, held[0], held[1]
+            );
+            break false;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
 
     // 4. The workload, submitted over HTTP to both processors while they work.
     let ports = [started.processes[1].http, started.processes[2].http];
@@ -180,13 +234,13 @@ async fn demo(
         plan.iter().filter(|j| j.fail_attempts > 0).count(),
         plan.iter().filter(|j| j.retry_submit).count(),
     );
-    let mut submitter = Some(tokio::spawn(submit(plan, ports)));
+    let mut submitter = Some(tokio::spawn(submit(plan, ports, size.pace)));
 
-    // 5. Live progress; kill processor-b once a third of the jobs ended.
+    // 5. Live progress. Once a third of the jobs ended, kill -9 the processor that holds
+    //    work at that moment: partitions and leased jobs, read from its metrics and Postgres.
     let terminal = std::io::stdout().is_terminal();
     let mut metrics = MetricsSeen::default();
-    let mut killed: Option<(Instant, usize)> = None;
-    let mut taken_over = false;
+    let mut killed: Option<Kill> = None;
     let mut relay_crashed = false;
     let mut last_line = Instant::now() - Duration::from_secs(10);
     let mut submitted: Option<Submitted> = None;
@@ -219,31 +273,55 @@ async fn demo(
             );
         }
         if killed.is_none() && progress.ended() * 3 >= planned {
-            let victim = &mut started.processes[2];
-            let pid = victim.child.id().unwrap_or(0);
-            victim.child.start_kill()?;
-            let assigned = count_lines(&started.processes[1].log, "Partitions assigned");
-            if terminal {
-                println!();
+            let leased = leased_by_pid(&pool).await?;
+            let mut candidates = Vec::new();
+            for (name, i) in processors {
+                let process = &started.processes[i];
+                let pid = process.child.id().unwrap_or(0);
+                let partitions = assigned_partitions(process.metrics).await.unwrap_or(0);
+                let in_flight = leased.get(&pid).copied().unwrap_or(0);
+                if partitions > 0 && in_flight > 0 {
+                    candidates.push((in_flight, partitions, name, i, pid));
+                }
             }
-            println!(
-                "\n>>> kill -9 processor-b (pid {pid}) with {} jobs ended of {planned}: its leases expire in {:?}, its partitions move to processor-a after the session timeout\n",
-                progress.ended(),
-                LEASE_TTL
-            );
-            killed = Some((Instant::now(), assigned));
+            // The one with the most jobs running; none running now: look again next tick.
+            if let Some(&(in_flight, partitions, name, i, pid)) = candidates.iter().max() {
+                started.processes[i].child.start_kill()?;
+                let (survivor, survivor_index) =
+                    processors.into_iter().find(|(_, j)| *j != i).expect("two processors");
+                if terminal {
+                    println!();
+                }
+                println!(
+                    "\n>>> kill -9 {name} (pid {pid}) holding {partitions} partitions and {in_flight} jobs in flight, with {} jobs ended of {planned}: its leases expire in {:?}, its partitions move to {survivor} after the session timeout\n",
+                    progress.ended(),
+                    LEASE_TTL
+                );
+                killed = Some(Kill {
+                    name,
+                    survivor,
+                    survivor_index,
+                    partitions,
+                    in_flight,
+                    at: Instant::now(),
+                    taken_over: None,
+                });
+            }
         }
-        if let Some((at, assigned)) = killed
-            && !taken_over
-            && count_lines(&started.processes[1].log, "Partitions assigned") > assigned
+        if let Some(kill) = &mut killed
+            && kill.taken_over.is_none()
+            && assigned_partitions(started.processes[kill.survivor_index].metrics).await
+                == Some(all_partitions)
         {
-            taken_over = true;
+            kill.taken_over = Some(kill.at.elapsed());
             if terminal {
                 println!();
             }
             println!(
-                "\n>>> processor-a took over processor-b's partitions {:.1} s after the kill\n",
-                at.elapsed().as_secs_f64()
+                "\n>>> {} took over {}'s partitions {:.1} s after the kill: it holds all {all_partitions}\n",
+                kill.survivor,
+                kill.name,
+                kill.at.elapsed().as_secs_f64()
             );
         }
         if let Some(s) = &submitted
@@ -267,12 +345,14 @@ async fn demo(
     // 6. The summary, checked.
     let submitted = submitted.expect("set before the loop ends");
     let ok =
-        summary(&config, &pool, &submitted, &metrics, t0.elapsed(), killed.is_some(), taken_over)
-            .await?;
+        summary(&config, &pool, &submitted, &metrics, t0.elapsed(), killed.as_ref(), split).await?;
 
     // 7. Where to look next.
-    let a = &started.processes[1];
-    println!("\nWhere to look next (processor-a keeps serving until Ctrl-C):");
+    let (survivor, a) = match &killed {
+        Some(kill) => (kill.survivor, &started.processes[kill.survivor_index]),
+        None => ("processor-a", &started.processes[1]),
+    };
+    println!("\nWhere to look next ({survivor} keeps serving until Ctrl-C):");
     println!("  metrics        http://127.0.0.1:{}/metrics", a.metrics);
     println!("  status API     http://127.0.0.1:{}/v1/jobs/{}", a.http, submitted.sample_job);
     println!(
@@ -504,12 +584,16 @@ struct Submitted {
     sample_job: String,
 }
 
-async fn submit(plan: Vec<Planned>, ports: [u16; 2]) -> anyhow::Result<Submitted> {
+async fn submit(plan: Vec<Planned>, ports: [u16; 2], pace: Duration) -> anyhow::Result<Submitted> {
     let client = reqwest::Client::builder().timeout(Duration::from_secs(10)).build()?;
     let mut out = Submitted { accepted: 0, idempotent_replays: 0, sample_job: String::new() };
-    // Spread over a few seconds, so the kill lands while jobs run.
-    let pause = Duration::from_micros((4_000_000 / plan.len().max(1)) as u64);
+    // Spread over `pace`, each job due at its share of it, so the kill lands while jobs
+    // run: on a fast machine the workload lasts as long, on a slow one it is not longer.
+    let started = Instant::now();
+    let step = pace / u32::try_from(plan.len().max(1)).unwrap_or(u32::MAX);
     for (i, job) in plan.iter().enumerate() {
+        let due = started + step * u32::try_from(i).unwrap_or(u32::MAX);
+        tokio::time::sleep_until(due.into()).await;
         let input = if job.invalid {
             json!({"title": "no text field"})
         } else {
@@ -559,7 +643,6 @@ async fn submit(plan: Vec<Planned>, ports: [u16; 2]) -> anyhow::Result<Submitted
                 }
             }
         }
-        tokio::time::sleep(pause).await;
     }
     Ok(out)
 }
@@ -575,13 +658,13 @@ struct Progress {
 impl Progress {
     async fn read(pool: &PgPool) -> anyhow::Result<Self> {
         let states = gauges::totals(pool).await?;
+        // Published: events on Kafka — every event of the log but those the relay still owes
+        // (after its cursor, waiting in the outbox, or parked).
+        let unpublished = gauges::unpublished(pool).await?;
         // language=PostgreSQL
-        let (unpublished, published): (i64, i64) = sqlx::query_as(
-            "SELECT count(*) FILTER (WHERE published_at IS NULL), count(*) FILTER (WHERE published_at IS NOT NULL) FROM outbox",
-        )
-        .fetch_one(pool)
-        .await?;
-        Ok(Self { states, unpublished, published })
+        let events: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM job_events").fetch_one(pool).await?;
+        Ok(Self { states, unpublished, published: events - unpublished })
     }
 
     fn get(&self, state: &str) -> i64 {
@@ -652,6 +735,33 @@ async fn scrape(port: u16) -> Option<String> {
     client.get(format!("http://127.0.0.1:{port}/metrics")).send().await.ok()?.text().await.ok()
 }
 
+/// The partitions a processor holds, from its `/metrics`; `None` if it does not answer.
+async fn assigned_partitions(metrics_port: u16) -> Option<usize> {
+    let text = scrape(metrics_port).await?;
+    let value = text.lines().find_map(|l| {
+        let (series, value) = l.rsplit_once(' ')?;
+        (series == jobfold_common::metrics::ASSIGNED_PARTITIONS).then_some(value)
+    });
+    Some(value.and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0) as usize)
+}
+
+/// Jobs under a live lease, by the pid of the processor holding it (leases are owned by
+/// `host/pid`).
+async fn leased_by_pid(pool: &PgPool) -> anyhow::Result<BTreeMap<u32, i64>> {
+    // language=PostgreSQL
+    let rows: Vec<(String, i64)> = sqlx::query_as(
+        "SELECT lease_owner, count(*) FROM jobs \
+         WHERE state = 'leased' AND lease_until > now() AND lease_owner IS NOT NULL \
+         GROUP BY lease_owner",
+    )
+    .fetch_all(pool)
+    .await?;
+    Ok(rows
+        .into_iter()
+        .filter_map(|(owner, n)| Some((owner.rsplit_once('/')?.1.parse().ok()?, n)))
+        .collect())
+}
+
 fn count_lines(log: &Path, needle: &str) -> usize {
     std::fs::read_to_string(log).map(|t| t.matches(needle).count()).unwrap_or(0)
 }
@@ -663,8 +773,8 @@ async fn summary(
     submitted: &Submitted,
     metrics: &MetricsSeen,
     took: Duration,
-    killed: bool,
-    taken_over: bool,
+    killed: Option<&Kill>,
+    split: bool,
 ) -> anyhow::Result<bool> {
     let progress = Progress::read(pool).await?;
     let check = |ok: bool| if ok { "ok  " } else { "FAIL" };
@@ -699,11 +809,31 @@ async fn summary(
             "{doubled} duplicate business writes: {writes} index writes for {s} succeeded jobs"
         ),
     );
-    line(
-        killed && taken_over,
-        "processor-b was killed with SIGKILL midway and processor-a took over its partitions"
-            .into(),
-    );
+    match killed {
+        Some(kill) => line(
+            kill.partitions > 0 && kill.in_flight > 0 && kill.taken_over.is_some(),
+            format!(
+                "{} was killed with SIGKILL holding {} partitions and {} jobs in flight, and {} took over its partitions{}",
+                kill.name,
+                kill.partitions,
+                kill.in_flight,
+                kill.survivor,
+                kill.taken_over
+                    .map(|t| format!(" {:.1} s later", t.as_secs_f64()))
+                    .unwrap_or_else(|| " (not seen)".into()),
+            ),
+        ),
+        None if !split => line(
+            false,
+            format!(
+                "no processor was killed: the consumer group never gave both processors partitions within {GROUP_SETTLE:?}, so no kill could show a take-over"
+            ),
+        ),
+        None => line(
+            false,
+            "no processor was killed: neither held partitions and jobs in flight at once while the workload ran".into(),
+        ),
+    }
     // language=PostgreSQL
     let (documents, wrong): (i64, i64) = sqlx::query_as(
         r#"

@@ -321,7 +321,8 @@ async fn run(config: Config, command: Command) -> anyhow::Result<()> {
         }
         Command::Demo { short, documents, kafka, exit } => {
             let documents = documents.unwrap_or(if short { 40 } else { 150 });
-            demo::run(config, demo::Size { documents, exit: exit || short }, kafka).await?;
+            let pace = if short { demo::SHORT_WORKLOAD } else { demo::WORKLOAD };
+            demo::run(config, demo::Size { documents, exit: exit || short, pace }, kafka).await?;
         }
         Command::Bench { full, smoke, output, replay } => {
             let table = match replay {
