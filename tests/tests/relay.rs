@@ -736,7 +736,23 @@ async fn an_event_kafka_refuses_is_parked_and_every_other_document_flows() {
     let listed = parked::list(&it.pool, 10).await.unwrap();
     assert_eq!(listed[0].seq, refused);
     assert_eq!(listed[0].event, "JobRequested");
-    assert_eq!(parked::drop_refused(&it.pool, &Selection::Seq(refused)).await.unwrap(), 1);
+    // What an operator sees and does: `jobfold parked list`, then `jobfold parked drop SEQ`.
+    let cli = |args: &[&str]| {
+        let output = jobfold_tests::harness::jobfold_cli()
+            .env("JOBFOLD_DATABASE_URL", it.config.database_url.expose())
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(output.status.success(), "{args:?}: {}", String::from_utf8_lossy(&output.stderr));
+        String::from_utf8(output.stdout).unwrap()
+    };
+    let list = cli(&["parked", "list"]);
+    assert!(
+        list.contains("refused") && list.contains("doc-drop") && list.contains("waiting"),
+        "{list}"
+    );
+    let dropped = cli(&["parked", "drop", &refused.to_string()]);
+    assert!(dropped.contains("1 refused event(s) dropped"), "{dropped}");
     eventually(Duration::from_secs(30), "doc-drop v2 published", || async {
         parked_rows(&it).await.is_empty() && events_on_topic(&it) == 55
     })

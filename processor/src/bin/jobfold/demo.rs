@@ -568,7 +568,7 @@ fn plan(documents: usize) -> Vec<Planned> {
                 version,
                 invalid: d % 20 == 7 && version == 1,
                 fail_attempts: if d % 10 == 3 { rng.random_range(1..=2) } else { 0 },
-                sleep_ms: rng.random_range(20..120),
+                sleep_ms: rng.random_range(100..600),
                 retry_submit: d % 12 == 5,
             });
         }
