@@ -39,6 +39,9 @@ pub const INTAKE_DUPLICATES_TOTAL: &str = "jobfold_intake_duplicates_total";
 
 /// Jobs running in this processor.
 pub const IN_FLIGHT: &str = "jobfold_in_flight";
+/// Documents whose next job is of a kind this processor has no handler for: they wait
+/// (a rolling deploy adding a kind) rather than being quarantined.
+pub const WAITING_FOR_HANDLER: &str = "jobfold_waiting_for_handler";
 /// Partitions of the events topic this processor holds in its consumer group.
 pub const ASSIGNED_PARTITIONS: &str = "jobfold_assigned_partitions";
 /// Attempts completed, by outcome: succeeded, retry_scheduled, quarantined, superseded.
@@ -123,6 +126,11 @@ pub fn describe() {
     );
     describe_counter!(DEAD_LETTERS_TOTAL, Unit::Count, "Undecodable messages dead-lettered.");
     describe_gauge!(IN_FLIGHT, Unit::Count, "Jobs running in this processor.");
+    describe_gauge!(
+        WAITING_FOR_HANDLER,
+        Unit::Count,
+        "Documents whose next job waits for a kind this processor has no handler for."
+    );
     describe_gauge!(
         ASSIGNED_PARTITIONS,
         Unit::Count,

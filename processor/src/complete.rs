@@ -13,7 +13,6 @@
 //! attempts are completed again one transaction each, so one bad attempt fails alone.
 
 use std::collections::HashMap;
-use std::sync::Arc;
 
 use chrono::Utc;
 use jobfold_common::config::Config;
@@ -23,7 +22,7 @@ use sqlx::PgPool;
 use uuid::Uuid;
 
 use crate::batch::Batcher;
-use crate::handler::{Committed, ErrorClass, Handler, HandlerError, JobContext};
+use crate::handler::{Committed, ErrorClass, HandlerError, Handlers, JobContext};
 use crate::store::{self, Consumed, Events, JobRow, Outcome};
 
 /// Attempts committed in one transaction, at most.
@@ -59,29 +58,24 @@ pub type Completer = Batcher<Attempt, Completed>;
 
 /// Starts the completing task; it ends when every clone of the returned [`Completer`] is
 /// dropped.
-pub fn start<H: Handler>(
-    config: Config,
-    pool: PgPool,
-    events: Events,
-    handler: Arc<H>,
-) -> Completer {
+pub fn start(config: Config, pool: PgPool, events: Events, handlers: Handlers) -> Completer {
     Batcher::start("completion", BATCH, WORKERS, move |attempts: Vec<Attempt>| {
-        let (config, pool, events, handler) =
-            (config.clone(), pool.clone(), events.clone(), Arc::clone(&handler));
-        async move { complete_all(&config, &pool, &events, &*handler, &attempts).await }
+        let (config, pool, events, handlers) =
+            (config.clone(), pool.clone(), events.clone(), handlers.clone());
+        async move { complete_all(&config, &pool, &events, &handlers, &attempts).await }
     })
 }
 
 /// Commits `attempts` in one transaction; if it fails, each in a transaction of its own.
 /// What became of each, in their order.
-pub async fn complete_all<H: Handler>(
+pub async fn complete_all(
     config: &Config,
     pool: &PgPool,
     events: &Events,
-    handler: &H,
+    handlers: &Handlers,
     attempts: &[Attempt],
 ) -> Vec<anyhow::Result<Completed>> {
-    let batch = Batch { config, pool, events, handler };
+    let batch = Batch { config, pool, events, handlers };
     if attempts.len() == 1 {
         return vec![batch.complete_alone(&attempts[0]).await];
     }
@@ -102,14 +96,14 @@ pub async fn complete_all<H: Handler>(
     }
 }
 
-struct Batch<'a, H> {
+struct Batch<'a> {
     config: &'a Config,
     pool: &'a PgPool,
     events: &'a Events,
-    handler: &'a H,
+    handlers: &'a Handlers,
 }
 
-impl<H: Handler> Batch<'_, H> {
+impl Batch<'_> {
     /// One attempt in a transaction of its own. If Postgres refuses what the attempt writes
     /// (a data error, class 22 or 23), that is the job's fault, not an outage: the attempt
     /// is completed again as a permanent failure naming the error, so the job is
@@ -136,6 +130,21 @@ impl<H: Handler> Batch<'_, H> {
             "the result cannot be stored: Postgres refused it ({code}): {message}"
         )));
         self.complete(std::slice::from_ref(&refused)).await.map(|mut done| done.remove(0))
+    }
+
+    /// The business write of `attempt`'s handler.
+    async fn commit(
+        &self,
+        tx: &mut sqlx::PgConnection,
+        attempt: &Attempt,
+        output: &Value,
+    ) -> anyhow::Result<Committed> {
+        let kind = &attempt.context.kind;
+        let handler = self
+            .handlers
+            .get(kind)
+            .ok_or_else(|| anyhow::anyhow!("no handler for kind {kind:?} in this processor"))?;
+        Ok(handler.commit_boxed(tx, &attempt.context, output).await?)
     }
 
     /// One transaction for `attempts`; what became of each, in their order.
@@ -175,7 +184,7 @@ impl<H: Handler> Batch<'_, H> {
             };
             consumed.push(attempt.consumed.clone());
             let outcome = match &attempt.result {
-                Ok(output) => match self.handler.commit(&mut tx, &attempt.context, output).await? {
+                Ok(output) => match self.commit(&mut tx, attempt, output).await? {
                     Committed::Applied => {
                         successes.push((i, job, output.clone()));
                         continue;

@@ -11,6 +11,11 @@
 //! Side effects outside Postgres (payments, e-mail) are not covered by that commit: pass
 //! [`JobContext::idempotency_key`] to the outside system, so a repeated run is recognised
 //! there.
+//!
+//! A processor runs several kinds: [`Handlers`] holds one handler per kind, through the
+//! object-safe [`ErasedHandler`] that every [`Handler`] is (register them with
+//! [`crate::Processor::handler`]). A panic in `run` is caught and ends the attempt as a
+//! retryable failure; the heartbeat stops with the run.
 
 use std::future::Future;
 
@@ -103,5 +108,89 @@ pub trait Handler: Send + Sync + 'static {
     ) -> impl Future<Output = Result<Committed, sqlx::Error>> + Send {
         let _ = (tx, job, output);
         async { Ok(Committed::Applied) }
+    }
+}
+
+/// A boxed future, as [`ErasedHandler`] returns.
+pub type BoxFuture<'a, T> = std::pin::Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// The object-safe form of [`Handler`], so that handlers of different kinds sit in one
+/// [`Handlers`] registry. Every [`Handler`] is one; implement [`Handler`], not this.
+pub trait ErasedHandler: Send + Sync + 'static {
+    /// [`Handler::run`], boxed.
+    fn run_boxed<'a>(
+        &'a self,
+        job: &'a JobContext,
+        cancel: CancellationToken,
+    ) -> BoxFuture<'a, Result<Value, HandlerError>>;
+
+    /// [`Handler::commit`], boxed.
+    fn commit_boxed<'a>(
+        &'a self,
+        tx: &'a mut PgConnection,
+        job: &'a JobContext,
+        output: &'a Value,
+    ) -> BoxFuture<'a, Result<Committed, sqlx::Error>>;
+}
+
+impl<H: Handler> ErasedHandler for H {
+    fn run_boxed<'a>(
+        &'a self,
+        job: &'a JobContext,
+        cancel: CancellationToken,
+    ) -> BoxFuture<'a, Result<Value, HandlerError>> {
+        Box::pin(self.run(job, cancel))
+    }
+
+    fn commit_boxed<'a>(
+        &'a self,
+        tx: &'a mut PgConnection,
+        job: &'a JobContext,
+        output: &'a Value,
+    ) -> BoxFuture<'a, Result<Committed, sqlx::Error>> {
+        Box::pin(self.commit(tx, job, output))
+    }
+}
+
+/// The handlers a processor runs, by job kind. Cheap to clone.
+///
+/// ```
+/// # use jobfold_processor::handler::Handlers;
+/// # use jobfold_processor::index::{IndexDocument, KIND};
+/// let handlers = Handlers::new().with(KIND, IndexDocument);
+/// assert!(handlers.get(KIND).is_some());
+/// ```
+#[derive(Clone, Default)]
+pub struct Handlers {
+    by_kind: std::collections::BTreeMap<String, std::sync::Arc<dyn ErasedHandler>>,
+}
+
+impl std::fmt::Debug for Handlers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_set().entries(self.by_kind.keys()).finish()
+    }
+}
+
+impl Handlers {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Registers `handler` for jobs of `kind`; a later registration of the same kind
+    /// replaces it.
+    #[must_use]
+    pub fn with(mut self, kind: impl Into<String>, handler: impl Handler) -> Self {
+        self.by_kind.insert(kind.into(), std::sync::Arc::new(handler));
+        self
+    }
+
+    /// The handler of `kind`, if one is registered.
+    pub fn get(&self, kind: &str) -> Option<&std::sync::Arc<dyn ErasedHandler>> {
+        self.by_kind.get(kind)
+    }
+
+    /// The registered kinds, in order.
+    pub fn kinds(&self) -> impl Iterator<Item = &str> {
+        self.by_kind.keys().map(String::as_str)
     }
 }

@@ -59,9 +59,6 @@ impl Handler for IndexDocument {
         job: &JobContext,
         cancel: CancellationToken,
     ) -> Result<Value, HandlerError> {
-        if job.kind != KIND {
-            return Err(HandlerError::permanent(format!("no handler for job kind {:?}", job.kind)));
-        }
         let simulate = job.input.get("simulate").cloned().unwrap_or(Value::Null);
         if let Some(ms) = simulate.get("sleep_ms").and_then(Value::as_u64) {
             tokio::select! {

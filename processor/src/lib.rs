@@ -50,11 +50,62 @@ use tokio_util::sync::CancellationToken;
 /// Request bodies may exceed the input limit by this much (the other fields).
 pub const BODY_OVERHEAD_BYTES: usize = 4096;
 
-/// Runs the processor until `shutdown` is cancelled or a part fails (which stops the rest).
+/// Runs the shipped processor — the example `index-document` handler — until `shutdown` is
+/// cancelled or a part fails (which stops the rest). To run kinds of your own, embed a
+/// [`Processor`] instead.
 ///
 /// # Errors
 /// Start-up failed, or a part failed.
 pub async fn run(config: Config, shutdown: CancellationToken) -> anyhow::Result<()> {
+    Processor::builder(config).handler(index::KIND, index::IndexDocument).run(shutdown).await
+}
+
+/// A processor to embed in a binary of your own, with the handlers it runs, by kind:
+///
+/// ```no_run
+/// # use jobfold_processor::{Processor, index::IndexDocument};
+/// # async fn example(config: jobfold_common::config::Config) -> anyhow::Result<()> {
+/// let shutdown = jobfold_common::shutdown::on_signal();
+/// Processor::builder(config).handler("index-document", IndexDocument).run(shutdown).await
+/// # }
+/// ```
+///
+/// A job whose kind has no handler here is neither run nor quarantined: its document waits
+/// (`jobfold_waiting_for_handler`) until a processor that has the handler takes its partition,
+/// as in a rolling deploy that adds a kind.
+#[derive(Debug)]
+pub struct Processor {
+    config: Config,
+    handlers: handler::Handlers,
+}
+
+impl Processor {
+    /// A processor with no handlers yet.
+    pub fn builder(config: Config) -> Self {
+        Self { config, handlers: handler::Handlers::new() }
+    }
+
+    /// Runs jobs of `kind` with `handler`.
+    #[must_use]
+    pub fn handler(mut self, kind: impl Into<String>, handler: impl handler::Handler) -> Self {
+        self.handlers = self.handlers.with(kind, handler);
+        self
+    }
+
+    /// Runs until `shutdown` is cancelled or a part fails (which stops the rest).
+    ///
+    /// # Errors
+    /// Start-up failed, or a part failed.
+    pub async fn run(self, shutdown: CancellationToken) -> anyhow::Result<()> {
+        serve(self.config, self.handlers, shutdown).await
+    }
+}
+
+async fn serve(
+    config: Config,
+    handlers: handler::Handlers,
+    shutdown: CancellationToken,
+) -> anyhow::Result<()> {
     let pool = db::connect_and_migrate(&config, config.processor.db_connections).await?;
     kafka::ensure_topics(&config, &kafka::jobfold_topics(&config))
         .await
@@ -92,7 +143,7 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> anyhow::Result<
             pool.clone(),
             codec.decoder().clone(),
             events,
-            index::IndexDocument,
+            handlers,
             shutdown.clone(),
         ));
     }

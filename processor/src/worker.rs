@@ -35,6 +35,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
+use futures::FutureExt;
 use jobfold_common::config::{Config, MAX_ERROR_BYTES};
 use jobfold_common::failpoint;
 use jobfold_schemas::{Decoder, JobEvent};
@@ -45,10 +46,11 @@ use rdkafka::{ClientContext, Message, Statistics};
 use sqlx::PgPool;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::AbortOnDropHandle;
 use tracing::Instrument;
 
 use crate::complete::{Attempt, Completed, Completer};
-use crate::handler::{Handler, HandlerError, JobContext};
+use crate::handler::{HandlerError, Handlers, JobContext};
 use crate::lease::{Dispatch, Leased, Leaser};
 use crate::offsets::{Ticket, Tracker};
 use crate::store::{self, Consumed, Events};
@@ -145,13 +147,16 @@ struct Queued {
 }
 
 /// What the tasks share.
-struct Shared<H> {
+struct Shared {
     config: Config,
     pool: PgPool,
     consumer: Arc<StreamConsumer<WorkerContext>>,
     decoder: Decoder<JobEvent>,
     events: Events,
-    handler: Arc<H>,
+    /// The handlers this processor runs, by kind.
+    handlers: Handlers,
+    /// Documents whose next job waits for a kind this processor has no handler for.
+    waiting_for_handler: std::sync::atomic::AtomicI64,
     /// Leases dispatches, several to a transaction.
     leaser: Leaser,
     /// Commits finished attempts, several to a transaction.
@@ -166,12 +171,12 @@ struct Shared<H> {
 ///
 /// # Errors
 /// The consumer could not be created or subscribed.
-pub async fn run<H: Handler>(
+pub async fn run(
     config: Config,
     pool: PgPool,
     decoder: Decoder<JobEvent>,
     events: Events,
-    handler: H,
+    handlers: Handlers,
     shutdown: CancellationToken,
 ) -> anyhow::Result<()> {
     let tracker = Arc::new(Mutex::new(Tracker::default()));
@@ -197,16 +202,17 @@ pub async fn run<H: Handler>(
         events: events.clone(),
         owner,
     });
-    let handler = Arc::new(handler);
+    tracing::info!(kinds = ?handlers, "Handlers registered.");
     let completer =
-        crate::complete::start(config.clone(), pool.clone(), events.clone(), Arc::clone(&handler));
+        crate::complete::start(config.clone(), pool.clone(), events.clone(), handlers.clone());
     let shared = Arc::new(Shared {
         config,
         pool,
         consumer: Arc::new(consumer),
         decoder,
         events,
-        handler,
+        handlers,
+        waiting_for_handler: std::sync::atomic::AtomicI64::new(0),
         leaser,
         completer,
         tracker,
@@ -286,7 +292,7 @@ fn hostname() -> String {
 }
 
 /// Runs `first`, then whatever queued behind it for the same document, then retires.
-async fn drain_key<H: Handler>(shared: Arc<Shared<H>>, key: String, first: Queued) {
+async fn drain_key(shared: Arc<Shared>, key: String, first: Queued) {
     let mut next = Some(first);
     while let Some(queued) = next.take() {
         let ticket = queued.ticket;
@@ -327,11 +333,32 @@ async fn drain_key<H: Handler>(shared: Arc<Shared<H>>, key: String, first: Queue
 
 /// Handles one message to the end. False if it was left unfinished (shutdown or revoke):
 /// its offset must not be stored.
-async fn handle<H: Handler>(shared: &Shared<H>, message: &OwnedMessage) -> bool {
+async fn handle(shared: &Shared, message: &OwnedMessage) -> bool {
     let mut backoff = RETRY_MIN;
     loop {
         match try_handle(shared, message).await {
             Ok(Step::Done) => return true,
+            Ok(Step::Interrupted) => return false,
+            Ok(Step::NoHandler(kind)) => {
+                use std::sync::atomic::Ordering;
+                let waiting = shared.waiting_for_handler.fetch_add(1, Ordering::Relaxed) + 1;
+                metrics::gauge!(pm::WAITING_FOR_HANDLER).set(waiting as f64);
+                tracing::warn!(
+                    kind = %kind,
+                    partition = message.partition(),
+                    offset = message.offset(),
+                    "No handler for this kind here; the job waits for a processor that has one."
+                );
+                let stopped = tokio::select! {
+                    _ = shared.shutdown.cancelled() => true,
+                    _ = tokio::time::sleep(NO_HANDLER_RETRY) => false,
+                };
+                let waiting = shared.waiting_for_handler.fetch_sub(1, Ordering::Relaxed) - 1;
+                metrics::gauge!(pm::WAITING_FOR_HANDLER).set(waiting as f64);
+                if stopped {
+                    return false;
+                }
+            }
             Ok(Step::WaitUntil(until)) => {
                 let wait =
                     (until - Utc::now()).to_std().unwrap_or_default() + Duration::from_millis(50);
@@ -382,12 +409,16 @@ async fn handle<H: Handler>(shared: &Shared<H>, message: &OwnedMessage) -> bool 
 enum Step {
     Done,
     WaitUntil(DateTime<Utc>),
+    /// No handler here for this kind: look again later.
+    NoHandler(String),
+    /// Shutdown interrupted the attempt: leave the message for redelivery.
+    Interrupted,
 }
 
-async fn try_handle<H: Handler>(
-    shared: &Shared<H>,
-    message: &OwnedMessage,
-) -> anyhow::Result<Step> {
+/// How often a job of a kind without a handler here is looked at again.
+const NO_HANDLER_RETRY: Duration = Duration::from_secs(5);
+
+async fn try_handle(shared: &Shared, message: &OwnedMessage) -> anyhow::Result<Step> {
     let Some(payload) = message.payload() else {
         crate::dead_letter::store(
             &shared.pool,
@@ -416,6 +447,12 @@ async fn try_handle<H: Handler>(
     if !event.payload.is_dispatch() {
         return Ok(Step::Done);
     }
+    // A kind this processor has no handler for (a rolling deploy adding one): not this
+    // job's fault, so it is neither leased nor quarantined; its document waits here, visibly,
+    // until a processor that has the handler takes the partition.
+    let Some(handler) = shared.handlers.get(&event.job_kind).cloned() else {
+        return Ok(Step::NoHandler(event.job_kind));
+    };
     let consumed = Consumed {
         group: shared.config.processor.group.clone(),
         event_id: event.event_id,
@@ -472,31 +509,66 @@ async fn try_handle<H: Handler>(
     span.record("attempt", job.attempt);
     span.record("generation", job.generation);
 
-    // 2. Run, with heartbeats.
-    let lost = CancellationToken::new();
-    let heartbeat = tokio::spawn(heartbeat(
+    // 2. Run, with heartbeats. The handler's token fires when the lease is lost or the
+    //    processor shuts down; the heartbeat stops with the run, whatever the handler does
+    //    (returns, panics), as its task is aborted when its handle drops.
+    let cancel = shared.shutdown.child_token();
+    let heartbeat = AbortOnDropHandle::new(tokio::spawn(heartbeat(
         shared.pool.clone(),
         job.job_id,
         job.generation,
         shared.config.processor.heartbeat,
         shared.config.processor.lease_ttl,
-        lost.clone(),
-    ));
+        cancel.clone(),
+    )));
     let started = std::time::Instant::now();
-    let result = shared.handler.run(&context, lost.clone()).instrument(span.clone()).await;
+    let run = std::panic::AssertUnwindSafe(handler.run_boxed(&context, cancel.clone()))
+        .catch_unwind()
+        .instrument(span.clone());
+    let result = match run.await {
+        Ok(result) => result,
+        // A panic costs its own attempt: a retryable failure naming it.
+        Err(panic) => Err(HandlerError::retryable(format!(
+            "the handler panicked: {}",
+            panic_message(panic.as_ref())
+        ))),
+    };
     metrics::histogram!(pm::HANDLER_DURATION_SECONDS, "kind" => job.kind.clone())
         .record(started.elapsed().as_secs_f64());
     metrics::counter!(pm::HANDLER_RUNS_TOTAL).increment(1);
     failpoint::hit(failpoint::PROCESSOR_IN_HANDLER);
-    heartbeat.abort();
+    drop(heartbeat);
+    if result.is_err() && shared.shutdown.is_cancelled() {
+        // Cut short by the shutdown, not the job's fault: no attempt is spent. The lease
+        // runs out and the job runs again (redelivery, or the reaper).
+        tracing::info!(job_id = %job.job_id, "Shutdown cancelled the handler; the job runs again later.");
+        return Ok(Step::Interrupted);
+    }
     let result = bounded(result, shared.config.processor.max_output_bytes);
 
     // 3. Complete, fenced by the generation (in a transaction with the other attempts
-    //    finished at the time).
+    //    finished at the time). A completion that fails (the database unreachable) is tried
+    //    again with the same generation: the handler does not run again for it.
     let attempt = Attempt { job, context, result, consumed, trace: event.trace.clone() };
     let job_id = attempt.job.job_id;
     let generation = attempt.job.generation;
-    match shared.completer.submit(attempt).await? {
+    let mut backoff = RETRY_MIN;
+    let done = loop {
+        match shared.completer.submit(attempt.clone()).await {
+            Ok(done) => break done,
+            // About this attempt's own rows: its event is set aside by the caller.
+            Err(e) if jobfold_common::db::data_error_in(&e).is_some() => return Err(e),
+            Err(e) => {
+                tracing::warn!(error = %format!("{e:#}"), %job_id, generation, "Completion failed; trying it again.");
+                tokio::select! {
+                    _ = shared.shutdown.cancelled() => return Ok(Step::Interrupted),
+                    _ = tokio::time::sleep(backoff) => {}
+                }
+                backoff = (backoff * 2).min(RETRY_MAX);
+            }
+        }
+    };
+    match done {
         Completed::Fenced => {
             metrics::counter!(pm::FENCED_COMPLETIONS_TOTAL).increment(1);
             tracing::warn!(%job_id, generation, "Completion fenced: another generation holds the job; result discarded.");
@@ -509,6 +581,15 @@ async fn try_handle<H: Handler>(
     }
     failpoint::hit(failpoint::PROCESSOR_AFTER_COMPLETION_BEFORE_OFFSET);
     Ok(Step::Done)
+}
+
+/// The text of a panic's payload.
+fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_owned())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic without a message".into())
 }
 
 /// What a handler returned, made fit to commit and publish: a result larger than

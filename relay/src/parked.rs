@@ -200,6 +200,13 @@ pub async fn list<'c, E: sqlx::PgExecutor<'c>>(
     .await
 }
 
+/// The refused events a [`Selection`] names: `$1` a seq or NULL, `$2` a document or NULL.
+macro_rules! selected {
+    () => {
+        "WHERE refused AND ($1::bigint IS NULL OR seq = $1) AND ($2::text IS NULL OR key = $2)"
+    };
+}
+
 /// Which refused events an operator acts on.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Selection {
@@ -222,19 +229,9 @@ pub async fn request_retry<'c, E: sqlx::PgExecutor<'c>>(
     executor: E,
     selection: &Selection,
 ) -> Result<u64, sqlx::Error> {
-    let (seq, key) = selection_binds(selection);
     // language=PostgreSQL
-    let done = sqlx::query(
-        r#"
-        UPDATE relay_parked SET retry_requested_at = now()
-        WHERE refused AND ($1::bigint IS NULL OR seq = $1) AND ($2::text IS NULL OR key = $2)
-        "#,
-    )
-    .bind(seq)
-    .bind(key)
-    .execute(executor)
-    .await?;
-    Ok(done.rows_affected())
+    let sql = concat!("UPDATE relay_parked SET retry_requested_at = now() ", selected!());
+    on_selected(executor, selection, sql).await
 }
 
 /// Drops the selected refused events: they stay in `job_events` (the log of record) but
@@ -247,25 +244,22 @@ pub async fn drop_refused<'c, E: sqlx::PgExecutor<'c>>(
     executor: E,
     selection: &Selection,
 ) -> Result<u64, sqlx::Error> {
-    let (seq, key) = selection_binds(selection);
     // language=PostgreSQL
-    let done = sqlx::query(
-        r#"
-        DELETE FROM relay_parked
-        WHERE refused AND ($1::bigint IS NULL OR seq = $1) AND ($2::text IS NULL OR key = $2)
-        "#,
-    )
-    .bind(seq)
-    .bind(key)
-    .execute(executor)
-    .await?;
-    Ok(done.rows_affected())
+    on_selected(executor, selection, concat!("DELETE FROM relay_parked ", selected!())).await
 }
 
-fn selection_binds(selection: &Selection) -> (Option<i64>, Option<&str>) {
-    match selection {
+/// Runs `sql` (an UPDATE or DELETE of `relay_parked` ending in [`selected!`]) on the
+/// refused events `selection` names; returns how many it touched.
+async fn on_selected<'c, E: sqlx::PgExecutor<'c>>(
+    executor: E,
+    selection: &Selection,
+    sql: &'static str,
+) -> Result<u64, sqlx::Error> {
+    let (seq, key) = match selection {
         Selection::Seq(seq) => (Some(*seq), None),
         Selection::Document(key) => (None, Some(key.as_str())),
         Selection::All => (None, None),
-    }
+    };
+    let done = sqlx::query(sql).bind(seq).bind(key).execute(executor).await?;
+    Ok(done.rows_affected())
 }

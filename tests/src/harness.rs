@@ -137,6 +137,17 @@ impl Installation {
         jobfold_relay::log::rewind(&mut conn, count).await.unwrap();
     }
 
+    /// Makes Postgres refuse every job row of `document` (SQLSTATE 23514): a data error about
+    /// one request's row, for tests of what such an error costs.
+    pub async fn refuse_document(&self, document: &str) {
+        sqlx::query(&format!(
+            "ALTER TABLE jobs ADD CONSTRAINT test_refused CHECK (document_id <> '{document}')"
+        ))
+        .execute(&self.pool)
+        .await
+        .unwrap();
+    }
+
     /// Drops the database (call at the end of a passing test).
     pub async fn cleanup(self) {
         self.pool.close().await;

@@ -113,12 +113,7 @@ async fn invalid_jobs_are_refused_naming_the_field() {
     ));
     // A data error Postgres raises about the job's row (here a check constraint of this
     // test's own) is the request's fault too, not an outage.
-    sqlx::query(
-        "ALTER TABLE jobs ADD CONSTRAINT test_forbidden CHECK (document_id <> 'forbidden')",
-    )
-    .execute(&it.pool)
-    .await
-    .unwrap();
+    it.refuse_document("forbidden").await;
     let refused = acceptor.accept(&it.pool, &job("forbidden", 1, None)).await.unwrap_err();
     assert!(
         matches!(&refused, AcceptError::Unstorable { code, .. } if code == "23514"),
@@ -283,12 +278,7 @@ async fn the_http_api_answers_errors_as_json_with_the_right_status() {
     assert_eq!(body["error"]["code"], "method_not_allowed");
 
     // A data error Postgres raises about the job's row: 422, not 503.
-    sqlx::query(
-        "ALTER TABLE jobs ADD CONSTRAINT test_forbidden CHECK (document_id <> 'forbidden')",
-    )
-    .execute(&it.pool)
-    .await
-    .unwrap();
+    it.refuse_document("forbidden").await;
     let response =
         post(r#"{"document_id":"forbidden","kind":"k","input_version":1,"input":{}}"#.into())
             .send()

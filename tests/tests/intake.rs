@@ -124,12 +124,7 @@ async fn a_request_postgres_cannot_store_is_dead_lettered_and_the_partition_move
     let it = Installation::new("intakenul").await;
     it.create_topics().await;
     // A constraint of this test's own: Postgres refuses this document's row (23514).
-    sqlx::query(
-        "ALTER TABLE jobs ADD CONSTRAINT test_forbidden CHECK (document_id <> 'forbidden')",
-    )
-    .execute(&it.pool)
-    .await
-    .unwrap();
+    it.refuse_document("forbidden").await;
     let codec =
         Codec::<JobRequest>::connect(it.registry(), &it.config.topics.requests).await.unwrap();
     let producer: FutureProducer =

@@ -2,11 +2,12 @@
 //! committed once, retries and budgets, supersession, duplicate delivery, and kill -9 at each
 //! crash window with the processor as a separate OS process.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use jobfold_common::accept::{Acceptor, NewJob};
 use jobfold_common::failpoint;
-use jobfold_processor::handler::JobContext;
+use jobfold_processor::handler::{Handlers, JobContext};
 use jobfold_processor::store::Consumed;
 use jobfold_tests::harness::{
     Installation, Service, eventually, fold_mismatches, index_job as job,
@@ -731,7 +732,7 @@ async fn dispatches_and_attempts_arriving_together_share_a_transaction() {
         it.pool.clone(),
         jobfold_schemas::Decoder::new(it.registry()),
         it.events().await,
-        handler,
+        Handlers::new().with("index-document", handler),
         shutdown.clone(),
     ));
     eventually(Duration::from_secs(60), "every job to succeed", || all_finished(&it, JOBS as i64))
@@ -758,10 +759,51 @@ async fn dispatches_and_attempts_arriving_together_share_a_transaction() {
     it.cleanup().await;
 }
 
+/// Leases `job_id` through `leaser` as its dispatch at `offset` would, and returns its
+/// attempt finished with `result`.
+async fn leased_attempt(
+    it: &Installation,
+    leaser: &jobfold_processor::lease::Leaser,
+    job_id: Uuid,
+    offset: i64,
+    result: Result<Value, jobfold_processor::handler::HandlerError>,
+) -> jobfold_processor::complete::Attempt {
+    use jobfold_processor::lease::{Dispatch, Leased};
+    let event_id: Uuid = sqlx::query_scalar("SELECT event_id FROM job_events WHERE job_id = $1")
+        .bind(job_id)
+        .fetch_one(&it.pool)
+        .await
+        .unwrap();
+    let consumed =
+        Consumed { group: "test".into(), event_id, topic: "t".into(), partition: 0, offset };
+    let dispatch = Dispatch {
+        job_id,
+        event_id,
+        input_version: 1,
+        stream_version: 1,
+        trace: None,
+        consumed: consumed.clone(),
+    };
+    let Leased::Run(leased) = leaser.submit(dispatch).await.unwrap() else {
+        panic!("job {job_id} was not leased");
+    };
+    let context = JobContext {
+        job_id: leased.job_id,
+        document_id: leased.document_id.clone(),
+        kind: leased.kind.clone(),
+        input_version: leased.input_version,
+        input: leased.payload.clone(),
+        attempt: leased.attempt,
+        generation: leased.generation,
+        trace: None,
+    };
+    jobfold_processor::complete::Attempt { job: *leased, context, result, consumed, trace: None }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failing_business_write_fails_its_attempt_alone() {
-    use jobfold_processor::complete::{self, Attempt, Completed};
-    use jobfold_processor::lease::{self, Dispatch, Leased};
+    use jobfold_processor::complete::{self, Completed};
+    use jobfold_processor::lease;
 
     let it = Installation::new("proc-batchfail").await;
     let acceptor = it.acceptor().await;
@@ -780,54 +822,15 @@ async fn a_failing_business_write_fails_its_attempt_alone() {
     });
     let mut attempts = Vec::new();
     for (offset, job_id) in ids.iter().enumerate() {
-        let event_id: Uuid =
-            sqlx::query_scalar("SELECT event_id FROM job_events WHERE job_id = $1")
-                .bind(job_id)
-                .fetch_one(&it.pool)
-                .await
-                .unwrap();
-        let consumed = Consumed {
-            group: "test".into(),
-            event_id,
-            topic: "t".into(),
-            partition: 0,
-            offset: offset as i64,
-        };
-        let dispatch = Dispatch {
-            job_id: *job_id,
-            event_id,
-            input_version: 1,
-            stream_version: 1,
-            trace: None,
-            consumed: consumed.clone(),
-        };
-        let Leased::Run(leased) = leaser.submit(dispatch).await.unwrap() else {
-            panic!("job {job_id} was not leased");
-        };
-        let context = JobContext {
-            job_id: leased.job_id,
-            document_id: leased.document_id.clone(),
-            kind: leased.kind.clone(),
-            input_version: leased.input_version,
-            input: leased.payload.clone(),
-            attempt: leased.attempt,
-            generation: leased.generation,
-            trace: None,
-        };
-        attempts.push(Attempt {
-            job: *leased,
-            context,
-            result: Ok(json!({})),
-            consumed,
-            trace: None,
-        });
+        attempts.push(leased_attempt(&it, &leaser, *job_id, offset as i64, Ok(json!({}))).await);
     }
 
     // One batch: the bad business write fails the transaction; each attempt is then
     // completed alone, and only the bad one fails. Its failure is a data error (division by
     // zero, SQLSTATE 22012): writing it again would fail the same way, so its job is
     // quarantined with the reason instead of being run again for ever.
-    let handler = Together { started: Default::default(), together: 0 };
+    let handler = Handlers::new()
+        .with("index-document", Together { started: Default::default(), together: 0 });
     let done = complete::complete_all(&it.config, &it.pool, &events, &handler, &attempts).await;
     for (attempt, done) in attempts.iter().zip(&done) {
         match (attempt.context.document_id.as_str(), done) {
@@ -849,39 +852,7 @@ async fn a_failing_business_write_fails_its_attempt_alone() {
     // the processor's check) quarantines its job the same way.
     let nul = job("doc-nul", 1, json!({ "text": "x" }));
     let id = accept_all(&acceptor, &it, &[nul]).await[0];
-    let event_id: Uuid = sqlx::query_scalar("SELECT event_id FROM job_events WHERE job_id = $1")
-        .bind(id)
-        .fetch_one(&it.pool)
-        .await
-        .unwrap();
-    let consumed =
-        Consumed { group: "test".into(), event_id, topic: "t".into(), partition: 0, offset: 99 };
-    let dispatch = Dispatch {
-        job_id: id,
-        event_id,
-        input_version: 1,
-        stream_version: 1,
-        trace: None,
-        consumed: consumed.clone(),
-    };
-    let Leased::Run(leased) = leaser.submit(dispatch).await.unwrap() else { panic!("not leased") };
-    let context = JobContext {
-        job_id: id,
-        document_id: leased.document_id.clone(),
-        kind: leased.kind.clone(),
-        input_version: 1,
-        input: leased.payload.clone(),
-        attempt: leased.attempt,
-        generation: leased.generation,
-        trace: None,
-    };
-    let attempt = Attempt {
-        job: *leased,
-        context,
-        result: Ok(json!({ "t": "a\u{0}b" })),
-        consumed,
-        trace: None,
-    };
+    let attempt = leased_attempt(&it, &leaser, id, 99, Ok(json!({ "t": "a\u{0}b" }))).await;
     let done = complete::complete_all(&it.config, &it.pool, &events, &handler, &[attempt]).await;
     assert!(matches!(done[0], Ok(Completed::Committed { outcome: "quarantined", .. })), "{done:?}");
     it.cleanup().await;
@@ -1031,5 +1002,224 @@ async fn a_dispatch_postgres_refuses_to_lease_is_dead_lettered_and_the_partition
     assert_eq!(errors.len(), 1, "{errors:?}");
     assert!(errors[0].contains("22021"), "{errors:?}");
     assert_eq!(states(&it).await, [("succeeded".into(), 1)]);
+    it.cleanup().await;
+}
+
+/// A relay and `processor` (with handlers of a test's own), in this process.
+fn start_processor(it: &Installation, processor: jobfold_processor::Processor) -> Pipeline {
+    let shutdown = CancellationToken::new();
+    let tasks = vec![
+        tokio::spawn(jobfold_relay::run(it.config.clone(), shutdown.clone())),
+        tokio::spawn(processor.run(shutdown.clone())),
+    ];
+    Pipeline { shutdown, tasks }
+}
+
+/// A processor for `it` with one handler.
+fn with_handler(
+    it: &Installation,
+    kind: &str,
+    handler: impl jobfold_processor::handler::Handler,
+) -> jobfold_processor::Processor {
+    jobfold_processor::Processor::builder(it.config.clone()).handler(kind, handler)
+}
+
+/// Panics on its first attempt, then succeeds.
+#[derive(Debug, Default)]
+struct PanicsOnce;
+
+impl jobfold_processor::handler::Handler for PanicsOnce {
+    async fn run(
+        &self,
+        job: &JobContext,
+        _cancel: CancellationToken,
+    ) -> Result<Value, jobfold_processor::handler::HandlerError> {
+        if job.attempt == 1 {
+            panic!("boom on attempt {}", job.attempt);
+        }
+        Ok(json!({ "attempt": job.attempt }))
+    }
+}
+
+/// A handler that panics costs its own attempt: the job is retried (the panic message as
+/// its last error) and succeeds; the heartbeat stops and the document's next job runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_panicking_handler_is_retried_and_succeeds() {
+    let mut it = Installation::new("proc-panic").await;
+    fast(&mut it);
+    it.create_topics().await;
+    let acceptor = it.acceptor().await;
+    let pipeline = start_processor(&it, with_handler(&it, "panics-once", PanicsOnce));
+    let jobs: Vec<NewJob> = (1..=2)
+        .map(|v| NewJob { kind: "panics-once".into(), ..job("doc-p", v, json!({})) })
+        .collect();
+    let ids = accept_all(&acceptor, &it, &jobs).await;
+    eventually(Duration::from_secs(60), "both jobs to end", || all_finished(&it, 2)).await;
+    pipeline.stop().await;
+    let (state, attempt): (String, i32) =
+        sqlx::query_as("SELECT state::text, attempt FROM jobs WHERE job_id = $1")
+            .bind(ids[1])
+            .fetch_one(&it.pool)
+            .await
+            .unwrap();
+    assert_eq!((state.as_str(), attempt), ("succeeded", 2), "retried after the panic");
+    let body: Vec<u8> =
+        sqlx::query_scalar("SELECT body FROM job_events WHERE job_id = $1 AND kind = 'JobFailed'")
+            .bind(ids[1])
+            .fetch_one(&it.pool)
+            .await
+            .unwrap();
+    let (_, avro) = jobfold_schemas::codec::split_frame(&body).unwrap();
+    let failed: jobfold_schemas::JobEvent =
+        jobfold_schemas::codec::decode_body(0, &jobfold_schemas::event::JOB_EVENT_SCHEMA, avro)
+            .unwrap();
+    let jobfold_schemas::Payload::JobFailed(failed) = failed.payload else { panic!("{failed:?}") };
+    assert_eq!(failed.error_class, jobfold_processor::handler::ErrorClass::Retryable);
+    assert!(failed.message.contains("panicked: boom on attempt 1"), "{}", failed.message);
+    assert_eq!(fold_mismatches(&it).await, Vec::<String>::new());
+    it.cleanup().await;
+}
+
+/// Waits for its cancellation token (or two minutes), and says whether it fired.
+#[derive(Debug, Default, Clone)]
+struct WaitsForCancel {
+    cancelled: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    started: std::sync::Arc<tokio::sync::Notify>,
+}
+
+impl jobfold_processor::handler::Handler for WaitsForCancel {
+    async fn run(
+        &self,
+        _job: &JobContext,
+        cancel: CancellationToken,
+    ) -> Result<Value, jobfold_processor::handler::HandlerError> {
+        self.started.notify_one();
+        tokio::select! {
+            _ = cancel.cancelled() => {
+                self.cancelled.store(true, std::sync::atomic::Ordering::SeqCst);
+                Err(jobfold_processor::handler::HandlerError::retryable("cancelled"))
+            }
+            _ = tokio::time::sleep(Duration::from_secs(120)) => Ok(json!({})),
+        }
+    }
+}
+
+/// Shutdown cancels a running handler through its token and waits for it; the cut-short
+/// attempt is not counted against the job, which stays leased to run again later.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn shutdown_cancels_a_long_handler() {
+    let mut it = Installation::new("proc-cancel").await;
+    fast(&mut it);
+    it.config.processor.revoke_timeout = Duration::from_secs(60);
+    it.create_topics().await;
+    let acceptor = it.acceptor().await;
+    let handler = WaitsForCancel::default();
+    let (cancelled, started) = (Arc::clone(&handler.cancelled), Arc::clone(&handler.started));
+    let pipeline = start_processor(&it, with_handler(&it, "long", handler));
+    let long = NewJob { kind: "long".into(), ..job("doc-l", 1, json!({})) };
+    let id = accept_all(&acceptor, &it, &[long]).await[0];
+    tokio::time::timeout(Duration::from_secs(60), started.notified()).await.expect("it runs");
+    pipeline.stop().await;
+    assert!(cancelled.load(std::sync::atomic::Ordering::SeqCst), "the token fired");
+    let (state, attempt): (String, i32) =
+        sqlx::query_as("SELECT state::text, attempt FROM jobs WHERE job_id = $1")
+            .bind(id)
+            .fetch_one(&it.pool)
+            .await
+            .unwrap();
+    assert_eq!((state.as_str(), attempt), ("leased", 1), "nothing was completed for it");
+    it.cleanup().await;
+}
+
+/// Counts its runs; its first business write fails (a statement time-out: the database's
+/// trouble, not the job's).
+#[derive(Debug, Default, Clone)]
+struct CommitFailsOnce {
+    runs: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    commits: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl jobfold_processor::handler::Handler for CommitFailsOnce {
+    async fn run(
+        &self,
+        _job: &JobContext,
+        _cancel: CancellationToken,
+    ) -> Result<Value, jobfold_processor::handler::HandlerError> {
+        self.runs.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Ok(json!({ "done": true }))
+    }
+
+    async fn commit(
+        &self,
+        tx: &mut sqlx::PgConnection,
+        job: &JobContext,
+        _output: &Value,
+    ) -> Result<jobfold_processor::handler::Committed, sqlx::Error> {
+        if self.commits.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0 {
+            sqlx::query("SET LOCAL statement_timeout = 1").execute(&mut *tx).await?;
+            sqlx::query("SELECT pg_sleep(1)").execute(&mut *tx).await?;
+        }
+        jobfold_processor::index::record_write(tx, job).await?;
+        Ok(jobfold_processor::handler::Committed::Applied)
+    }
+}
+
+/// A completion that fails is tried again with the same generation: the handler is not run
+/// again for it, and the business write commits once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_failed_completion_does_not_run_the_handler_again() {
+    let mut it = Installation::new("proc-commitretry").await;
+    fast(&mut it);
+    it.create_topics().await;
+    let acceptor = it.acceptor().await;
+    let handler = CommitFailsOnce::default();
+    let (runs, commits) = (Arc::clone(&handler.runs), Arc::clone(&handler.commits));
+    let pipeline = start_processor(&it, with_handler(&it, "flaky-commit", handler));
+    let flaky = NewJob { kind: "flaky-commit".into(), ..job("doc-c", 1, json!({})) };
+    accept_all(&acceptor, &it, &[flaky]).await;
+    eventually(Duration::from_secs(60), "the job to succeed", || all_finished(&it, 1)).await;
+    pipeline.stop().await;
+    assert_eq!(commits.load(std::sync::atomic::Ordering::SeqCst), 2, "the completion ran twice");
+    assert_eq!(runs.load(std::sync::atomic::Ordering::SeqCst), 1, "the handler ran once");
+    let (generation, attempt): (i64, i32) =
+        sqlx::query_as("SELECT generation, attempt FROM jobs").fetch_one(&it.pool).await.unwrap();
+    assert_eq!((generation, attempt), (1, 1));
+    assert_exactly_one_write_per_success(&it).await;
+    it.cleanup().await;
+}
+
+/// A rolling deploy that adds a kind: a processor without its handler neither runs nor
+/// quarantines the kind's jobs; they wait until a processor with the handler runs them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_kind_without_a_handler_waits_for_a_processor_that_has_it() {
+    let mut it = Installation::new("proc-newkind").await;
+    fast(&mut it);
+    it.create_topics().await;
+    let acceptor = it.acceptor().await;
+    let index = with_handler(&it, "index-document", jobfold_processor::index::IndexDocument);
+    let old = start_processor(&it, index);
+    let new_kind = NewJob { kind: "panics-once".into(), ..job("doc-new", 1, json!({})) };
+    let indexed = job("doc-old", 1, json!({ "text": "x" }));
+    let ids = accept_all(&acceptor, &it, &[new_kind, indexed]).await;
+    eventually(Duration::from_secs(60), "the known kind to succeed", || async {
+        count_where(&it, "SELECT count(*) FROM jobs WHERE state = 'succeeded'").await == 1
+    })
+    .await;
+    // Several looks later the new kind's job is still waiting: not leased, not quarantined.
+    tokio::time::sleep(Duration::from_secs(7)).await;
+    let (state, attempt): (String, i32) =
+        sqlx::query_as("SELECT state::text, attempt FROM jobs WHERE job_id = $1")
+            .bind(ids[0])
+            .fetch_one(&it.pool)
+            .await
+            .unwrap();
+    assert_eq!((state.as_str(), attempt), ("queued", 0));
+    old.stop().await;
+
+    // The new version has the handler.
+    let new = start_processor(&it, with_handler(&it, "panics-once", PanicsOnce));
+    eventually(Duration::from_secs(60), "the new kind's job to succeed", || all_finished(&it, 2))
+        .await;
+    new.stop().await;
     it.cleanup().await;
 }
