@@ -420,23 +420,26 @@ async fn services(
     Option<rdkafka::mocking::MockCluster<'static, rdkafka::producer::DefaultProducerContext>>,
 > {
     let release = std::env::current_exe()?.components().any(|c| c.as_os_str() == "release");
-    let mut script = |service: &'static str| -> anyhow::Result<()> {
+    // The scripts run as child processes awaited here, so Ctrl-C stops the demo even while
+    // a service starts (or the stand-in registry builds).
+    let script = async |service: &'static str, started: &mut Started| -> anyhow::Result<()> {
         let root = root.context(
             "services are not running and docker/ was not found: run the demo from the jobfold checkout (or set JOBFOLD_ROOT)",
         )?;
-        let status = std::process::Command::new("bash")
+        started.scripts.push((root.to_path_buf(), service));
+        let status = Command::new("bash")
             .arg(root.join(format!("docker/{service}.sh")))
             .arg("start")
             .env("JOBFOLD_REGISTRY_PROFILE", if release { "release" } else { "debug" })
-            .status()?;
+            .status()
+            .await?;
         anyhow::ensure!(status.success(), "docker/{service}.sh start failed");
-        started.scripts.push((root.to_path_buf(), service));
         Ok(())
     };
     if reachable(&host_port(config.database_url.expose())) {
         println!("postgres: using {}", host_port(config.database_url.expose()));
     } else {
-        script("postgres")?;
+        script("postgres", started).await?;
     }
     let mut mock = None;
     let brokers_up = config.kafka_brokers.split(',').any(reachable);
@@ -468,12 +471,12 @@ async fn services(
     } else if brokers_up {
         println!("kafka: using {}", config.kafka_brokers);
     } else {
-        script("kafka")?;
+        script("kafka", started).await?;
     }
     if reachable(&host_port(&config.schema_registry_url)) {
         println!("registry: using {}", config.schema_registry_url);
     } else {
-        script("registry")?;
+        script("registry", started).await?;
     }
     Ok(mock)
 }
