@@ -39,9 +39,13 @@ start() {
         else profile=debug
         fi
     fi
-    [[ "$profile" == release ]] && flag=(--release)
+    # Release: the whole workspace's binaries, as `cargo build --release` builds them — the
+    # same features, so nothing that build compiled is compiled again (building the one
+    # package alone would resolve its dependencies' features anew and rebuild them).
+    local what=(-p jobfold-tests --bin jobfold-registry-standin)
+    [[ "$profile" == release ]] && flag=(--release) && what=(--workspace --bins)
     say "registry: building jobfold-registry-standin ($profile)"
-    (cd "$JOBFOLD_ROOT" && cargo build --quiet "${flag[@]}" -p jobfold-tests --bin jobfold-registry-standin) \
+    (cd "$JOBFOLD_ROOT" && cargo build --quiet "${flag[@]}" "${what[@]}") \
         || die "registry: building the stand-in failed"
     local bin="$target/$profile/jobfold-registry-standin"
     setsid "$bin" --listen "127.0.0.1:$JOBFOLD_REGISTRY_PORT" --state-file "$DIR/registry.json" \

@@ -468,18 +468,23 @@ pub async fn run(plan: &Plan) -> anyhow::Result<Outcome> {
             Instant::now() + Duration::from_millis(rng.random_range(plan.gap_ms.0..=plan.gap_ms.1));
     }
 
-    // Drain: producers stop, every process runs unarmed, the work settles.
+    // Drain: producers stop, every process runs unarmed, the work settles. Paused processes
+    // resume first: a producer finishes only once its request in flight is answered, and
+    // with every processor paused nothing would answer it.
     stop.store(true, Ordering::SeqCst);
-    for producer in producers {
-        producer.await.context("a producer panicked")??;
-    }
-    let deadline = Instant::now() + plan.drain_timeout;
     for i in 0..fleet.slots.len() {
         if fleet.slots[i].paused_until.take().is_some()
             && let Some(s) = &fleet.slots[i].service
         {
             s.signal("CONT");
         }
+    }
+    fleet.publish_ports();
+    for producer in producers {
+        producer.await.context("a producer panicked")??;
+    }
+    let deadline = Instant::now() + plan.drain_timeout;
+    for i in 0..fleet.slots.len() {
         if fleet.slots[i].armed.is_some() {
             fleet.bank(i);
             if let Some(mut s) = fleet.slots[i].service.take() {
