@@ -29,6 +29,15 @@ fn fast(it: &mut Installation) {
     p.group = jobfold_tests::kafka::unique_name("processors");
 }
 
+/// An installation with [`fast`] timings, its topics and an acceptor.
+async fn fast_installation(name: &str) -> (Installation, Acceptor) {
+    let mut it = Installation::new(name).await;
+    fast(&mut it);
+    it.create_topics().await;
+    let acceptor = it.acceptor().await;
+    (it, acceptor)
+}
+
 fn fast_env(it: &Installation) -> std::collections::HashMap<String, String> {
     let mut env = it.env();
     for (k, v) in [
@@ -79,6 +88,15 @@ async fn states(it: &Installation) -> Vec<(String, i64)> {
         .unwrap()
 }
 
+/// A job's state and attempt count.
+async fn state_and_attempt(it: &Installation, job_id: Uuid) -> (String, i32) {
+    sqlx::query_as("SELECT state::text, attempt FROM jobs WHERE job_id = $1")
+        .bind(job_id)
+        .fetch_one(&it.pool)
+        .await
+        .unwrap()
+}
+
 async fn count_where(it: &Installation, sql: &str) -> i64 {
     sqlx::query_scalar(sql).fetch_one(&it.pool).await.unwrap()
 }
@@ -119,10 +137,7 @@ async fn accept_all(acceptor: &Acceptor, it: &Installation, jobs: &[NewJob]) -> 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn jobs_run_once_and_the_index_holds_the_newest_version() {
-    let mut it = Installation::new("proc-happy").await;
-    fast(&mut it);
-    it.create_topics().await;
-    let acceptor = it.acceptor().await;
+    let (it, acceptor) = fast_installation("proc-happy").await;
     let pipeline = Pipeline::start(&it, true);
 
     // 40 documents, versions 1 and 2, and for doc-0 a version 3 after a version 4.
@@ -259,10 +274,7 @@ async fn retries_back_off_and_stop_at_the_budget_and_invalid_input_is_not_retrie
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_redelivered_event_is_skipped_without_running_the_handler() {
-    let mut it = Installation::new("proc-dup").await;
-    fast(&mut it);
-    it.create_topics().await;
-    let acceptor = it.acceptor().await;
+    let (it, acceptor) = fast_installation("proc-dup").await;
     let pipeline = Pipeline::start(&it, true);
     let ids =
         accept_all(&acceptor, &it, &[job("doc-dup", 1, json!({ "text": "once only" }))]).await;
@@ -382,10 +394,7 @@ async fn killed_in_the_handler_nothing_of_the_attempt_is_committed() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_paused_worker_past_its_lease_is_fenced_when_it_resumes() {
-    let mut it = Installation::new("proc-zombie").await;
-    fast(&mut it);
-    it.create_topics().await;
-    let acceptor = it.acceptor().await;
+    let (it, acceptor) = fast_installation("proc-zombie").await;
     let env = fast_env(&it);
     let _relay = Service::start("jobfold-relay", &env);
     let zombie = Service::start("jobfold-processor", &env);
@@ -428,10 +437,7 @@ async fn a_paused_worker_past_its_lease_is_fenced_when_it_resumes() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_member_joining_and_leaving_mid_run_loses_and_repeats_nothing() {
     const JOBS: usize = 300;
-    let mut it = Installation::new("proc-rebalance").await;
-    fast(&mut it);
-    it.create_topics().await;
-    let acceptor = it.acceptor().await;
+    let (it, acceptor) = fast_installation("proc-rebalance").await;
     let env = fast_env(&it);
     let _relay = Service::start("jobfold-relay", &env);
     let first = Service::start("jobfold-processor", &env);
@@ -468,10 +474,7 @@ async fn a_member_joining_and_leaving_mid_run_loses_and_repeats_nothing() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn one_poison_message_among_a_thousand_becomes_one_dead_letter() {
-    let mut it = Installation::new("proc-poison").await;
-    fast(&mut it);
-    it.create_topics().await;
-    let acceptor = it.acceptor().await;
+    let (it, acceptor) = fast_installation("proc-poison").await;
     // The poison sits at the head of a partition, before the good events.
     let producer: rdkafka::producer::FutureProducer =
         jobfold_tests::kafka::client_config().create().unwrap();
@@ -505,10 +508,7 @@ async fn one_poison_message_among_a_thousand_becomes_one_dead_letter() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_quarantined_job_replayed_with_a_new_input_version_succeeds() {
-    let mut it = Installation::new("proc-replay").await;
-    fast(&mut it);
-    it.create_topics().await;
-    let acceptor = it.acceptor().await;
+    let (it, acceptor) = fast_installation("proc-replay").await;
     let pipeline = Pipeline::start(&it, true);
     let ids =
         accept_all(&acceptor, &it, &[job("doc-fix", 1, json!({ "body": "no text field" }))]).await;
@@ -607,10 +607,7 @@ async fn retries_stop_at_the_time_budget() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn heartbeats_keep_a_long_job_leased_by_one_generation() {
-    let mut it = Installation::new("proc-heartbeat").await;
-    fast(&mut it);
-    it.create_topics().await;
-    let acceptor = it.acceptor().await;
+    let (it, acceptor) = fast_installation("proc-heartbeat").await;
     let pipeline = Pipeline::start(&it, true);
     // Runs 7 s with a 3 s lease: only heartbeats keep it.
     let ids = accept_all(
@@ -716,10 +713,7 @@ impl jobfold_processor::handler::Handler for Together {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dispatches_and_attempts_arriving_together_share_a_transaction() {
     const JOBS: usize = 12;
-    let mut it = Installation::new("proc-together").await;
-    fast(&mut it);
-    it.create_topics().await;
-    let acceptor = it.acceptor().await;
+    let (it, acceptor) = fast_installation("proc-together").await;
     let jobs: Vec<NewJob> =
         (0..JOBS).map(|i| job(&format!("doc-{i}"), 1, json!({ "text": "x" }))).collect();
     accept_all(&acceptor, &it, &jobs).await;
@@ -960,10 +954,7 @@ async fn a_dispatch_postgres_refuses_to_lease_is_dead_lettered_and_the_partition
     use jobfold_schemas::event::{JOB_EVENT_SCHEMA, TraceContext};
     use rdkafka::producer::{FutureProducer, FutureRecord};
 
-    let mut it = Installation::new("proc-leasenul").await;
-    fast(&mut it);
-    it.create_topics().await;
-    let acceptor = it.acceptor().await;
+    let (it, acceptor) = fast_installation("proc-leasenul").await;
     let ids = accept_all(&acceptor, &it, &[job("doc-1", 1, json!({ "text": "x" }))]).await;
     let body: Vec<u8> = sqlx::query_scalar("SELECT body FROM job_events WHERE job_id = $1")
         .bind(ids[0])
@@ -1045,10 +1036,7 @@ impl jobfold_processor::handler::Handler for PanicsOnce {
 /// its last error) and succeeds; the heartbeat stops and the document's next job runs.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_panicking_handler_is_retried_and_succeeds() {
-    let mut it = Installation::new("proc-panic").await;
-    fast(&mut it);
-    it.create_topics().await;
-    let acceptor = it.acceptor().await;
+    let (it, acceptor) = fast_installation("proc-panic").await;
     let pipeline = start_processor(&it, with_handler(&it, "panics-once", PanicsOnce));
     let jobs: Vec<NewJob> = (1..=2)
         .map(|v| NewJob { kind: "panics-once".into(), ..job("doc-p", v, json!({})) })
@@ -1056,12 +1044,7 @@ async fn a_panicking_handler_is_retried_and_succeeds() {
     let ids = accept_all(&acceptor, &it, &jobs).await;
     eventually(Duration::from_secs(60), "both jobs to end", || all_finished(&it, 2)).await;
     pipeline.stop().await;
-    let (state, attempt): (String, i32) =
-        sqlx::query_as("SELECT state::text, attempt FROM jobs WHERE job_id = $1")
-            .bind(ids[1])
-            .fetch_one(&it.pool)
-            .await
-            .unwrap();
+    let (state, attempt) = state_and_attempt(&it, ids[1]).await;
     assert_eq!((state.as_str(), attempt), ("succeeded", 2), "retried after the panic");
     let body: Vec<u8> =
         sqlx::query_scalar("SELECT body FROM job_events WHERE job_id = $1 AND kind = 'JobFailed'")
@@ -1121,12 +1104,7 @@ async fn shutdown_cancels_a_long_handler() {
     tokio::time::timeout(Duration::from_secs(60), started.notified()).await.expect("it runs");
     pipeline.stop().await;
     assert!(cancelled.load(std::sync::atomic::Ordering::SeqCst), "the token fired");
-    let (state, attempt): (String, i32) =
-        sqlx::query_as("SELECT state::text, attempt FROM jobs WHERE job_id = $1")
-            .bind(id)
-            .fetch_one(&it.pool)
-            .await
-            .unwrap();
+    let (state, attempt) = state_and_attempt(&it, id).await;
     assert_eq!((state.as_str(), attempt), ("leased", 1), "nothing was completed for it");
     it.cleanup().await;
 }
@@ -1168,10 +1146,7 @@ impl jobfold_processor::handler::Handler for CommitFailsOnce {
 /// again for it, and the business write commits once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_failed_completion_does_not_run_the_handler_again() {
-    let mut it = Installation::new("proc-commitretry").await;
-    fast(&mut it);
-    it.create_topics().await;
-    let acceptor = it.acceptor().await;
+    let (it, acceptor) = fast_installation("proc-commitretry").await;
     let handler = CommitFailsOnce::default();
     let (runs, commits) = (Arc::clone(&handler.runs), Arc::clone(&handler.commits));
     let pipeline = start_processor(&it, with_handler(&it, "flaky-commit", handler));
@@ -1192,10 +1167,7 @@ async fn a_failed_completion_does_not_run_the_handler_again() {
 /// quarantines the kind's jobs; they wait until a processor with the handler runs them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_kind_without_a_handler_waits_for_a_processor_that_has_it() {
-    let mut it = Installation::new("proc-newkind").await;
-    fast(&mut it);
-    it.create_topics().await;
-    let acceptor = it.acceptor().await;
+    let (it, acceptor) = fast_installation("proc-newkind").await;
     let index = with_handler(&it, "index-document", jobfold_processor::index::IndexDocument);
     let old = start_processor(&it, index);
     let new_kind = NewJob { kind: "panics-once".into(), ..job("doc-new", 1, json!({})) };
@@ -1207,12 +1179,7 @@ async fn a_kind_without_a_handler_waits_for_a_processor_that_has_it() {
     .await;
     // Several looks later the new kind's job is still waiting: not leased, not quarantined.
     tokio::time::sleep(Duration::from_secs(7)).await;
-    let (state, attempt): (String, i32) =
-        sqlx::query_as("SELECT state::text, attempt FROM jobs WHERE job_id = $1")
-            .bind(ids[0])
-            .fetch_one(&it.pool)
-            .await
-            .unwrap();
+    let (state, attempt) = state_and_attempt(&it, ids[0]).await;
     assert_eq!((state.as_str(), attempt), ("queued", 0));
     old.stop().await;
 
