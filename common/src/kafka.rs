@@ -93,7 +93,9 @@ const LIBRDKAFKA_MESSAGE_MAX_BYTES: usize = 1_000_000;
 pub async fn max_message_bytes(config: &Config, topic: &str) -> anyhow::Result<usize> {
     use rdkafka::admin::ResourceSpecifier;
     let admin: AdminClient<DefaultClientContext> = config.kafka_client().create()?;
-    let options = AdminOptions::new().request_timeout(Some(Duration::from_secs(30)));
+    // A broker answers in milliseconds; one that cannot describe configurations (librdkafka's
+    // mock cluster) should not hold the start up for long.
+    let options = AdminOptions::new().request_timeout(Some(Duration::from_secs(5)));
     let described = admin.describe_configs(&[ResourceSpecifier::Topic(topic)], &options).await?;
     let resource = described
         .into_iter()
