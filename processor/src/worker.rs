@@ -335,6 +335,7 @@ async fn drain_key(shared: Arc<Shared>, key: String, first: Queued) {
 /// its offset must not be stored.
 async fn handle(shared: &Shared, message: &OwnedMessage) -> bool {
     let mut backoff = RETRY_MIN;
+    let mut announced = false;
     loop {
         match try_handle(shared, message).await {
             Ok(Step::Done) => return true,
@@ -343,12 +344,15 @@ async fn handle(shared: &Shared, message: &OwnedMessage) -> bool {
                 use std::sync::atomic::Ordering;
                 let waiting = shared.waiting_for_handler.fetch_add(1, Ordering::Relaxed) + 1;
                 metrics::gauge!(pm::WAITING_FOR_HANDLER).set(waiting as f64);
-                tracing::warn!(
-                    kind = %kind,
-                    partition = message.partition(),
-                    offset = message.offset(),
-                    "No handler for this kind here; the job waits for a processor that has one."
-                );
+                if !announced {
+                    tracing::warn!(
+                        kind = %kind,
+                        partition = message.partition(),
+                        offset = message.offset(),
+                        "No handler for this kind here; the job waits for a processor that has one."
+                    );
+                    announced = true;
+                }
                 let stopped = tokio::select! {
                     _ = shared.shutdown.cancelled() => true,
                     _ = tokio::time::sleep(NO_HANDLER_RETRY) => false,

@@ -337,11 +337,13 @@ impl Active<'_> {
                 } else {
                     positions.iter().take_while(|p| !undelivered.contains(&p.seq)).count()
                 };
-                let parking: Vec<parked::Parking> = outcome
-                    .parking()
-                    .into_iter()
-                    .filter(|p| positions[..prefix].iter().any(|at| at.seq == p.seq))
-                    .collect();
+                // What to park among the events the cursor passes (the rest are read again).
+                let mut parking = outcome.parking();
+                if !parking.is_empty() && prefix < positions.len() {
+                    let passed: std::collections::HashSet<i64> =
+                        positions[..prefix].iter().map(|at| at.seq).collect();
+                    parking.retain(|p| passed.contains(&p.seq));
+                }
                 if prefix > 0 {
                     let mut tx = self.conn.begin().await?;
                     let keys = parked::park(&mut tx, topic, &parking).await?;
