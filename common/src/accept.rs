@@ -18,7 +18,7 @@ use serde::{Deserialize, Serialize};
 use sqlx::{PgConnection, PgPool};
 use uuid::Uuid;
 
-use crate::config::Accept as AcceptPolicy;
+use crate::config::AcceptPolicy;
 
 /// Largest `document_id`, `kind` and idempotency key, in bytes.
 pub const MAX_NAME_BYTES: usize = 512;

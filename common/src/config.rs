@@ -101,6 +101,9 @@ pub struct Config {
     /// Bearer token the HTTP API requires on every mutating request (`POST`); none: open.
     #[serde(default)]
     pub api_token: Option<Sensitive<String>>,
+    /// Settings per job kind, `[kinds.<kind>]`; see [`Kind`].
+    #[serde(default)]
+    pub kinds: BTreeMap<String, Kind>,
     /// librdkafka options passed to every client, e.g. `"security.protocol" = "SASL_SSL"`.
     /// Values of secret options (`sasl.password`, `ssl.key.password`, ...) are redacted
     /// wherever the configuration is shown.
@@ -217,7 +220,7 @@ pub struct Processor {
     pub retry_base: Duration,
     #[serde(with = "humantime_serde")]
     pub retry_cap: Duration,
-    /// Quarantine owner of kinds without `[accept.kinds.<kind>] owner`.
+    /// Quarantine owner of kinds without `[kinds.<kind>] owner`.
     pub default_owner: String,
     /// How long a revoked partition's running jobs may take to finish before it is released.
     #[serde(with = "humantime_serde")]
@@ -254,45 +257,118 @@ pub struct Intake {
 pub struct Accept {
     /// Largest accepted request body (HTTP) or input (all paths), in bytes.
     pub max_input_bytes: usize,
-    /// Attempt budget of jobs whose kind has no `[accept.kinds.<kind>]` entry.
+    /// Attempt budget of jobs whose kind has no `[kinds.<kind>] max_attempts`.
     pub default_max_attempts: i32,
     /// Elapsed-time budget from acceptance; none if absent.
     #[serde(default, with = "humantime_serde")]
     pub default_deadline: Option<Duration>,
-    /// Per job kind budgets and owners.
-    #[serde(default)]
-    pub kinds: BTreeMap<String, KindPolicy>,
 }
 
-/// Budgets and ownership of one job kind.
-#[derive(Debug, Clone, Deserialize, Serialize)]
+/// The settings of one job kind, `[kinds.<kind>]`: each one absent falls back to the global
+/// setting named in its comment.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
-pub struct KindPolicy {
-    pub max_attempts: i32,
+pub struct Kind {
+    /// Jobs of this kind running at once in one processor (else only
+    /// `processor.max_in_flight` bounds them).
+    #[serde(default)]
+    pub concurrency: Option<usize>,
+    /// `processor.lease_ttl`.
+    #[serde(default, with = "humantime_serde")]
+    pub lease_ttl: Option<Duration>,
+    /// `processor.heartbeat`.
+    #[serde(default, with = "humantime_serde")]
+    pub heartbeat: Option<Duration>,
+    /// How long one run may take; past it the run is cancelled and dropped, and the attempt
+    /// fails retryably (else no limit).
+    #[serde(default, with = "humantime_serde")]
+    pub run_timeout: Option<Duration>,
+    /// `accept.default_max_attempts`.
+    #[serde(default)]
+    pub max_attempts: Option<i32>,
+    /// `accept.default_deadline`.
     #[serde(default, with = "humantime_serde")]
     pub deadline: Option<Duration>,
-    /// Who must act on this kind's quarantined jobs.
+    /// `processor.retry_base`.
+    #[serde(default, with = "humantime_serde")]
+    pub retry_base: Option<Duration>,
+    /// `processor.retry_cap`.
+    #[serde(default, with = "humantime_serde")]
+    pub retry_cap: Option<Duration>,
+    /// `processor.max_output_bytes`.
+    #[serde(default)]
+    pub max_output_bytes: Option<usize>,
+    /// Who must act on this kind's quarantined jobs: `processor.default_owner`.
     #[serde(default)]
     pub owner: Option<String>,
+}
+
+/// One kind's settings with the global defaults filled in.
+#[derive(Debug, Clone, PartialEq)]
+pub struct KindSettings {
+    pub concurrency: Option<usize>,
+    pub lease_ttl: Duration,
+    pub heartbeat: Duration,
+    pub run_timeout: Option<Duration>,
+    pub max_attempts: i32,
+    pub deadline: Option<Duration>,
+    pub retry_base: Duration,
+    pub retry_cap: Duration,
+    pub max_output_bytes: usize,
+    pub owner: String,
+}
+
+/// What accepting a job needs: the input limit and each kind's budgets.
+#[derive(Debug, Clone)]
+pub struct AcceptPolicy {
+    pub max_input_bytes: usize,
+    pub default_max_attempts: i32,
+    pub default_deadline: Option<Duration>,
+    pub kinds: BTreeMap<String, Kind>,
+}
+
+impl AcceptPolicy {
+    /// The attempt budget and deadline for `kind`.
+    pub fn budget(&self, kind: &str) -> (i32, Option<Duration>) {
+        let settings = self.kinds.get(kind);
+        (
+            settings.and_then(|k| k.max_attempts).unwrap_or(self.default_max_attempts),
+            settings.and_then(|k| k.deadline).or(self.default_deadline),
+        )
+    }
 }
 
 impl Config {
     /// Who must act on a quarantined job of `kind`.
     pub fn quarantine_owner(&self, kind: &str) -> String {
-        self.accept
-            .kinds
-            .get(kind)
-            .and_then(|k| k.owner.clone())
-            .unwrap_or_else(|| self.processor.default_owner.clone())
+        self.kind(kind).owner
     }
-}
 
-impl Accept {
-    /// The attempt budget and deadline for `kind`.
-    pub fn budget(&self, kind: &str) -> (i32, Option<Duration>) {
-        match self.kinds.get(kind) {
-            Some(policy) => (policy.max_attempts, policy.deadline.or(self.default_deadline)),
-            None => (self.default_max_attempts, self.default_deadline),
+    /// `kind`'s settings, the global ones where `[kinds.<kind>]` does not set them.
+    pub fn kind(&self, kind: &str) -> KindSettings {
+        let k = self.kinds.get(kind).cloned().unwrap_or_default();
+        let p = &self.processor;
+        KindSettings {
+            concurrency: k.concurrency,
+            lease_ttl: k.lease_ttl.unwrap_or(p.lease_ttl),
+            heartbeat: k.heartbeat.unwrap_or(p.heartbeat),
+            run_timeout: k.run_timeout,
+            max_attempts: k.max_attempts.unwrap_or(self.accept.default_max_attempts),
+            deadline: k.deadline.or(self.accept.default_deadline),
+            retry_base: k.retry_base.unwrap_or(p.retry_base),
+            retry_cap: k.retry_cap.unwrap_or(p.retry_cap),
+            max_output_bytes: k.max_output_bytes.unwrap_or(p.max_output_bytes),
+            owner: k.owner.unwrap_or_else(|| p.default_owner.clone()),
+        }
+    }
+
+    /// The policy an [`crate::accept::Acceptor`] applies.
+    pub fn accept_policy(&self) -> AcceptPolicy {
+        AcceptPolicy {
+            max_input_bytes: self.accept.max_input_bytes,
+            default_max_attempts: self.accept.default_max_attempts,
+            default_deadline: self.accept.default_deadline,
+            kinds: self.kinds.clone(),
         }
     }
 }
@@ -354,7 +430,7 @@ const NOT_CONFIG: [&str; 18] = [
 ];
 
 /// Top-level keys that `JOBFOLD_*` variables may set.
-const ENV_KEYS: [&str; 13] = [
+const ENV_KEYS: [&str; 14] = [
     "database_url",
     "api_token",
     "kafka_brokers",
@@ -367,6 +443,7 @@ const ENV_KEYS: [&str; 13] = [
     "accept",
     "intake",
     "processor",
+    "kinds",
     "kafka",
 ];
 
@@ -497,13 +574,49 @@ impl Config {
         if self.accept.default_max_attempts < 1 {
             return invalid("accept.default_max_attempts", "must be at least 1");
         }
-        if self.accept.kinds.values().any(|k| k.max_attempts < 1) {
-            return invalid("accept.kinds.max_attempts", "must be at least 1");
-        }
         if p.max_output_bytes < 2 {
             return invalid("processor.max_output_bytes", "must be at least 2");
         }
+        for name in self.kinds.keys() {
+            self.validate_kind(name)?;
+        }
         self.validate_kafka_options()
+    }
+
+    /// The rules of the global settings, for one kind's settings with the defaults filled in.
+    fn validate_kind(&self, name: &str) -> Result<(), ConfigError> {
+        let k = self.kind(name);
+        let invalid = |key: &str, problem: &str| {
+            Err(ConfigError::Named {
+                key: format!("key `kinds.{name}.{key}`"),
+                problem: problem.to_owned(),
+            })
+        };
+        if name.trim().is_empty() || name.len() > crate::accept::MAX_NAME_BYTES {
+            return invalid("", "a kind's name must have 1 to 512 bytes");
+        }
+        if k.concurrency == Some(0) {
+            return invalid("concurrency", "must be at least 1");
+        }
+        if k.heartbeat.is_zero() || k.heartbeat * 2 > k.lease_ttl {
+            return invalid("heartbeat", "must be above zero and at most half of its lease_ttl");
+        }
+        if k.run_timeout.is_some_and(|t| t.is_zero()) {
+            return invalid("run_timeout", "must be above zero");
+        }
+        if k.max_attempts < 1 {
+            return invalid("max_attempts", "must be at least 1");
+        }
+        if k.retry_base.is_zero() || k.retry_base > k.retry_cap {
+            return invalid("retry_base", "must be above zero and at most its retry_cap");
+        }
+        if k.max_output_bytes < 2 {
+            return invalid("max_output_bytes", "must be at least 2");
+        }
+        if k.owner.trim().is_empty() {
+            return invalid("owner", "must not be empty");
+        }
+        Ok(())
     }
 
     /// Every `[kafka]` option must be one librdkafka knows, with a value it takes: checked
@@ -592,4 +705,85 @@ fn check_env_names(variables: impl Iterator<Item = String>) -> Result<(), Config
         });
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn defaults() -> Config {
+        Figment::from(Toml::string(DEFAULTS)).extract().expect("the defaults load")
+    }
+
+    fn problem(result: Result<(), ConfigError>) -> String {
+        result.expect_err("refused").to_string()
+    }
+
+    #[test]
+    fn a_misspelt_variable_is_refused_naming_the_nearest_key() {
+        let refused = problem(check_env_names(["JOBFOLD_DATABSE_URL".to_owned()].into_iter()));
+        assert!(refused.contains("JOBFOLD_DATABSE_URL"), "{refused}");
+        assert!(refused.contains("did you mean JOBFOLD_DATABASE_URL?"), "{refused}");
+        let refused = problem(check_env_names(["JOBFOLD_RELAY_BATCH_SIZE".to_owned()].into_iter()));
+        assert!(refused.contains("JOBFOLD_RELAY__BATCH_SIZE"), "{refused}");
+        let fine = [
+            "JOBFOLD_STATE_DIR",
+            "JOBFOLD_KAFKA__LINGER_MS",
+            "JOBFOLD_RELAY__BATCH_SIZE",
+            "JOBFOLD_DATABASE_URL",
+            "PATH",
+        ];
+        assert!(check_env_names(fine.iter().map(|s| (*s).to_owned())).is_ok());
+    }
+
+    #[test]
+    fn a_librdkafka_option_it_does_not_take_is_refused_naming_it() {
+        let mut config = defaults();
+        config.kafka.0.insert("linger.mss".into(), "5".into());
+        let refused = problem(config.validate());
+        assert!(
+            refused.contains("kafka.linger.mss") && refused.contains("LINGER_MSS"),
+            "{refused}"
+        );
+        let mut config = defaults();
+        config.kafka.0.insert("sasl.password".into(), "hunter2".into());
+        config.kafka.0.insert("linger.ms".into(), "soon".into());
+        let refused = problem(config.validate());
+        assert!(refused.contains("kafka.linger.ms"), "{refused}");
+        assert!(!refused.contains("hunter2"));
+    }
+
+    #[test]
+    fn each_kind_falls_back_to_the_global_settings_and_is_checked_like_them() {
+        let mut config = defaults();
+        config.kinds.insert(
+            "slow".into(),
+            Kind {
+                lease_ttl: Some(Duration::from_secs(120)),
+                max_attempts: Some(9),
+                ..Kind::default()
+            },
+        );
+        let slow = config.kind("slow");
+        assert_eq!(slow.lease_ttl, Duration::from_secs(120));
+        assert_eq!(slow.heartbeat, config.processor.heartbeat);
+        assert_eq!(slow.max_attempts, 9);
+        assert_eq!(slow.owner, config.processor.default_owner);
+        assert_eq!(config.accept_policy().budget("slow").0, 9);
+        assert_eq!(config.accept_policy().budget("other").0, config.accept.default_max_attempts);
+        assert!(config.validate().is_ok());
+
+        for (kind, key) in [
+            (Kind { heartbeat: Some(Duration::from_secs(40)), ..Kind::default() }, "heartbeat"),
+            (Kind { concurrency: Some(0), ..Kind::default() }, "concurrency"),
+            (Kind { run_timeout: Some(Duration::ZERO), ..Kind::default() }, "run_timeout"),
+            (Kind { retry_base: Some(Duration::from_secs(3600)), ..Kind::default() }, "retry_base"),
+            (Kind { max_attempts: Some(0), ..Kind::default() }, "max_attempts"),
+        ] {
+            let mut config = defaults();
+            config.kinds.insert("bad".into(), kind);
+            let refused = problem(config.validate());
+            assert!(refused.contains(&format!("kinds.bad.{key}")), "{refused}");
+        }
+    }
 }

@@ -122,7 +122,8 @@ pub fn event_limit(config: &Config, topic_limit: usize) -> usize {
 }
 
 /// Refuses limits under which an accepted job or a handler's result could make an event the
-/// events topic refuses: `accept.max_input_bytes` and `processor.max_output_bytes`, each with
+/// events topic refuses: `accept.max_input_bytes`, `processor.max_output_bytes` and each
+/// kind's `max_output_bytes`, each with
 /// [`EVENT_ENVELOPE_BYTES`], must fit the topic's `max.message.bytes` and the producer's
 /// `message.max.bytes`.
 ///
@@ -136,10 +137,14 @@ pub fn check_event_limits(config: &Config, topic_limit: usize) -> Result<(), Con
     } else {
         format!("the max.message.bytes of topic {topic} ({topic_limit})")
     };
-    for (key, value) in [
-        ("accept.max_input_bytes", config.accept.max_input_bytes),
-        ("processor.max_output_bytes", config.processor.max_output_bytes),
-    ] {
+    let kinds = config.kinds.iter().filter_map(|(kind, k)| {
+        Some((format!("kinds.{kind}.max_output_bytes"), k.max_output_bytes?))
+    });
+    let limits = [
+        ("accept.max_input_bytes".to_owned(), config.accept.max_input_bytes),
+        ("processor.max_output_bytes".to_owned(), config.processor.max_output_bytes),
+    ];
+    for (key, value) in limits.into_iter().chain(kinds) {
         if value + EVENT_ENVELOPE_BYTES > limit {
             return Err(ConfigError::Named {
                 key: format!("key `{key}`"),

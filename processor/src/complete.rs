@@ -195,7 +195,7 @@ impl Batch<'_> {
                 },
                 Err(e) => Outcome::Failed { class: e.class, message: e.message.clone() },
             };
-            let backoff = crate::worker::backoff(self.config, job.attempt);
+            let backoff = crate::worker::backoff(self.config, &job.kind, job.attempt);
             let retry_at = Utc::now() + chrono::Duration::from_std(backoff)?;
             let owner = self.config.quarantine_owner(&job.kind);
             let trace = attempt.trace.clone();

@@ -46,7 +46,7 @@ pub struct ApiState {
     pub acceptor: Acceptor,
     /// Appends events (replays).
     pub events: crate::store::Events,
-    pub policy: jobfold_common::config::Accept,
+    pub policy: jobfold_common::config::AcceptPolicy,
     /// Required on mutating requests when set.
     pub api_token: Option<Sensitive<String>>,
 }

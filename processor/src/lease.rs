@@ -186,7 +186,7 @@ async fn lease_batch(
         .iter_mut()
         .map(|(i, job)| (job, dispatches[*i].event_id, dispatches[*i].trace.clone()))
         .collect();
-    let ttl = settings.config.processor.lease_ttl;
+    let ttl = |kind: &str| settings.config.kind(kind).lease_ttl;
     store::take_leases(&mut tx, &settings.events, leases, &settings.owner, ttl).await?;
     store::record_all_consumed(&mut tx, &to_record).await?;
     tx.commit().await?;

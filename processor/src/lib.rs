@@ -120,7 +120,7 @@ async fn serve(
         .await
         .context("registering the job event schema")?;
     let producer = format!("jobfold-processor/{}", std::process::id());
-    let acceptor = Acceptor::new(codec.clone(), config.accept.clone(), producer.clone());
+    let acceptor = Acceptor::new(codec.clone(), config.accept_policy(), producer.clone());
 
     let events =
         store::Events { codec: codec.clone(), topic: config.topics.events.clone(), producer };
@@ -131,7 +131,7 @@ async fn serve(
             pool: pool.clone(),
             acceptor: acceptor.clone(),
             events: events.clone(),
-            policy: config.accept.clone(),
+            policy: config.accept_policy(),
             api_token: config.api_token.clone(),
         },
         config.accept.max_input_bytes + BODY_OVERHEAD_BYTES,

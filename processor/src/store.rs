@@ -479,13 +479,14 @@ pub async fn take_leases(
     events: &Events,
     leases: Vec<(&mut JobRow, Uuid, Option<TraceContext>)>,
     owner: &str,
-    ttl: std::time::Duration,
+    ttl: impl Fn(&str) -> std::time::Duration,
 ) -> anyhow::Result<()> {
     if leases.is_empty() {
         return Ok(());
     }
-    let until = Utc::now() + ChronoDuration::from_std(ttl)?;
+    let now = Utc::now();
     let n = leases.len();
+    let mut untils = Vec::with_capacity(n);
     let (mut job_ids, mut generations, mut attempts, mut versions) = (
         Vec::with_capacity(n),
         Vec::with_capacity(n),
@@ -494,6 +495,9 @@ pub async fn take_leases(
     );
     let mut appends = Vec::with_capacity(n);
     for (job, dispatch_event_id, trace) in leases {
+        // Each kind's own lease time.
+        let until = now + ChronoDuration::from_std(ttl(&job.kind))?;
+        untils.push(until);
         job.generation += 1;
         job.attempt += 1;
         job.state = "leased".into();
@@ -517,10 +521,10 @@ pub async fn take_leases(
     sqlx::query(
         r#"
         UPDATE jobs j SET state = 'leased', generation = l.generation, attempt = l.attempt,
-                          lease_until = $5, lease_owner = $6, next_attempt_at = NULL,
+                          lease_until = l.lease_until, lease_owner = $6, next_attempt_at = NULL,
                           stream_version = l.stream_version
-        FROM unnest($1::uuid[], $2::bigint[], $3::int[], $4::int[])
-            AS l(job_id, generation, attempt, stream_version)
+        FROM unnest($1::uuid[], $2::bigint[], $3::int[], $4::int[], $5::timestamptz[])
+            AS l(job_id, generation, attempt, stream_version, lease_until)
         WHERE j.job_id = l.job_id
         "#,
     )
@@ -528,7 +532,7 @@ pub async fn take_leases(
     .bind(generations)
     .bind(attempts)
     .bind(versions)
-    .bind(until)
+    .bind(untils)
     .bind(owner)
     .execute(&mut *tx)
     .await?;
@@ -917,7 +921,7 @@ pub struct Replay {
 pub async fn replay(
     tx: &mut PgConnection,
     events: &Events,
-    policy: &jobfold_common::config::Accept,
+    policy: &jobfold_common::config::AcceptPolicy,
     job_id: Uuid,
     request: Replay,
 ) -> Result<JobRow, ReplayError> {

@@ -157,6 +157,8 @@ struct Shared {
     handlers: Handlers,
     /// Documents whose next job waits for a kind this processor has no handler for.
     waiting_for_handler: std::sync::atomic::AtomicI64,
+    /// Per kind with a `concurrency` setting: its running jobs' slots.
+    kind_slots: HashMap<String, Arc<Semaphore>>,
     /// Leases dispatches, several to a transaction.
     leaser: Leaser,
     /// Commits finished attempts, several to a transaction.
@@ -205,6 +207,11 @@ pub async fn run(
     tracing::info!(kinds = ?handlers, "Handlers registered.");
     let completer =
         crate::complete::start(config.clone(), pool.clone(), events.clone(), handlers.clone());
+    let kind_slots = config
+        .kinds
+        .iter()
+        .filter_map(|(kind, k)| Some((kind.clone(), Arc::new(Semaphore::new(k.concurrency?)))))
+        .collect();
     let shared = Arc::new(Shared {
         config,
         pool,
@@ -213,6 +220,7 @@ pub async fn run(
         events,
         handlers,
         waiting_for_handler: std::sync::atomic::AtomicI64::new(0),
+        kind_slots,
         leaser,
         completer,
         tracker,
@@ -366,7 +374,17 @@ async fn handle(shared: &Shared, message: &OwnedMessage) -> bool {
             Ok(Step::WaitUntil(until)) => {
                 let wait =
                     (until - Utc::now()).to_std().unwrap_or_default() + Duration::from_millis(50);
-                let wait = wait.min(shared.config.processor.lease_ttl);
+                let wait = wait.min(
+                    shared.config.processor.lease_ttl.max(
+                        shared
+                            .config
+                            .kinds
+                            .values()
+                            .filter_map(|k| k.lease_ttl)
+                            .max()
+                            .unwrap_or_default(),
+                    ),
+                );
                 tokio::select! {
                     _ = shared.shutdown.cancelled() => return false,
                     _ = tokio::time::sleep(wait) => {}
@@ -457,6 +475,11 @@ async fn try_handle(shared: &Shared, message: &OwnedMessage) -> anyhow::Result<S
     let Some(handler) = shared.handlers.get(&event.job_kind).cloned() else {
         return Ok(Step::NoHandler(event.job_kind));
     };
+    // A kind with its own concurrency waits for a slot of its own before it is leased.
+    let _kind_slot = match shared.kind_slots.get(&event.job_kind) {
+        Some(slots) => Some(Arc::clone(slots).acquire_owned().await?),
+        None => None,
+    };
     let consumed = Consumed {
         group: shared.config.processor.group.clone(),
         event_id: event.event_id,
@@ -516,26 +539,42 @@ async fn try_handle(shared: &Shared, message: &OwnedMessage) -> anyhow::Result<S
     // 2. Run, with heartbeats. The handler's token fires when the lease is lost or the
     //    processor shuts down; the heartbeat stops with the run, whatever the handler does
     //    (returns, panics), as its task is aborted when its handle drops.
+    let kind = shared.config.kind(&job.kind);
     let cancel = shared.shutdown.child_token();
     let heartbeat = AbortOnDropHandle::new(tokio::spawn(heartbeat(
         shared.pool.clone(),
         job.job_id,
         job.generation,
-        shared.config.processor.heartbeat,
-        shared.config.processor.lease_ttl,
+        kind.heartbeat,
+        kind.lease_ttl,
         cancel.clone(),
     )));
     let started = std::time::Instant::now();
     let run = std::panic::AssertUnwindSafe(handler.run_boxed(&context, cancel.clone()))
         .catch_unwind()
         .instrument(span.clone());
-    let result = match run.await {
-        Ok(result) => result,
+    // Past the kind's run time-out the token fires and the run is dropped: a handler that
+    // hangs, or ignores its token, costs its own attempt, not a slot for ever.
+    let timed = async {
+        match kind.run_timeout {
+            Some(limit) => tokio::time::timeout(limit, run).await.ok(),
+            None => Some(run.await),
+        }
+    };
+    let result = match timed.await {
+        Some(Ok(result)) => result,
         // A panic costs its own attempt: a retryable failure naming it.
-        Err(panic) => Err(HandlerError::retryable(format!(
+        Some(Err(panic)) => Err(HandlerError::retryable(format!(
             "the handler panicked: {}",
             panic_message(panic.as_ref())
         ))),
+        None => {
+            cancel.cancel();
+            Err(HandlerError::retryable(format!(
+                "the handler ran past its run_timeout ({:?}) and was cancelled",
+                kind.run_timeout.unwrap_or_default()
+            )))
+        }
     };
     metrics::histogram!(pm::HANDLER_DURATION_SECONDS, "kind" => job.kind.clone())
         .record(started.elapsed().as_secs_f64());
@@ -548,7 +587,7 @@ async fn try_handle(shared: &Shared, message: &OwnedMessage) -> anyhow::Result<S
         tracing::info!(job_id = %job.job_id, "Shutdown cancelled the handler; the job runs again later.");
         return Ok(Step::Interrupted);
     }
-    let result = bounded(result, shared.config.processor.max_output_bytes);
+    let result = bounded(result, kind.max_output_bytes);
 
     // 3. Complete, fenced by the generation (in a transaction with the other attempts
     //    finished at the time). A completion that fails (the database unreachable) is tried
@@ -610,8 +649,8 @@ pub fn bounded(
             let size = serde_json::to_vec(&output).map_or(usize::MAX, |v| v.len());
             if size > max_output_bytes {
                 return Err(HandlerError::permanent(format!(
-                    "the result is {size} bytes, more than processor.max_output_bytes \
-                     ({max_output_bytes})"
+                    "the result is {size} bytes, more than its max_output_bytes \
+                     ({max_output_bytes}: processor.max_output_bytes, or the kind's own)"
                 )));
             }
             if let Some(path) = jobfold_common::accept::find_nul(&output) {
@@ -650,11 +689,12 @@ pub(crate) fn completed(job: &store::JobRow, outcome: &'static str) {
     }
 }
 
-/// Exponential backoff with full jitter: uniform in [0, min(cap, base * 2^(attempt-1))].
-pub fn backoff(config: &Config, attempt: i32) -> Duration {
-    let p = &config.processor;
+/// Exponential backoff with full jitter: uniform in [0, min(cap, base * 2^(attempt-1))],
+/// with `kind`'s retry base and cap.
+pub fn backoff(config: &Config, kind: &str, attempt: i32) -> Duration {
+    let k = config.kind(kind);
     let exp = u32::try_from(attempt.saturating_sub(1)).unwrap_or(0).min(30);
-    let ceiling = p.retry_base.saturating_mul(1 << exp).min(p.retry_cap);
+    let ceiling = k.retry_base.saturating_mul(1 << exp).min(k.retry_cap);
     let millis = u64::try_from(ceiling.as_millis()).unwrap_or(u64::MAX);
     Duration::from_millis(rand::rng().random_range(0..=millis))
 }
@@ -697,7 +737,7 @@ mod tests {
 
         let large = bounded(Ok(json!("x".repeat(200))), 100).unwrap_err();
         assert_eq!(large.class, ErrorClass::Permanent);
-        assert!(large.message.contains("202 bytes") && large.message.contains("(100)"));
+        assert!(large.message.contains("202 bytes") && large.message.contains("(100:"));
 
         let nul = bounded(Ok(json!({ "a": ["ok", "x\u{0}"] })), 100).unwrap_err();
         assert_eq!(nul.class, ErrorClass::Permanent);

@@ -684,7 +684,7 @@ async fn api_producer(
     let codec =
         Codec::connect(registry_settings(&config.schema_registry_url)?, &config.topics.events)
             .await?;
-    let acceptor = jobfold_common::accept::Acceptor::new(codec, config.accept.clone(), "campaign");
+    let acceptor = jobfold_common::accept::Acceptor::new(codec, config.accept_policy(), "campaign");
     while !stop.load(Ordering::SeqCst) {
         let n = next.fetch_add(1, Ordering::SeqCst);
         let (document, version) = target(n);

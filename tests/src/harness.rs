@@ -70,7 +70,7 @@ impl Installation {
     pub async fn acceptor(&self) -> Acceptor {
         let codec =
             Codec::<JobEvent>::connect(self.registry(), &self.config.topics.events).await.unwrap();
-        Acceptor::new(codec, self.config.accept.clone(), "test")
+        Acceptor::new(codec, self.config.accept_policy(), "test")
     }
 
     /// An event appender writing to this installation (registers the schema).
@@ -90,7 +90,7 @@ impl Installation {
             pool: self.pool.clone(),
             acceptor: self.acceptor().await,
             events: self.events().await,
-            policy: self.config.accept.clone(),
+            policy: self.config.accept_policy(),
             api_token: self.config.api_token.clone(),
         }
     }

@@ -934,7 +934,7 @@ async fn a_result_too_large_for_the_topic_costs_only_its_own_job() {
     .await
     .unwrap();
     assert_eq!(state, "quarantined");
-    assert!(reason.contains("processor.max_output_bytes"), "{reason}");
+    assert!(reason.contains("max_output_bytes (65536"), "{reason}");
     assert_eq!(states(&it).await, [("quarantined".into(), 1), ("succeeded".into(), 30)]);
     let retried = count_where(&it, "SELECT count(*) FROM jobs WHERE attempt = 2").await;
     assert_eq!(retried, 10, "the retries ran and succeeded");
@@ -1188,5 +1188,138 @@ async fn a_kind_without_a_handler_waits_for_a_processor_that_has_it() {
     eventually(Duration::from_secs(60), "the new kind's job to succeed", || all_finished(&it, 2))
         .await;
     new.stop().await;
+    it.cleanup().await;
+}
+
+/// Test handlers whose behaviour is their kind's name: `hangs` ignores its token for two
+/// minutes, `chatty` returns 200 bytes, `one-at-a-time` takes 300 ms and counts how many run
+/// at once, `long-lease` waits until released.
+#[derive(Debug, Default, Clone)]
+struct ByKind {
+    running: Arc<std::sync::atomic::AtomicUsize>,
+    most: Arc<std::sync::atomic::AtomicUsize>,
+    release: Arc<tokio::sync::Notify>,
+    started: Arc<tokio::sync::Notify>,
+}
+
+impl jobfold_processor::handler::Handler for ByKind {
+    async fn run(
+        &self,
+        job: &JobContext,
+        _cancel: CancellationToken,
+    ) -> Result<Value, jobfold_processor::handler::HandlerError> {
+        use std::sync::atomic::Ordering;
+        match job.kind.as_str() {
+            "hangs" => tokio::time::sleep(Duration::from_secs(120)).await,
+            "chatty" => return Ok(json!("x".repeat(200))),
+            "one-at-a-time" => {
+                let now = self.running.fetch_add(1, Ordering::SeqCst) + 1;
+                self.most.fetch_max(now, Ordering::SeqCst);
+                tokio::time::sleep(Duration::from_millis(300)).await;
+                self.running.fetch_sub(1, Ordering::SeqCst);
+            }
+            _ => {
+                self.started.notify_one();
+                self.release.notified().await;
+            }
+        }
+        Ok(json!({}))
+    }
+}
+
+/// `[kinds.<kind>]` settings bound each kind on its own: a run time-out, an attempt budget,
+/// an owner, a retry base and cap, an output limit, a concurrency and a lease time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn each_kind_runs_within_its_own_settings() {
+    use jobfold_common::config::Kind;
+    let mut it = Installation::new("proc-kinds").await;
+    fast(&mut it);
+    let kinds = [
+        (
+            "hangs",
+            Kind {
+                run_timeout: Some(Duration::from_secs(1)),
+                max_attempts: Some(2),
+                retry_base: Some(Duration::from_millis(10)),
+                retry_cap: Some(Duration::from_millis(20)),
+                owner: Some("hang-team".into()),
+                ..Kind::default()
+            },
+        ),
+        ("chatty", Kind { max_output_bytes: Some(64), ..Kind::default() }),
+        ("one-at-a-time", Kind { concurrency: Some(1), ..Kind::default() }),
+        (
+            "long-lease",
+            Kind {
+                lease_ttl: Some(Duration::from_secs(40)),
+                heartbeat: Some(Duration::from_secs(10)),
+                ..Kind::default()
+            },
+        ),
+    ];
+    for (name, kind) in kinds.clone() {
+        it.config.kinds.insert(name.into(), kind);
+    }
+    it.config.validate().unwrap();
+    it.create_topics().await;
+    let acceptor = it.acceptor().await;
+    let handler = ByKind::default();
+    let (most, release, started) =
+        (Arc::clone(&handler.most), Arc::clone(&handler.release), Arc::clone(&handler.started));
+    let mut processor = jobfold_processor::Processor::builder(it.config.clone());
+    for (name, _) in &kinds {
+        processor = processor.handler(*name, handler.clone());
+    }
+    let pipeline = start_processor(&it, processor);
+    let mut jobs = vec![
+        NewJob { kind: "hangs".into(), ..job("doc-hang", 1, json!({})) },
+        NewJob { kind: "chatty".into(), ..job("doc-chat", 1, json!({})) },
+        NewJob { kind: "long-lease".into(), ..job("doc-long", 1, json!({})) },
+    ];
+    for d in 0..4 {
+        jobs.push(NewJob {
+            kind: "one-at-a-time".into(),
+            ..job(&format!("doc-{d}"), 1, json!({}))
+        });
+    }
+    let ids = accept_all(&acceptor, &it, &jobs).await;
+
+    // The long lease: 40 s, where the global one is 3 s.
+    tokio::time::timeout(Duration::from_secs(60), started.notified()).await.expect("it runs");
+    let left: f64 = sqlx::query_scalar(
+        "SELECT EXTRACT(EPOCH FROM lease_until - now())::float8 FROM jobs WHERE job_id = $1",
+    )
+    .bind(ids[2])
+    .fetch_one(&it.pool)
+    .await
+    .unwrap();
+    assert!(left > 20.0, "the kind's lease_ttl: {left} s left");
+    release.notify_one();
+    eventually(Duration::from_secs(60), "every job to end", || all_finished(&it, 7)).await;
+    pipeline.stop().await;
+
+    let quarantined: Vec<(String, i32, String, String)> = sqlx::query_as(
+        "SELECT j.kind, j.attempt, q.owner, q.reason FROM jobs j JOIN quarantine q USING (job_id) \
+         ORDER BY j.kind",
+    )
+    .fetch_all(&it.pool)
+    .await
+    .unwrap();
+    assert_eq!(quarantined.len(), 2, "{quarantined:?}");
+    let (kind, attempt, owner, reason) = &quarantined[0];
+    assert_eq!((kind.as_str(), *attempt), ("chatty", 1));
+    assert!(reason.contains("max_output_bytes (64"), "{reason}");
+    assert_eq!(owner, "jobfold-operators");
+    let (kind, attempt, owner, reason) = &quarantined[1];
+    assert_eq!((kind.as_str(), *attempt, owner.as_str()), ("hangs", 2, "hang-team"));
+    assert!(reason.contains("budget"), "{reason}");
+    let last_error: String = sqlx::query_scalar("SELECT last_error FROM jobs WHERE job_id = $1")
+        .bind(ids[0])
+        .fetch_one(&it.pool)
+        .await
+        .unwrap();
+    assert!(last_error.contains("run_timeout"), "{last_error}");
+    assert_eq!(most.load(std::sync::atomic::Ordering::SeqCst), 1, "one at a time");
+    assert_eq!(count_where(&it, "SELECT count(*) FROM jobs WHERE state = 'succeeded'").await, 5);
     it.cleanup().await;
 }

@@ -654,7 +654,7 @@ async fn an_event_kafka_refuses_is_parked_and_every_other_document_flows() {
     jobfold_common::kafka::ensure_topics(&it.config, &topics).await.unwrap();
 
     let acceptor = it.acceptor().await;
-    let mut generous_policy = it.config.accept.clone();
+    let mut generous_policy = it.config.accept_policy();
     generous_policy.max_input_bytes = 4 * 1024 * 1024;
     let codec = jobfold_schemas::Codec::<jobfold_schemas::JobEvent>::connect(
         it.registry(),

@@ -78,7 +78,7 @@ async fn replay_from_kafka_and_postgres_verifies_reports_and_exports() {
         new_input_version: Some(2),
         new_input: Some(json!({"text": "fixed"})),
     };
-    jobfold_processor::store::replay(&mut tx, &events, &it.config.accept, broken, request)
+    jobfold_processor::store::replay(&mut tx, &events, &it.config.accept_policy(), broken, request)
         .await
         .unwrap();
     tx.commit().await.unwrap();

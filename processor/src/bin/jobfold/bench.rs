@@ -306,7 +306,7 @@ async fn measure_accept_and_relay(
 ) -> anyhow::Result<()> {
     let pool = jobfold_common::db::connect_and_migrate(config, 32).await?;
     let codec = event_codec(config).await?;
-    let acceptor = Acceptor::new(codec.clone(), config.accept.clone(), "bench");
+    let acceptor = Acceptor::new(codec.clone(), config.accept_policy(), "bench");
 
     // Accept, one at a time: latency as a single client sees it.
     let mut h = latency_histogram();
@@ -517,7 +517,7 @@ async fn measure_processing(
     config.processor.group = format!("jobfold-bench-processors-{}", uuid::Uuid::new_v4().simple());
     let config = &config;
     let codec = event_codec(config).await?;
-    let acceptor = Acceptor::new(codec, config.accept.clone(), "bench");
+    let acceptor = Acceptor::new(codec, config.accept_policy(), "bench");
     let logs =
         std::env::temp_dir().join(format!("jobfold-bench-{}", uuid::Uuid::new_v4().simple()));
     std::fs::create_dir_all(&logs)?;

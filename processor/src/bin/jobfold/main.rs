@@ -267,7 +267,7 @@ async fn run(config: Config, command: Command) -> anyhow::Result<()> {
             let pool = db::connect_and_migrate(&config, 1).await?;
             let settings = registry_settings(&config.schema_registry_url)?;
             let codec = Codec::<JobEvent>::connect(settings, &config.topics.events).await?;
-            let acceptor = Acceptor::new(codec, config.accept.clone(), "jobfold-cli");
+            let acceptor = Acceptor::new(codec, config.accept_policy(), "jobfold-cli");
             let job = NewJob {
                 document_id: document,
                 kind,
@@ -440,9 +440,14 @@ async fn quarantine(config: Config, command: QuarantineCommand) -> anyhow::Resul
                 new_input,
             };
             let mut tx = pool.begin().await?;
-            let job =
-                jobfold_processor::store::replay(&mut tx, &events, &config.accept, job_id, request)
-                    .await?;
+            let job = jobfold_processor::store::replay(
+                &mut tx,
+                &events,
+                &config.accept_policy(),
+                job_id,
+                request,
+            )
+            .await?;
             tx.commit().await?;
             println!("{job_id} queued again at input version {}", job.input_version);
         }
