@@ -3,7 +3,8 @@
 #
 #   docker/test.sh [nextest arguments...]
 #
-# 1. installs cargo-nextest when it is missing (from crates.io), and the OpenSSL headers;
+# 1. installs cargo-nextest when it is missing (from crates.io), the OpenSSL headers, sox and
+#    python3 (for the example jobs);
 # 2. starts PostgreSQL, Kafka and the schema registry natively (reusing running ones);
 # 3. runs cargo fmt --check, cargo clippy -D warnings, and every test with cargo nextest;
 # 4. stops the services it started (and only those).
@@ -21,6 +22,20 @@ if ! pkg-config --exists openssl 2>/dev/null; then
         die "OpenSSL development files are missing: install libssl-dev (or openssl-devel) and pkg-config"
     fi
 fi
+
+# The convert-audio example runs sox; its tests make and read audio with sox and soxi. The
+# Python handler example needs python3.
+for tool in sox python3; do
+    if ! command -v "$tool" >/dev/null; then
+        step "installing $tool"
+        if command -v apt-get >/dev/null; then
+            DEBIAN_FRONTEND=noninteractive apt-get install -y -q "$tool" ||
+                { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q "$tool"; }
+        else
+            die "$tool is missing: install it (the example jobs' tests run it)"
+        fi
+    fi
+done
 
 if ! cargo nextest --version >/dev/null 2>&1; then
     step "installing cargo-nextest"

@@ -64,6 +64,9 @@ pub enum AcceptError {
     /// constraint): the request's fault, not an outage; retrying it cannot help.
     #[error("the database refused the job's data ({code}): {message}")]
     Unstorable { code: String, message: String },
+    /// No processor has registered a handler for the kind (and `accept.any_kind` is off).
+    #[error("unknown kind {kind:?}: no processor has registered a handler for it")]
+    UnknownKind { kind: String },
     /// The idempotency key was used before for a different request.
     #[error("idempotency key {key:?} was already used for a different request (job {job_id})")]
     Conflict { key: String, job_id: Uuid },
@@ -119,6 +122,9 @@ pub fn find_nul(value: &serde_json::Value) -> Option<String> {
 pub struct Acceptor {
     codec: Codec<JobEvent>,
     policy: AcceptPolicy,
+    /// Kinds found in `job_kinds`: registered once, a kind stays known, so each is looked up
+    /// once per process.
+    known_kinds: std::sync::Arc<std::sync::RwLock<std::collections::HashSet<String>>>,
     /// Written into each event's `producer` field.
     producer: String,
 }
@@ -135,7 +141,37 @@ struct Existing {
 
 impl Acceptor {
     pub fn new(codec: Codec<JobEvent>, policy: AcceptPolicy, producer: impl Into<String>) -> Self {
-        Self { codec, policy, producer: producer.into() }
+        Self { codec, policy, producer: producer.into(), known_kinds: Default::default() }
+    }
+
+    /// [`AcceptError::UnknownKind`] for the first of `kinds` no processor has registered,
+    /// looked up in `job_kinds` (in the caller's transaction) when not known yet.
+    async fn check_kinds(&self, tx: &mut PgConnection, kinds: &[&str]) -> Result<(), AcceptError> {
+        if self.policy.any_kind {
+            return Ok(());
+        }
+        let unknown: Vec<&str> = {
+            let known = self.known_kinds.read().unwrap_or_else(std::sync::PoisonError::into_inner);
+            let mut unknown: Vec<&str> =
+                kinds.iter().copied().filter(|k| !known.contains(*k)).collect();
+            unknown.sort_unstable();
+            unknown.dedup();
+            unknown
+        };
+        if unknown.is_empty() {
+            return Ok(());
+        }
+        let found: Vec<String> =
+            sqlx::query_scalar("SELECT kind FROM job_kinds WHERE kind = ANY($1)")
+                .bind(&unknown)
+                .fetch_all(&mut *tx)
+                .await?;
+        let mut known = self.known_kinds.write().unwrap_or_else(std::sync::PoisonError::into_inner);
+        known.extend(found);
+        match unknown.into_iter().find(|k| !known.contains(*k)) {
+            Some(kind) => Err(AcceptError::UnknownKind { kind: kind.to_owned() }),
+            None => Ok(()),
+        }
     }
 
     /// Checks a job against the rules; [`AcceptError::Invalid`] names the first bad field.
@@ -187,6 +223,7 @@ impl Acceptor {
         job: &NewJob,
     ) -> Result<Accepted, AcceptError> {
         self.validate(job)?;
+        self.check_kinds(tx, &[job.kind.as_str()]).await?;
         // Millisecond precision, as events carry time: the row and the event agree.
         let now = Utc::now();
         let now = DateTime::from_timestamp_millis(now.timestamp_millis()).unwrap_or(now);
@@ -278,6 +315,8 @@ impl Acceptor {
         for job in jobs {
             self.validate(job)?;
         }
+        let kinds: Vec<&str> = jobs.iter().map(|j| j.kind.as_str()).collect();
+        self.check_kinds(tx, &kinds).await?;
         let now = Utc::now();
         let now = DateTime::from_timestamp_millis(now.timestamp_millis()).unwrap_or(now);
         let n = jobs.len();
@@ -296,7 +335,6 @@ impl Acceptor {
             job_ids.push(job_id);
         }
         let documents: Vec<&str> = jobs.iter().map(|j| j.document_id.as_str()).collect();
-        let kinds: Vec<&str> = jobs.iter().map(|j| j.kind.as_str()).collect();
         let inputs: Vec<&serde_json::Value> = jobs.iter().map(|j| &j.input).collect();
         let versions: Vec<i64> = jobs.iter().map(|j| j.input_version).collect();
         let keys: Vec<Option<&str>> = jobs.iter().map(|j| j.idempotency_key.as_deref()).collect();

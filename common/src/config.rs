@@ -262,6 +262,10 @@ pub struct Accept {
     /// Elapsed-time budget from acceptance; none if absent.
     #[serde(default, with = "humantime_serde")]
     pub default_deadline: Option<Duration>,
+    /// Accept jobs of any kind. Off: a kind no processor has registered (run with a handler
+    /// for it) is refused, `unknown_kind`.
+    #[serde(default)]
+    pub any_kind: bool,
 }
 
 /// The settings of one job kind, `[kinds.<kind>]`: each one absent falls back to the global
@@ -301,6 +305,11 @@ pub struct Kind {
     /// Who must act on this kind's quarantined jobs: `processor.default_owner`.
     #[serde(default)]
     pub owner: Option<String>,
+    /// An `http://` or `https://` URL: the shipped processor runs this kind by calling it (a
+    /// handler in any language; the protocol is in docs/processor.md). Absent: a handler
+    /// registered in code runs it.
+    #[serde(default)]
+    pub url: Option<String>,
 }
 
 /// One kind's settings with the global defaults filled in.
@@ -322,6 +331,8 @@ pub struct KindSettings {
 #[derive(Debug, Clone)]
 pub struct AcceptPolicy {
     pub max_input_bytes: usize,
+    /// `accept.any_kind`.
+    pub any_kind: bool,
     pub default_max_attempts: i32,
     pub default_deadline: Option<Duration>,
     pub kinds: BTreeMap<String, Kind>,
@@ -366,6 +377,7 @@ impl Config {
     pub fn accept_policy(&self) -> AcceptPolicy {
         AcceptPolicy {
             max_input_bytes: self.accept.max_input_bytes,
+            any_kind: self.accept.any_kind,
             default_max_attempts: self.accept.default_max_attempts,
             default_deadline: self.accept.default_deadline,
             kinds: self.kinds.clone(),
@@ -616,6 +628,15 @@ impl Config {
         if k.owner.trim().is_empty() {
             return invalid("owner", "must not be empty");
         }
+        if let Some(url) = self.kinds.get(name).and_then(|k| k.url.as_ref()) {
+            let parsed = url::Url::parse(url);
+            if !parsed
+                .as_ref()
+                .is_ok_and(|u| matches!(u.scheme(), "http" | "https") && u.has_host())
+            {
+                return invalid("url", "must be an http:// or https:// URL with a host");
+            }
+        }
         Ok(())
     }
 
@@ -779,6 +800,8 @@ mod tests {
             (Kind { run_timeout: Some(Duration::ZERO), ..Kind::default() }, "run_timeout"),
             (Kind { retry_base: Some(Duration::from_secs(3600)), ..Kind::default() }, "retry_base"),
             (Kind { max_attempts: Some(0), ..Kind::default() }, "max_attempts"),
+            (Kind { url: Some("ftp://host/run".into()), ..Kind::default() }, "url"),
+            (Kind { url: Some("not a url".into()), ..Kind::default() }, "url"),
         ] {
             let mut config = defaults();
             config.kinds.insert("bad".into(), kind);

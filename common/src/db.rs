@@ -13,7 +13,12 @@ use crate::config::Config;
 ///
 /// Run it with `MIGRATOR.run(&pool).await`: it is idempotent and serialised across
 /// processes by sqlx's migration lock, so every service runs it at start.
-pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../migrations");
+///
+/// Handlers' business tables come with migrations of their own in the same database (the
+/// examples' start at version 100001): each migrator ignores the versions it does not hold.
+/// Run this one first.
+pub static MIGRATOR: sqlx::migrate::Migrator =
+    sqlx::migrate::Migrator { ignore_missing: true, ..sqlx::migrate!("../migrations") };
 
 /// A pool of at most `max` connections to the configured database.
 ///

@@ -195,7 +195,10 @@ impl Batch<'_> {
                 },
                 Err(e) => Outcome::Failed { class: e.class, message: e.message.clone() },
             };
-            let backoff = crate::worker::backoff(self.config, &job.kind, job.attempt);
+            // An outside service's Retry-After is a floor under the backoff.
+            let floor = attempt.result.as_ref().err().and_then(|e| e.retry_after);
+            let backoff = crate::worker::backoff(self.config, &job.kind, job.attempt)
+                .max(floor.unwrap_or_default());
             let retry_at = Utc::now() + chrono::Duration::from_std(backoff)?;
             let owner = self.config.quarantine_owner(&job.kind);
             let trace = attempt.trace.clone();

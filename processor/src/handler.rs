@@ -43,6 +43,8 @@ pub struct JobContext {
     /// The W3C trace context to send with outgoing calls (its parent is this run's span),
     /// if the job was accepted with one.
     pub trace: Option<TraceContext>,
+    /// When the job's elapsed-time budget ends, if it has one: no attempt starts after it.
+    pub deadline: Option<chrono::DateTime<chrono::Utc>>,
 }
 
 impl JobContext {
@@ -59,22 +61,32 @@ impl JobContext {
 pub struct HandlerError {
     pub class: ErrorClass,
     pub message: String,
+    /// For a retryable failure: wait at least this long before the next attempt (an
+    /// outside service's `Retry-After`), even when the backoff is shorter.
+    pub retry_after: Option<std::time::Duration>,
 }
 
 impl HandlerError {
     /// May succeed later: retried with backoff while the budgets last.
     pub fn retryable(message: impl Into<String>) -> Self {
-        Self { class: ErrorClass::Retryable, message: message.into() }
+        Self { class: ErrorClass::Retryable, message: message.into(), retry_after: None }
     }
 
     /// Will not succeed: quarantined at once.
     pub fn permanent(message: impl Into<String>) -> Self {
-        Self { class: ErrorClass::Permanent, message: message.into() }
+        Self { class: ErrorClass::Permanent, message: message.into(), retry_after: None }
+    }
+
+    /// The next attempt waits at least `delay` (the backoff, if longer, wins).
+    #[must_use]
+    pub fn retry_after(mut self, delay: std::time::Duration) -> Self {
+        self.retry_after = Some(delay);
+        self
     }
 
     /// The input itself is wrong: quarantined at once, never retried.
     pub fn invalid_input(message: impl Into<String>) -> Self {
-        Self { class: ErrorClass::InvalidInput, message: message.into() }
+        Self { class: ErrorClass::InvalidInput, message: message.into(), retry_after: None }
     }
 }
 
@@ -156,9 +168,10 @@ impl<H: Handler> ErasedHandler for H {
 ///
 /// ```
 /// # use jobfold_processor::handler::Handlers;
-/// # use jobfold_processor::index::{IndexDocument, KIND};
-/// let handlers = Handlers::new().with(KIND, IndexDocument);
-/// assert!(handlers.get(KIND).is_some());
+/// # use jobfold_processor::remote::Remote;
+/// let handlers = Handlers::new().with("render", Remote::new("http://127.0.0.1:7000/render", 65536)?);
+/// assert!(handlers.get("render").is_some());
+/// # anyhow::Ok(())
 /// ```
 #[derive(Clone, Default)]
 pub struct Handlers {
@@ -184,6 +197,13 @@ impl Handlers {
         self
     }
 
+    /// These handlers and `other`'s; `other`'s win for a kind both have.
+    #[must_use]
+    pub fn merged(mut self, other: Self) -> Self {
+        self.by_kind.extend(other.by_kind);
+        self
+    }
+
     /// The handler of `kind`, if one is registered.
     pub fn get(&self, kind: &str) -> Option<&std::sync::Arc<dyn ErasedHandler>> {
         self.by_kind.get(kind)
@@ -192,5 +212,30 @@ impl Handlers {
     /// The registered kinds, in order.
     pub fn kinds(&self) -> impl Iterator<Item = &str> {
         self.by_kind.keys().map(String::as_str)
+    }
+}
+
+impl Handlers {
+    /// Records in `job_kinds` that a processor runs these kinds, so accept takes jobs of
+    /// them (it refuses unregistered kinds unless `accept.any_kind`). In key order, so two
+    /// processors starting at once wait on each other in one direction only.
+    ///
+    /// # Errors
+    /// The write failed.
+    pub async fn register(&self, pool: &sqlx::PgPool, by: &str) -> Result<(), sqlx::Error> {
+        let kinds: Vec<&str> = self.kinds().collect();
+        if kinds.is_empty() {
+            return Ok(());
+        }
+        // language=PostgreSQL
+        sqlx::query(
+            "INSERT INTO job_kinds (kind, registered_by) SELECT unnest($1::text[]), $2 \
+             ON CONFLICT (kind) DO UPDATE SET last_registered = now(), registered_by = EXCLUDED.registered_by",
+        )
+        .bind(&kinds)
+        .bind(by)
+        .execute(pool)
+        .await?;
+        Ok(())
     }
 }

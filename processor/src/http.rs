@@ -154,6 +154,9 @@ impl From<AcceptError> for ApiError {
             AcceptError::Unstorable { .. } => {
                 Self::new(StatusCode::UNPROCESSABLE_ENTITY, "unstorable", e.to_string())
             }
+            AcceptError::UnknownKind { .. } => {
+                Self::new(StatusCode::UNPROCESSABLE_ENTITY, "unknown_kind", e.to_string())
+            }
             AcceptError::Conflict { .. } => {
                 Self::new(StatusCode::CONFLICT, "idempotency_key_reused", e.to_string())
             }

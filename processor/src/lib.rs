@@ -18,7 +18,8 @@
 //! - [`analytics`]: `jobfold replay` — the event log from Kafka or Postgres, folded,
 //!   verified against the projection, exported as JSON Lines or Parquet.
 //! - [`dead_letter`]: poison messages kept with their coordinates and raw bytes.
-//! - [`handler`]: the trait users implement; [`index`] is the example handler.
+//! - [`handler`]: the trait users implement and the registry by kind; [`remote`] runs a kind
+//!   by calling a URL (handlers in any language).
 //!
 //! Shutdown: the HTTP server stops accepting connections and finishes requests in flight;
 //! the intake finishes the message in flight and commits its stored offsets.
@@ -29,11 +30,11 @@ pub mod complete;
 pub mod dead_letter;
 pub mod handler;
 pub mod http;
-pub mod index;
 pub mod intake;
 pub mod lease;
 pub mod offsets;
 pub mod reaper;
+pub mod remote;
 pub mod status;
 pub mod store;
 pub mod worker;
@@ -50,25 +51,37 @@ use tokio_util::sync::CancellationToken;
 /// Request bodies may exceed the input limit by this much (the other fields).
 pub const BODY_OVERHEAD_BYTES: usize = 4096;
 
-/// Runs the shipped processor — the example `index-document` handler — until `shutdown` is
-/// cancelled or a part fails (which stops the rest). To run kinds of your own, embed a
-/// [`Processor`] instead.
+/// Runs the shipped processor until `shutdown` is cancelled or a part fails (which stops the
+/// rest): it runs the kinds whose configuration names a URL (`[kinds.<kind>] url`, handlers
+/// in any language, [`remote`]). To run handlers written in Rust, embed a [`Processor`].
 ///
 /// # Errors
 /// Start-up failed, or a part failed.
 pub async fn run(config: Config, shutdown: CancellationToken) -> anyhow::Result<()> {
-    Processor::builder(config).handler(index::KIND, index::IndexDocument).run(shutdown).await
+    Processor::builder(config).run(shutdown).await
 }
 
 /// A processor to embed in a binary of your own, with the handlers it runs, by kind:
 ///
 /// ```no_run
-/// # use jobfold_processor::{Processor, index::IndexDocument};
+/// # use jobfold_processor::handler::{Handler, HandlerError, JobContext};
+/// # use tokio_util::sync::CancellationToken;
+/// struct Shout;
+///
+/// impl Handler for Shout {
+///     async fn run(&self, job: &JobContext, _: CancellationToken) -> Result<serde_json::Value, HandlerError> {
+///         Ok(job.input["text"].as_str().unwrap_or_default().to_uppercase().into())
+///     }
+/// }
+///
 /// # async fn example(config: jobfold_common::config::Config) -> anyhow::Result<()> {
 /// let shutdown = jobfold_common::shutdown::on_signal();
-/// Processor::builder(config).handler("index-document", IndexDocument).run(shutdown).await
+/// jobfold_processor::Processor::builder(config).handler("shout", Shout).run(shutdown).await
 /// # }
 /// ```
+///
+/// Kinds whose configuration names a URL (`[kinds.<kind>] url`) are run by calling it
+/// ([`remote::Remote`]), unless a handler is registered here for them.
 ///
 /// A job whose kind has no handler here is neither run nor quarantined: its document waits
 /// (`jobfold_waiting_for_handler`) until a processor that has the handler takes its partition,
@@ -92,12 +105,46 @@ impl Processor {
         self
     }
 
+    /// Runs every kind of `handlers` too (replacing handlers of the same kinds).
+    #[must_use]
+    pub fn handlers(mut self, handlers: handler::Handlers) -> Self {
+        self.handlers = self.handlers.merged(handlers);
+        self
+    }
+
+    /// Records this processor's kinds in `job_kinds`, as [`Processor::run`] does at start:
+    /// call it first to have jobs of these kinds accepted before the processor runs.
+    ///
+    /// # Errors
+    /// The write failed.
+    pub async fn register_kinds(&self, pool: &sqlx::PgPool) -> anyhow::Result<()> {
+        let by = format!("jobfold-processor/{}", std::process::id());
+        self.resolved()?.register(pool, &by).await.context("registering the job kinds")
+    }
+
+    /// The handlers registered in code, and a [`remote::Remote`] for each configured URL of a
+    /// kind without one.
+    fn resolved(&self) -> anyhow::Result<handler::Handlers> {
+        let mut handlers = self.handlers.clone();
+        for (kind, settings) in &self.config.kinds {
+            if let Some(url) = &settings.url
+                && handlers.get(kind).is_none()
+            {
+                let remote = remote::Remote::new(url, self.config.kind(kind).max_output_bytes)
+                    .with_context(|| format!("the handler of kind {kind} at {url}"))?;
+                handlers = handlers.with(kind.clone(), remote);
+            }
+        }
+        Ok(handlers)
+    }
+
     /// Runs until `shutdown` is cancelled or a part fails (which stops the rest).
     ///
     /// # Errors
     /// Start-up failed, or a part failed.
     pub async fn run(self, shutdown: CancellationToken) -> anyhow::Result<()> {
-        serve(self.config, self.handlers, shutdown).await
+        let handlers = self.resolved()?;
+        serve(self.config, handlers, shutdown).await
     }
 }
 
@@ -120,6 +167,10 @@ async fn serve(
         .await
         .context("registering the job event schema")?;
     let producer = format!("jobfold-processor/{}", std::process::id());
+    if config.processor.enabled {
+        handlers.register(&pool, &producer).await.context("registering the job kinds")?;
+        tracing::info!(kinds = ?handlers, "Running these job kinds.");
+    }
     let acceptor = Acceptor::new(codec.clone(), config.accept_policy(), producer.clone());
 
     let events =

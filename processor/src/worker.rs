@@ -532,6 +532,7 @@ async fn try_handle(shared: &Shared, message: &OwnedMessage) -> anyhow::Result<S
         input: job.payload.clone(),
         attempt: job.attempt,
         generation: job.generation,
+        deadline: job.deadline,
     };
     span.record("attempt", job.attempt);
     span.record("generation", job.generation);

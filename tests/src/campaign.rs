@@ -248,7 +248,9 @@ impl Fleet {
             .slots
             .iter()
             .filter(|s| {
-                s.binary == "jobfold-processor" && s.service.is_some() && s.paused_until.is_none()
+                s.binary == "jobfold-test-processor"
+                    && s.service.is_some()
+                    && s.paused_until.is_none()
             })
             .map(|s| s.http)
             .collect();
@@ -387,7 +389,10 @@ pub async fn run(plan: &Plan) -> anyhow::Result<Outcome> {
     ));
     config.kafka_brokers = format!("127.0.0.1:{}", services.port(2));
     config.schema_registry_url = format!("http://127.0.0.1:{}/apis/ccompat/v7", services.port(5));
-    let pool = jobfold_common::db::connect_and_migrate(&config, 8).await?;
+    let pool = jobfold_common::db::connect(&config, 8).await?;
+    crate::handlers::migrate(&pool).await?;
+    // Producers may start before the first processor registers its kind.
+    crate::handlers::handlers().register(&pool, "campaign").await?;
     jobfold_common::kafka::ensure_topics(&config, &jobfold_common::kafka::jobfold_topics(&config))
         .await?;
 
@@ -420,7 +425,9 @@ pub async fn run(plan: &Plan) -> anyhow::Result<Outcome> {
         faults: BTreeMap::new(),
         ports: Arc::clone(&ports),
     };
-    for binary in ["jobfold-relay", "jobfold-relay", "jobfold-processor", "jobfold-processor"] {
+    for binary in
+        ["jobfold-relay", "jobfold-relay", "jobfold-test-processor", "jobfold-test-processor"]
+    {
         fleet.start(binary, None);
     }
 
@@ -493,8 +500,8 @@ pub async fn run(plan: &Plan) -> anyhow::Result<Outcome> {
             fleet.replace(i, None);
         }
     }
-    while fleet.live("jobfold-processor").len() < 2 {
-        fleet.start("jobfold-processor", None);
+    while fleet.live("jobfold-test-processor").len() < 2 {
+        fleet.start("jobfold-test-processor", None);
     }
     let acknowledged = acknowledged.lock().expect("acknowledged").clone();
     loop {
@@ -555,7 +562,7 @@ async fn settled(pool: &PgPool, acknowledged: &Acknowledged) -> anyhow::Result<b
 
 async fn inject(fleet: &mut Fleet, services: &Services, rng: &mut StdRng) -> anyhow::Result<()> {
     let roll = rng.random_range(0..100);
-    let processors = fleet.live("jobfold-processor");
+    let processors = fleet.live("jobfold-test-processor");
     let relays = fleet.live("jobfold-relay");
     match roll {
         0..=29 if !processors.is_empty() => {
@@ -564,7 +571,7 @@ async fn inject(fleet: &mut Fleet, services: &Services, rng: &mut StdRng) -> any
             if let Some(mut s) = fleet.slots[i].service.take() {
                 s.kill9();
             }
-            let armed = fleet.arm(rng, "jobfold-processor");
+            let armed = fleet.arm(rng, "jobfold-test-processor");
             fleet.replace(i, armed);
             fleet.count("kill -9 processor");
         }
@@ -602,7 +609,7 @@ async fn inject(fleet: &mut Fleet, services: &Services, rng: &mut StdRng) -> any
         }
         _ => {
             if processors.len() < 3 {
-                fleet.start("jobfold-processor", None);
+                fleet.start("jobfold-test-processor", None);
                 fleet.count("add processor (rebalance)");
             } else {
                 let i = processors[rng.random_range(0..processors.len())];

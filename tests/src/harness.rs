@@ -52,7 +52,10 @@ impl Installation {
         config.relay.poll_interval = Duration::from_millis(500);
         config.http_addr = "127.0.0.1:0".parse().unwrap();
         config.metrics_addr = "127.0.0.1:0".parse().unwrap();
-        let pool = jobfold_common::db::connect_and_migrate(&config, 20).await.unwrap();
+        let pool = jobfold_common::db::connect(&config, 20).await.unwrap();
+        crate::handlers::migrate(&pool).await.unwrap();
+        // As if the test processor had run once: its kind is accepted before one starts.
+        crate::handlers::handlers().register(&pool, "test").await.unwrap();
         Self { config, pool, database }
     }
 
@@ -200,7 +203,9 @@ pub fn binary(name: &str) -> PathBuf {
     BUILT.get_or_init(|| {
         let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
         let status = Command::new(cargo)
-            .args(["build", "--quiet", "-p", "jobfold-relay", "-p", "jobfold-processor", "--bins"])
+            .args(["build", "--quiet", "--bins"])
+            .args(["-p", "jobfold-relay", "-p", "jobfold-processor", "-p", "jobfold-examples"])
+            .args(["-p", "jobfold-tests"])
             .current_dir(Path::new(env!("CARGO_MANIFEST_DIR")).join(".."))
             .status()
             .expect("running cargo build");

@@ -9,12 +9,15 @@
 //!   defaults) and checks that they answer.
 //! - [`harness`]: a private jobfold installation per test (database, topics, groups) and
 //!   jobfold's binaries as child processes a test can kill.
+//! - [`handlers`]: the fault tests' handler (`index-document` with knobs and an audit of
+//!   its writes) and the `jobfold-test-processor` binary's migrations.
 //! - [`kafka`]: per-test topics and clients.
 //! - [`registry_standin`]: the stand-in Confluent-compatible registry server.
 //! - [`campaign`]: the fault campaign (also the `jobfold-campaign` command), and
 //!   [`history`]: the checker of what a run left in Postgres and on the topic.
 
 pub mod campaign;
+pub mod handlers;
 pub mod harness;
 pub mod history;
 pub mod kafka;

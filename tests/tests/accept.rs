@@ -124,6 +124,48 @@ async fn invalid_jobs_are_refused_naming_the_field() {
     it.cleanup().await;
 }
 
+/// A kind no processor has registered is refused, alone or in a batch (which then stores
+/// nothing); once a processor registers it, it is accepted; `accept.any_kind` takes any.
+#[tokio::test]
+async fn a_kind_no_processor_registered_is_refused_until_one_does() {
+    let it = Installation::new("kinds").await;
+    let acceptor = it.acceptor().await;
+    let unknown = NewJob { kind: "transcribe".into(), ..job("doc-t", 1, None) };
+    let refused = acceptor.accept(&it.pool, &unknown).await.unwrap_err();
+    assert!(
+        matches!(&refused, AcceptError::UnknownKind { kind } if kind == "transcribe"),
+        "{refused:?}"
+    );
+    assert!(refused.is_request_fault());
+    let batch = [job("doc-a", 1, None), unknown.clone()];
+    assert!(matches!(
+        acceptor.accept_batch(&it.pool, &batch).await,
+        Err(AcceptError::UnknownKind { .. })
+    ));
+    assert_eq!(it.count("jobs").await, 0);
+
+    // A processor with a handler for it starts (here: registers its kinds).
+    jobfold_processor::handler::Handlers::new()
+        .with("transcribe", jobfold_tests::handlers::Simulated)
+        .register(&it.pool, "test")
+        .await
+        .unwrap();
+    assert!(acceptor.accept(&it.pool, &unknown).await.unwrap().created);
+
+    let mut open = it.config.clone();
+    open.accept.any_kind = true;
+    let codec = jobfold_schemas::Codec::<jobfold_schemas::JobEvent>::connect(
+        it.registry(),
+        &it.config.topics.events,
+    )
+    .await
+    .unwrap();
+    let any = jobfold_common::accept::Acceptor::new(codec, open.accept_policy(), "test");
+    let other = NewJob { kind: "anything".into(), ..job("doc-x", 1, None) };
+    assert!(any.accept(&it.pool, &other).await.unwrap().created);
+    it.cleanup().await;
+}
+
 /// Serves the HTTP API in this process; returns its base URL.
 async fn serve_api(it: &Installation) -> (String, CancellationToken) {
     let state: ApiState = it.api_state().await;
@@ -277,22 +319,39 @@ async fn the_http_api_answers_errors_as_json_with_the_right_status() {
     let body: serde_json::Value = response.json().await.unwrap();
     assert_eq!(body["error"]["code"], "method_not_allowed");
 
-    // A data error Postgres raises about the job's row: 422, not 503.
-    it.refuse_document("forbidden").await;
+    // A kind no processor has registered (a misspelling): 422, naming it; nothing stored.
     let response =
-        post(r#"{"document_id":"forbidden","kind":"k","input_version":1,"input":{}}"#.into())
+        post(r#"{"document_id":"d","kind":"index-documnet","input_version":1,"input":{}}"#.into())
             .send()
             .await
             .unwrap();
     assert_eq!(response.status().as_u16(), 422);
     let body: serde_json::Value = response.json().await.unwrap();
+    assert_eq!(body["error"]["code"], "unknown_kind");
+    assert!(body["error"]["message"].as_str().unwrap().contains("index-documnet"), "{body}");
+    let stored: i64 = sqlx::query_scalar("SELECT count(*) FROM jobs WHERE kind = 'index-documnet'")
+        .fetch_one(&it.pool)
+        .await
+        .unwrap();
+    assert_eq!(stored, 0);
+
+    // A data error Postgres raises about the job's row: 422, not 503.
+    it.refuse_document("forbidden").await;
+    let response = post(
+        r#"{"document_id":"forbidden","kind":"index-document","input_version":1,"input":{}}"#
+            .into(),
+    )
+    .send()
+    .await
+    .unwrap();
+    assert_eq!(response.status().as_u16(), 422);
+    let body: serde_json::Value = response.json().await.unwrap();
     assert_eq!(body["error"]["code"], "unstorable");
 
     let key = |k: &str, v: i64| {
-        client
-            .post(format!("{url}/v1/jobs"))
-            .header("Idempotency-Key", k)
-            .json(&json!({"document_id": "d", "kind": "k", "input_version": v, "input": {}}))
+        client.post(format!("{url}/v1/jobs")).header("Idempotency-Key", k).json(
+            &json!({"document_id": "d", "kind": "index-document", "input_version": v, "input": {}}),
+        )
     };
     assert_eq!(key("same", 1).send().await.unwrap().status().as_u16(), 201);
     assert_eq!(key("same", 1).send().await.unwrap().status().as_u16(), 200);

@@ -13,7 +13,7 @@ fn the_demo_runs_end_to_end_and_its_summary_checks_out() {
     for expected in [
         "[ok  ] every accepted job accounted for",
         "[ok  ] 0 duplicate business writes",
-        "[ok  ] the highest succeeded version is the one indexed",
+        "[ok  ] the highest succeeded version is the one summarized",
         "[ok  ] replay --verify from Postgres",
         "[ok  ] replay --verify from Kafka",
         "[ok  ] duplicates delivered",

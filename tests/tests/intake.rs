@@ -81,7 +81,7 @@ async fn requests_become_jobs_once_and_poison_becomes_dead_letters() {
     let total_messages = 103;
 
     let shutdown = CancellationToken::new();
-    let processor = tokio::spawn(jobfold_processor::run(it.config.clone(), shutdown.clone()));
+    let processor = tokio::spawn(jobfold_tests::handlers::run(it.config.clone(), shutdown.clone()));
     eventually(Duration::from_secs(60), "100 jobs and 2 dead letters", || async {
         it.count("jobs").await == 100 && it.count("dead_letters").await == 2
     })
@@ -156,7 +156,7 @@ async fn a_request_postgres_cannot_store_is_dead_lettered_and_the_partition_move
     }
 
     let shutdown = CancellationToken::new();
-    let processor = tokio::spawn(jobfold_processor::run(it.config.clone(), shutdown.clone()));
+    let processor = tokio::spawn(jobfold_tests::handlers::run(it.config.clone(), shutdown.clone()));
     eventually(Duration::from_secs(60), "60 jobs and 12 dead letters", || async {
         it.count("jobs").await == 60 && it.count("dead_letters").await == poison
     })

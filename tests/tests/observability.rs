@@ -74,7 +74,7 @@ async fn a_scrape_after_a_known_workload_shows_the_gauges() {
     // Leases stay expired: nobody reaps them during the test.
     env.insert("JOBFOLD_PROCESSOR__REAPER_GRACE".into(), "1h".into());
     let _relay = Service::start("jobfold-relay", &env);
-    let worker = Service::start("jobfold-processor", &env);
+    let worker = Service::start("jobfold-test-processor", &env);
     wait_http(http).await;
 
     for n in 0..3 {
@@ -128,7 +128,7 @@ async fn a_scrape_after_a_known_workload_shows_the_gauges() {
     let (mut observer_env, observer_http) = processor_env(&it, &unique_name("observer"));
     observer_env.insert("JOBFOLD_PROCESSOR__ENABLED".into(), "false".into());
     observer_env.insert("JOBFOLD_INTAKE__ENABLED".into(), "false".into());
-    let observer = Service::start("jobfold-processor", &observer_env);
+    let observer = Service::start("jobfold-test-processor", &observer_env);
     wait_http(observer_http).await;
     let owner = it.config.processor.default_owner.clone();
     let text = eventually_some(Duration::from_secs(30), "the gauges to show it", || async {
@@ -244,9 +244,9 @@ async fn a_traceparent_sent_on_accept_reaches_the_handler_span() {
     it.create_topics().await;
     let (mut env, http) = processor_env(&it, &unique_name("processors"));
     env.insert("JOBFOLD_LOG_JSON".into(), "true".into());
-    env.insert("RUST_LOG".into(), "info,jobfold_processor::index=debug".into());
+    env.insert("RUST_LOG".into(), "info,jobfold_examples::index=debug".into());
     let _relay = Service::start("jobfold-relay", &env);
-    let processor = Service::start("jobfold-processor", &env);
+    let processor = Service::start("jobfold-test-processor", &env);
     wait_http(http).await;
 
     let trace_id = format!("{:032x}", rand::random::<u128>() | 1);
@@ -329,7 +329,7 @@ async fn secrets_appear_nowhere_in_logs_or_metrics() {
     env.insert("JOBFOLD_KAFKA__SASL_USERNAME".into(), sasl_user);
     env.insert("JOBFOLD_KAFKA__SASL_PASSWORD".into(), sasl_password.clone());
     let relay = Service::start("jobfold-relay", &env);
-    let processor = Service::start("jobfold-processor", &env);
+    let processor = Service::start("jobfold-test-processor", &env);
     wait_http(http).await;
     let body = json!({"document_id": "secret-doc", "kind": "index-document",
                       "input_version": 1, "input": {"text": "over SASL"}});

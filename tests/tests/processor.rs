@@ -68,7 +68,10 @@ impl Pipeline {
         let shutdown = CancellationToken::new();
         let mut tasks = vec![tokio::spawn(jobfold_relay::run(it.config.clone(), shutdown.clone()))];
         if processor {
-            tasks.push(tokio::spawn(jobfold_processor::run(it.config.clone(), shutdown.clone())));
+            tasks.push(tokio::spawn(jobfold_tests::handlers::run(
+                it.config.clone(),
+                shutdown.clone(),
+            )));
         }
         Self { shutdown, tasks }
     }
@@ -324,7 +327,7 @@ async fn crash_at(name: &str, failpoint: &str, jobs: usize) -> (Installation, Se
     accept_all(&acceptor, &it, &batch).await;
 
     env.insert("JOBFOLD_FAILPOINT".into(), format!("{failpoint}@3"));
-    let mut crashing = Service::start("jobfold-processor", &env);
+    let mut crashing = Service::start("jobfold-test-processor", &env);
     let status = crashing
         .wait_exit(Duration::from_secs(60))
         .expect("the processor should abort at the failpoint");
@@ -332,7 +335,7 @@ async fn crash_at(name: &str, failpoint: &str, jobs: usize) -> (Installation, Se
     assert!(crashing.log_text().contains(failpoint), "{}", crashing.log_text());
 
     env.remove("JOBFOLD_FAILPOINT");
-    let survivor = Service::start("jobfold-processor", &env);
+    let survivor = Service::start("jobfold-test-processor", &env);
     eventually(Duration::from_secs(90), "every job to finish after the crash", || {
         all_finished(&it, jobs as i64)
     })
@@ -397,7 +400,7 @@ async fn a_paused_worker_past_its_lease_is_fenced_when_it_resumes() {
     let (it, acceptor) = fast_installation("proc-zombie").await;
     let env = fast_env(&it);
     let _relay = Service::start("jobfold-relay", &env);
-    let zombie = Service::start("jobfold-processor", &env);
+    let zombie = Service::start("jobfold-test-processor", &env);
     let ids = accept_all(
         &acceptor,
         &it,
@@ -410,7 +413,7 @@ async fn a_paused_worker_past_its_lease_is_fenced_when_it_resumes() {
     .await;
     // Paused mid-handler (a GC pause, a frozen VM): no heartbeats, the lease expires.
     zombie.signal("STOP");
-    let survivor = Service::start("jobfold-processor", &env);
+    let survivor = Service::start("jobfold-test-processor", &env);
     eventually(Duration::from_secs(60), "the survivor to finish the job", || all_finished(&it, 1))
         .await;
     let generation: i64 = sqlx::query_scalar("SELECT generation FROM jobs WHERE job_id = $1")
@@ -440,7 +443,7 @@ async fn a_member_joining_and_leaving_mid_run_loses_and_repeats_nothing() {
     let (it, acceptor) = fast_installation("proc-rebalance").await;
     let env = fast_env(&it);
     let _relay = Service::start("jobfold-relay", &env);
-    let first = Service::start("jobfold-processor", &env);
+    let first = Service::start("jobfold-test-processor", &env);
     let jobs: Vec<NewJob> = (0..JOBS)
         .map(|i| {
             let input = json!({ "text": format!("words {i}"), "simulate": { "sleep_ms": 20 } });
@@ -450,7 +453,7 @@ async fn a_member_joining_and_leaving_mid_run_loses_and_repeats_nothing() {
     accept_all(&acceptor, &it, &jobs[..JOBS / 2]).await;
     // A second member joins while jobs run, then leaves gracefully (SIGTERM) while more
     // arrive: two rebalances mid-run.
-    let mut second = Service::start("jobfold-processor", &env);
+    let mut second = Service::start("jobfold-test-processor", &env);
     accept_all(&acceptor, &it, &jobs[JOBS / 2..]).await;
     tokio::time::sleep(Duration::from_secs(3)).await;
     second.signal("TERM");
@@ -705,7 +708,7 @@ impl jobfold_processor::handler::Handler for Together {
         if job.document_id == "doc-bad" && job.attempt == 1 {
             sqlx::query("SELECT 1 / 0").execute(&mut *tx).await?;
         }
-        jobfold_processor::index::record_write(tx, job).await?;
+        jobfold_tests::handlers::record_write(tx, job).await?;
         Ok(jobfold_processor::handler::Committed::Applied)
     }
 }
@@ -790,6 +793,7 @@ async fn leased_attempt(
         attempt: leased.attempt,
         generation: leased.generation,
         trace: None,
+        deadline: leased.deadline,
     };
     jobfold_processor::complete::Attempt { job: *leased, context, result, consumed, trace: None }
 }
@@ -996,8 +1000,10 @@ async fn a_dispatch_postgres_refuses_to_lease_is_dead_lettered_and_the_partition
     it.cleanup().await;
 }
 
-/// A relay and `processor` (with handlers of a test's own), in this process.
-fn start_processor(it: &Installation, processor: jobfold_processor::Processor) -> Pipeline {
+/// A relay and `processor` (with handlers of a test's own), in this process; its kinds are
+/// registered before it returns, so jobs of them are accepted at once.
+async fn start_processor(it: &Installation, processor: jobfold_processor::Processor) -> Pipeline {
+    processor.register_kinds(&it.pool).await.unwrap();
     let shutdown = CancellationToken::new();
     let tasks = vec![
         tokio::spawn(jobfold_relay::run(it.config.clone(), shutdown.clone())),
@@ -1037,7 +1043,7 @@ impl jobfold_processor::handler::Handler for PanicsOnce {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_panicking_handler_is_retried_and_succeeds() {
     let (it, acceptor) = fast_installation("proc-panic").await;
-    let pipeline = start_processor(&it, with_handler(&it, "panics-once", PanicsOnce));
+    let pipeline = start_processor(&it, with_handler(&it, "panics-once", PanicsOnce)).await;
     let jobs: Vec<NewJob> = (1..=2)
         .map(|v| NewJob { kind: "panics-once".into(), ..job("doc-p", v, json!({})) })
         .collect();
@@ -1098,7 +1104,7 @@ async fn shutdown_cancels_a_long_handler() {
     let acceptor = it.acceptor().await;
     let handler = WaitsForCancel::default();
     let (cancelled, started) = (Arc::clone(&handler.cancelled), Arc::clone(&handler.started));
-    let pipeline = start_processor(&it, with_handler(&it, "long", handler));
+    let pipeline = start_processor(&it, with_handler(&it, "long", handler)).await;
     let long = NewJob { kind: "long".into(), ..job("doc-l", 1, json!({})) };
     let id = accept_all(&acceptor, &it, &[long]).await[0];
     tokio::time::timeout(Duration::from_secs(60), started.notified()).await.expect("it runs");
@@ -1137,7 +1143,7 @@ impl jobfold_processor::handler::Handler for CommitFailsOnce {
             sqlx::query("SET LOCAL statement_timeout = 1").execute(&mut *tx).await?;
             sqlx::query("SELECT pg_sleep(1)").execute(&mut *tx).await?;
         }
-        jobfold_processor::index::record_write(tx, job).await?;
+        jobfold_tests::handlers::record_write(tx, job).await?;
         Ok(jobfold_processor::handler::Committed::Applied)
     }
 }
@@ -1149,7 +1155,7 @@ async fn a_failed_completion_does_not_run_the_handler_again() {
     let (it, acceptor) = fast_installation("proc-commitretry").await;
     let handler = CommitFailsOnce::default();
     let (runs, commits) = (Arc::clone(&handler.runs), Arc::clone(&handler.commits));
-    let pipeline = start_processor(&it, with_handler(&it, "flaky-commit", handler));
+    let pipeline = start_processor(&it, with_handler(&it, "flaky-commit", handler)).await;
     let flaky = NewJob { kind: "flaky-commit".into(), ..job("doc-c", 1, json!({})) };
     accept_all(&acceptor, &it, &[flaky]).await;
     eventually(Duration::from_secs(60), "the job to succeed", || all_finished(&it, 1)).await;
@@ -1168,8 +1174,11 @@ async fn a_failed_completion_does_not_run_the_handler_again() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_kind_without_a_handler_waits_for_a_processor_that_has_it() {
     let (it, acceptor) = fast_installation("proc-newkind").await;
-    let index = with_handler(&it, "index-document", jobfold_processor::index::IndexDocument);
-    let old = start_processor(&it, index);
+    let index = with_handler(&it, "index-document", jobfold_tests::handlers::Simulated);
+    let old = start_processor(&it, index).await;
+    // The new version has started somewhere and registered its kind, so the kind's jobs are
+    // accepted; here only the old version runs.
+    with_handler(&it, "panics-once", PanicsOnce).register_kinds(&it.pool).await.unwrap();
     let new_kind = NewJob { kind: "panics-once".into(), ..job("doc-new", 1, json!({})) };
     let indexed = job("doc-old", 1, json!({ "text": "x" }));
     let ids = accept_all(&acceptor, &it, &[new_kind, indexed]).await;
@@ -1184,7 +1193,7 @@ async fn a_kind_without_a_handler_waits_for_a_processor_that_has_it() {
     old.stop().await;
 
     // The new version has the handler.
-    let new = start_processor(&it, with_handler(&it, "panics-once", PanicsOnce));
+    let new = start_processor(&it, with_handler(&it, "panics-once", PanicsOnce)).await;
     eventually(Duration::from_secs(60), "the new kind's job to succeed", || all_finished(&it, 2))
         .await;
     new.stop().await;
@@ -1270,7 +1279,7 @@ async fn each_kind_runs_within_its_own_settings() {
     for (name, _) in &kinds {
         processor = processor.handler(*name, handler.clone());
     }
-    let pipeline = start_processor(&it, processor);
+    let pipeline = start_processor(&it, processor).await;
     let mut jobs = vec![
         NewJob { kind: "hangs".into(), ..job("doc-hang", 1, json!({})) },
         NewJob { kind: "chatty".into(), ..job("doc-chat", 1, json!({})) },

@@ -37,7 +37,7 @@ async fn replay_from_kafka_and_postgres_verifies_reports_and_exports() {
     p.group = jobfold_tests::kafka::unique_name("processors");
     let shutdown = CancellationToken::new();
     let relay = tokio::spawn(jobfold_relay::run(it.config.clone(), shutdown.clone()));
-    let processor = tokio::spawn(jobfold_processor::run(it.config.clone(), shutdown.clone()));
+    let processor = tokio::spawn(jobfold_tests::handlers::run(it.config.clone(), shutdown.clone()));
 
     // The workload: plain jobs, retries, permanent failures, two versions of one document.
     let acceptor = it.acceptor().await;

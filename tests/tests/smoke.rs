@@ -250,9 +250,8 @@ async fn migrations_apply_and_constraints_hold() {
         [
             "consumed_events",
             "dead_letters",
-            "document_index",
-            "index_writes",
             "job_events",
+            "job_kinds",
             "job_results",
             "jobs",
             "outbox",

@@ -138,6 +138,23 @@ fn ms(h: &Histogram<u64>, q: f64) -> f64 {
     h.value_at_quantile(q) as f64 / 1000.0
 }
 
+/// A conversation to summarize; the stand-in model takes as long as planned for `plan`.
+fn conversation(plan: &str) -> serde_json::Value {
+    json!({ "messages": [{ "role": "user", "content": format!("{plan}: where is my order?") }] })
+}
+
+/// Records that a processor runs index-document, as one deployed would: the accept
+/// measurements run without processors.
+async fn register_index_kind(pool: &sqlx::PgPool) -> anyhow::Result<()> {
+    sqlx::query(
+        "INSERT INTO job_kinds (kind, registered_by) VALUES ('index-document', 'jobfold bench') \
+         ON CONFLICT (kind) DO NOTHING",
+    )
+    .execute(pool)
+    .await?;
+    Ok(())
+}
+
 fn job(i: usize) -> NewJob {
     NewJob {
         document_id: format!("doc-{i}"),
@@ -242,6 +259,7 @@ async fn measure_limits(
     rows: &mut Vec<Row>,
 ) -> anyhow::Result<Limits> {
     let pool = jobfold_common::db::connect_and_migrate(config, 32).await?;
+    register_index_kind(&pool).await?;
     sqlx::query(
         "CREATE TABLE bench_commits (id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY, v bytea)",
     )
@@ -305,6 +323,7 @@ async fn measure_accept_and_relay(
     rows: &mut Vec<Row>,
 ) -> anyhow::Result<()> {
     let pool = jobfold_common::db::connect_and_migrate(config, 32).await?;
+    register_index_kind(&pool).await?;
     let codec = event_codec(config).await?;
     let acceptor = Acceptor::new(codec.clone(), config.accept_policy(), "bench");
 
@@ -393,7 +412,8 @@ async fn measure_accept_and_relay(
     copy_backlog(&pool, sizes.relay_backlog).await?;
     let backlog = jobfold_common::gauges::unpublished(&pool).await?;
     let start_position = cursor(&pool).await?;
-    let mut relay = crate::demo::spawn(config, &bin.join("jobfold-relay"), "relay", &logs, None)?;
+    let mut relay =
+        crate::demo::spawn(config, &bin.join("jobfold-relay"), "relay", &logs, None, &[])?;
     let relay_pid = relay.child.id().context("the relay's pid")?;
     // Timed from the first move of the cursor, so start-up (connect, lock) is not counted;
     // what the first batch published is left out of the count.
@@ -522,9 +542,28 @@ async fn measure_processing(
         std::env::temp_dir().join(format!("jobfold-bench-{}", uuid::Uuid::new_v4().simple()));
     std::fs::create_dir_all(&logs)?;
     let bin = std::env::current_exe()?.parent().context("the binary's directory")?.to_path_buf();
-    let mut relay = crate::demo::spawn(config, &bin.join("jobfold-relay"), "relay", &logs, None)?;
-    let mut a =
-        crate::demo::spawn(config, &bin.join("jobfold-processor"), "processor-a", &logs, None)?;
+    let mut relay =
+        crate::demo::spawn(config, &bin.join("jobfold-relay"), "relay", &logs, None, &[])?;
+    // The processors run the example jobs: index-document as the trivial handler, and
+    // summarize-conversation against a stand-in model as the slow one.
+    let model = crate::model::Model::start(crate::model::Behaviour {
+        latency: Duration::from_millis(sizes.slow_ms),
+        fail_first: 0,
+    })
+    .await?;
+    model.plan(
+        "recovery",
+        crate::model::Behaviour { latency: Duration::from_secs(3), fail_first: 0 },
+    );
+    let args = ["--model-url".to_owned(), model.url.clone()];
+    let mut a = crate::demo::spawn(
+        config,
+        &bin.join("jobfold-examples"),
+        "processor-a",
+        &logs,
+        None,
+        &args,
+    )?;
     crate::demo::wait_ready(a.http).await?;
     let a_pid = a.child.id().context("the processor's pid")?;
     let mut offset = 0;
@@ -567,7 +606,8 @@ async fn measure_processing(
     let slow = sizes.slow_jobs;
     let jobs: Vec<NewJob> = (0..slow)
         .map(|i| NewJob {
-            input: json!({ "text": "slow", "simulate": { "sleep_ms": sizes.slow_ms } }),
+            kind: "summarize-conversation".into(),
+            input: conversation("slow"),
             ..job(offset + i)
         })
         .collect();
@@ -608,12 +648,19 @@ async fn measure_processing(
     );
 
     // Recovery: kill -9 one of two processors while both run jobs.
-    let mut b =
-        crate::demo::spawn(config, &bin.join("jobfold-processor"), "processor-b", &logs, None)?;
+    let mut b = crate::demo::spawn(
+        config,
+        &bin.join("jobfold-examples"),
+        "processor-b",
+        &logs,
+        None,
+        &args,
+    )?;
     crate::demo::wait_ready(b.http).await?;
     let b_pid = b.child.id().context("the processor's pid")?;
     let recovery_job = |i: usize| NewJob {
-        input: json!({ "text": "recovery", "simulate": { "sleep_ms": 3_000 } }),
+        kind: "summarize-conversation".into(),
+        input: conversation("recovery"),
         ..job(offset + i)
     };
     let deadline = Instant::now() + Duration::from_secs(90);

@@ -125,7 +125,7 @@ async fn demo(
     started: &mut Started,
 ) -> anyhow::Result<()> {
     let t0 = Instant::now();
-    println!("jobfold demo: document indexing, end to end, with a processor killed midway.\n");
+    println!("jobfold demo: conversation summaries, end to end, with a processor killed midway.\n");
 
     // 1. Services, for topics and groups of the demo's own.
     let run_id = chrono::Utc::now().format("%Y%m%d%H%M%S").to_string();
@@ -157,14 +157,37 @@ async fn demo(
     // so relay-1's crash lands early in it whatever its size.
     let plan = plan(size.documents);
     let planned = plan.len();
+    // The model the summaries come from: a stand-in on 127.0.0.1, as slow and as busy as
+    // planned per conversation.
+    let model = crate::model::Model::start(crate::model::Behaviour {
+        latency: Duration::from_millis(200),
+        fail_first: 0,
+    })
+    .await?;
+    for job in &plan {
+        let behaviour = crate::model::Behaviour {
+            latency: Duration::from_millis(job.latency_ms),
+            fail_first: job.busy_calls,
+        };
+        model.plan(&job.document, behaviour);
+    }
+    let audio = logs_dir(&run_id);
+    let processor_args = [
+        "--model-url".to_owned(),
+        model.url.clone(),
+        "--audio-input".to_owned(),
+        audio.join("audio-in").display().to_string(),
+        "--audio-output".to_owned(),
+        audio.join("audio-out").display().to_string(),
+    ];
     let crash_at = (planned / 8).clamp(2, 12);
-    let logs = std::env::temp_dir().join(format!("jobfold-demo-{run_id}"));
+    let logs = logs_dir(&run_id);
     std::fs::create_dir_all(&logs)?;
     let bin = std::env::current_exe()?.parent().context("the binary's directory")?.to_path_buf();
     for (name, binary) in [
         ("relay-1", "jobfold-relay"),
-        ("processor-a", "jobfold-processor"),
-        ("processor-b", "jobfold-processor"),
+        ("processor-a", "jobfold-examples"),
+        ("processor-b", "jobfold-examples"),
         ("relay-2", "jobfold-relay"),
     ] {
         // relay-1 crashes after producing its nth batch and before marking it: relay-2,
@@ -172,7 +195,8 @@ async fn demo(
         let failpoint = (name == "relay-1").then(|| {
             format!("{}@{crash_at}", jobfold_common::failpoint::RELAY_AFTER_PRODUCE_BEFORE_MARK)
         });
-        let process = spawn(&config, &bin.join(binary), name, &logs, failpoint)?;
+        let args: &[String] = if binary == "jobfold-examples" { &processor_args } else { &[] };
+        let process = spawn(&config, &bin.join(binary), name, &logs, failpoint, args)?;
         println!(
             "started {name:<12} pid {:>7}  log {}",
             process.child.id().unwrap_or(0),
@@ -228,10 +252,10 @@ async fn demo(
     // 4. The workload, submitted over HTTP to both processors while they work.
     let ports = [started.processes[1].http, started.processes[2].http];
     println!(
-        "submitting {planned} jobs for {} documents: 1-3 versions each, {} invalid, {} with transient failures, idempotent retries of {}\n",
+        "submitting {planned} summarize-conversation jobs for {} conversations: 1-3 versions each, {} invalid, {} meeting a busy model (503, Retry-After), idempotent retries of {}\n",
         size.documents,
         plan.iter().filter(|j| j.invalid).count(),
-        plan.iter().filter(|j| j.fail_attempts > 0).count(),
+        plan.iter().filter(|j| j.busy_calls > 0).count(),
         plan.iter().filter(|j| j.retry_submit).count(),
     );
     let mut submitter = Some(tokio::spawn(submit(plan, ports, size.pace)));
@@ -343,7 +367,8 @@ async fn demo(
     }
 
     // 6. The summary, checked.
-    let submitted = submitted.expect("set before the loop ends");
+    let mut submitted = submitted.expect("set before the loop ends");
+    submitted.model_calls = model.calls();
     let ok =
         summary(&config, &pool, &submitted, &metrics, t0.elapsed(), killed.as_ref(), split).await?;
 
@@ -491,12 +516,14 @@ pub(crate) fn spawn(
     name: &str,
     logs: &Path,
     failpoint: Option<String>,
+    args: &[String],
 ) -> anyhow::Result<Process> {
     let (http, metrics) = (free_port()?, free_port()?);
     let log = logs.join(format!("{name}.log"));
     let file = std::fs::File::create(&log)?;
     let mut command = Command::new(binary);
     command
+        .args(args)
         .env("JOBFOLD_DATABASE_URL", config.database_url.expose())
         .env("JOBFOLD_KAFKA_BROKERS", &config.kafka_brokers)
         .env("JOBFOLD_SCHEMA_REGISTRY_URL", &config.schema_registry_url)
@@ -554,8 +581,10 @@ struct Planned {
     document: String,
     version: i64,
     invalid: bool,
-    fail_attempts: i64,
-    sleep_ms: u64,
+    /// The model answers 503 to this many calls of the job first.
+    busy_calls: u32,
+    /// The model takes this long per call.
+    latency_ms: u64,
     /// Submit it a second time with the same Idempotency-Key.
     retry_submit: bool,
 }
@@ -567,11 +596,11 @@ fn plan(documents: usize) -> Vec<Planned> {
         let versions = rng.random_range(1..=3);
         for version in 1..=versions {
             jobs.push(Planned {
-                document: format!("doc-{d:04}"),
+                document: format!("conversation-{d:04}"),
                 version,
                 invalid: d % 20 == 7 && version == 1,
-                fail_attempts: if d % 10 == 3 { rng.random_range(1..=2) } else { 0 },
-                sleep_ms: rng.random_range(100..600),
+                busy_calls: if d % 10 == 3 { rng.random_range(1..=2) } else { 0 },
+                latency_ms: rng.random_range(100..600),
                 retry_submit: d % 12 == 5,
             });
         }
@@ -585,11 +614,18 @@ struct Submitted {
     accepted: u64,
     idempotent_replays: u64,
     sample_job: String,
+    /// The calls the model saw, read once every job ended.
+    model_calls: Vec<crate::model::Call>,
 }
 
 async fn submit(plan: Vec<Planned>, ports: [u16; 2], pace: Duration) -> anyhow::Result<Submitted> {
     let client = reqwest::Client::builder().timeout(Duration::from_secs(10)).build()?;
-    let mut out = Submitted { accepted: 0, idempotent_replays: 0, sample_job: String::new() };
+    let mut out = Submitted {
+        accepted: 0,
+        idempotent_replays: 0,
+        sample_job: String::new(),
+        model_calls: Vec::new(),
+    };
     // Spread over `pace`, each job due at its share of it, so the kill lands while jobs
     // run: on a fast machine the workload lasts as long, on a slow one it is not longer.
     let started = Instant::now();
@@ -598,12 +634,18 @@ async fn submit(plan: Vec<Planned>, ports: [u16; 2], pace: Duration) -> anyhow::
         let due = started + step * u32::try_from(i).unwrap_or(u32::MAX);
         tokio::time::sleep_until(due.into()).await;
         let input = if job.invalid {
-            json!({"title": "no text field"})
+            json!({"messages": []})
         } else {
-            json!({"text": format!("{} version {} of a document", job.document, job.version),
-                   "simulate": {"fail_attempts": job.fail_attempts, "sleep_ms": job.sleep_ms}})
+            // Each version of a conversation has one more exchange.
+            let mut messages = vec![json!({"role": "user",
+                "content": format!("{}: my order has not arrived", job.document)})];
+            for turn in 1..job.version {
+                messages.push(json!({"role": "assistant", "content": format!("Reply {turn}: we are looking into it.")}));
+                messages.push(json!({"role": "user", "content": "Then I want a refund."}));
+            }
+            json!({"messages": messages})
         };
-        let body = json!({"document_id": job.document, "kind": "index-document",
+        let body = json!({"document_id": job.document, "kind": "summarize-conversation",
                           "input_version": job.version, "input": input});
         let key = format!("demo-{}-v{}", job.document, job.version);
         for attempt in 0..if job.retry_submit { 2 } else { 1 } {
@@ -797,19 +839,24 @@ async fn summary(
             submitted.idempotent_replays
         ),
     );
+    // The business effect outside Postgres is the model call: after a job's summary
+    // committed, a redelivery must be stopped by the dedupe row before the handler runs.
     // language=PostgreSQL
-    let doubled: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM (SELECT 1 FROM index_writes GROUP BY job_id, input_version HAVING count(*) > 1) d",
+    let committed: Vec<(String, chrono::DateTime<chrono::Utc>)> = sqlx::query_as(
+        "SELECT j.job_id::text || ':' || j.input_version, e.occurred_at FROM job_events e \
+         JOIN jobs j USING (job_id) WHERE e.kind = 'JobSucceeded'",
     )
-    .fetch_one(pool)
+    .fetch_all(pool)
     .await?;
-    // language=PostgreSQL
-    let writes: i64 =
-        sqlx::query_scalar("SELECT count(*) FROM index_writes").fetch_one(pool).await?;
+    let committed: BTreeMap<String, chrono::DateTime<chrono::Utc>> =
+        committed.into_iter().collect();
+    let calls = &submitted.model_calls;
+    let late = calls.iter().filter(|c| committed.get(&c.key).is_some_and(|at| c.at > *at)).count();
     line(
-        doubled == 0 && writes == s,
+        late == 0,
         format!(
-            "{doubled} duplicate business writes: {writes} index writes for {s} succeeded jobs"
+            "{late} duplicate business writes: no model call after its summary committed ({} calls for {s} succeeded jobs, busy answers and retries included)",
+            calls.len()
         ),
     );
     match killed {
@@ -845,7 +892,7 @@ async fn summary(
             WHERE state = 'succeeded' GROUP BY document_id
         )
         SELECT count(*), count(*) FILTER (WHERE d.version IS DISTINCT FROM b.v)
-        FROM best b LEFT JOIN document_index d USING (document_id)
+        FROM best b LEFT JOIN conversation_summaries d ON d.conversation_id = b.document_id
         "#,
     )
     .fetch_one(pool)
@@ -853,7 +900,7 @@ async fn summary(
     line(
         wrong == 0,
         format!(
-            "the highest succeeded version is the one indexed for all {documents} documents ({wrong} wrong)"
+            "the highest succeeded version is the one summarized for all {documents} conversations ({wrong} wrong)"
         ),
     );
     let decoder = Decoder::<JobEvent>::new(registry_settings(&config.schema_registry_url)?);
@@ -882,4 +929,9 @@ async fn summary(
         ),
     );
     Ok(all)
+}
+
+/// The demo run's directory for logs and files.
+fn logs_dir(run_id: &str) -> PathBuf {
+    std::env::temp_dir().join(format!("jobfold-demo-{run_id}"))
 }

@@ -2,6 +2,7 @@
 
 mod bench;
 mod demo;
+mod model;
 mod replay_bench;
 
 use std::path::PathBuf;

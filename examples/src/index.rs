@@ -2,20 +2,17 @@
 //! frequencies in `document_index`, only over an older version of the same document.
 //!
 //! Input: `{"text": "..."}`. A missing or non-string `text` is invalid input (quarantined,
-//! never retried).
+//! never retried). Output: `{"words": n, "distinct": n, "terms": {"word": count, ...}}`.
 //!
-//! For demos and fault tests the input may also carry `"simulate"`:
-//! `{"fail_attempts": 2}` fails the first two attempts retryably, `{"permanent": true}` fails
-//! permanently, `{"sleep_ms": 200}` makes each attempt take that long.
+//! Its table is in `examples/migrations/100001_document_index.sql`.
 
 use std::collections::BTreeMap;
-use std::time::Duration;
 
 use serde_json::{Value, json};
 use sqlx::PgConnection;
 use tokio_util::sync::CancellationToken;
 
-use crate::handler::{Committed, Handler, HandlerError, JobContext};
+use jobfold_processor::handler::{Committed, Handler, HandlerError, JobContext};
 
 /// The job kind this handler runs.
 pub const KIND: &str = "index-document";
@@ -23,26 +20,6 @@ pub const KIND: &str = "index-document";
 /// Tokenizes text into lower-case words and counts them.
 #[derive(Debug, Default, Clone, Copy)]
 pub struct IndexDocument;
-
-/// Appends one row to `index_writes`, the audit of business writes: it has no unique key, so
-/// a write committed twice shows as two rows. Call it inside the write's transaction.
-///
-/// # Errors
-/// The statement failed; the transaction should be rolled back.
-pub async fn record_write(tx: &mut PgConnection, job: &JobContext) -> Result<(), sqlx::Error> {
-    // language=PostgreSQL
-    sqlx::query(
-        "INSERT INTO index_writes (job_id, document_id, input_version, generation) \
-         VALUES ($1, $2, $3, $4)",
-    )
-    .bind(job.job_id)
-    .bind(&job.document_id)
-    .bind(job.input_version)
-    .bind(job.generation)
-    .execute(tx)
-    .await?;
-    Ok(())
-}
 
 /// Lower-case alphanumeric words and how often each occurs.
 pub fn term_frequencies(text: &str) -> BTreeMap<String, u64> {
@@ -57,25 +34,8 @@ impl Handler for IndexDocument {
     async fn run(
         &self,
         job: &JobContext,
-        cancel: CancellationToken,
+        _cancel: CancellationToken,
     ) -> Result<Value, HandlerError> {
-        let simulate = job.input.get("simulate").cloned().unwrap_or(Value::Null);
-        if let Some(ms) = simulate.get("sleep_ms").and_then(Value::as_u64) {
-            tokio::select! {
-                _ = cancel.cancelled() => return Err(HandlerError::retryable("cancelled: the lease was lost")),
-                _ = tokio::time::sleep(Duration::from_millis(ms)) => {}
-            }
-        }
-        if simulate.get("permanent").and_then(Value::as_bool) == Some(true) {
-            return Err(HandlerError::permanent("simulated permanent failure"));
-        }
-        let fail_attempts = simulate.get("fail_attempts").and_then(Value::as_i64).unwrap_or(0);
-        if i64::from(job.attempt) <= fail_attempts {
-            return Err(HandlerError::retryable(format!(
-                "simulated transient failure (attempt {} of {fail_attempts} failing)",
-                job.attempt
-            )));
-        }
         let text = job
             .input
             .get("text")
@@ -110,16 +70,14 @@ impl Handler for IndexDocument {
         .bind(output)
         .execute(&mut *tx)
         .await?;
-        if written.rows_affected() == 0 {
-            let newer: i64 =
-                sqlx::query_scalar("SELECT version FROM document_index WHERE document_id = $1")
-                    .bind(&job.document_id)
-                    .fetch_one(&mut *tx)
-                    .await?;
-            return Ok(Committed::Stale { newer_version: newer });
-        }
-        record_write(tx, job).await?;
-        Ok(Committed::Applied)
+        crate::applied_or_stale(
+            tx,
+            written.rows_affected(),
+            "document_index",
+            "document_id",
+            &job.document_id,
+        )
+        .await
     }
 }
 

@@ -1,0 +1,57 @@
+//! The design's three jobs, as handlers a processor registers by kind:
+//!
+//! - [`index`]: `index-document` tokenizes a document and writes its term frequencies;
+//! - [`summarize`]: `summarize-conversation` asks a model server (any OpenAI-compatible
+//!   chat completions endpoint) for a summary, with the job's idempotency key;
+//! - [`audio`]: `convert-audio` runs `sox` as a subprocess, writes the converted file
+//!   atomically and commits its path and checksum.
+//!
+//! Each writes one business table, only over an older version of the same document, in the
+//! completion transaction; the tables come with migrations of their own ([`MIGRATOR`]).
+//! `examples/python/worker.py` is a handler in Python over the HTTP protocol.
+//!
+//! The binary `jobfold-examples` is a processor running the three.
+
+pub mod audio;
+pub mod index;
+pub mod summarize;
+
+use jobfold_processor::handler::Committed;
+use sqlx::PgConnection;
+
+/// The examples' tables (versions from 100001), after jobfold's own.
+pub static MIGRATOR: sqlx::migrate::Migrator =
+    sqlx::migrate::Migrator { ignore_missing: true, ..sqlx::migrate!("./migrations") };
+
+/// Applies jobfold's migrations, then the examples'.
+///
+/// # Errors
+/// A migration failed.
+pub async fn migrate(pool: &sqlx::PgPool) -> anyhow::Result<()> {
+    jobfold_common::MIGRATOR.run(pool).await?;
+    MIGRATOR.run(pool).await?;
+    Ok(())
+}
+
+/// After a conditional write (`... WHERE version <= EXCLUDED.version`): [`Committed::Applied`]
+/// if it wrote a row, else [`Committed::Stale`] with the newer version the table holds.
+///
+/// # Errors
+/// The look-up failed.
+pub async fn applied_or_stale(
+    tx: &mut PgConnection,
+    written: u64,
+    table: &str,
+    key: &str,
+    document_id: &str,
+) -> Result<Committed, sqlx::Error> {
+    if written > 0 {
+        return Ok(Committed::Applied);
+    }
+    // `table` and `key` are this crate's own names, never input.
+    let newer: i64 = sqlx::query_scalar(&format!("SELECT version FROM {table} WHERE {key} = $1"))
+        .bind(document_id)
+        .fetch_one(tx)
+        .await?;
+    Ok(Committed::Stale { newer_version: newer })
+}

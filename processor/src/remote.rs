@@ -1,0 +1,200 @@
+//! Handlers in any language: a kind run by calling a URL (`[kinds.<kind>] url`).
+//!
+//! The protocol (docs/processor.md#handlers-over-http): one `POST` per attempt with the job as
+//! JSON, an `Idempotency-Key` (the same for every attempt of the job at its input version) and
+//! the W3C `traceparent`. The answer decides the attempt:
+//!
+//! | answer | attempt |
+//! | --- | --- |
+//! | 2xx with a JSON body | succeeds; the body is the result |
+//! | 422 | invalid input: quarantined, never retried |
+//! | 408, 429, 5xx, a time-out, a refused or broken connection | retryable, not before `Retry-After` |
+//! | any other 4xx, or a 2xx whose body is not JSON | permanent: quarantined |
+//!
+//! The processor's heartbeats go on while the call runs; a lost lease or shutdown drops the
+//! call (its connection is closed). The answer is read up to the kind's `max_output_bytes`.
+
+use std::time::Duration;
+
+use serde_json::{Value, json};
+use tokio_util::sync::CancellationToken;
+
+use crate::handler::{Handler, HandlerError, JobContext};
+
+/// How much of an error answer's body is kept as the attempt's error.
+const ERROR_BODY_BYTES: usize = 2048;
+
+/// Runs a kind by calling `url` with each attempt.
+#[derive(Debug, Clone)]
+pub struct Remote {
+    url: reqwest::Url,
+    client: reqwest::Client,
+    max_output_bytes: usize,
+}
+
+impl Remote {
+    /// A handler calling `url`; answers longer than `max_output_bytes` fail permanently.
+    ///
+    /// # Errors
+    /// `url` does not parse, or the HTTP client cannot be built.
+    pub fn new(url: &str, max_output_bytes: usize) -> anyhow::Result<Self> {
+        let client = reqwest::Client::builder()
+            .connect_timeout(Duration::from_secs(10))
+            .user_agent(concat!("jobfold-processor/", env!("CARGO_PKG_VERSION")))
+            .build()?;
+        Ok(Self { url: url.parse()?, client, max_output_bytes })
+    }
+
+    /// The request's body: everything the remote handler is given.
+    fn body(job: &JobContext) -> Value {
+        json!({
+            "job_id": job.job_id,
+            "kind": job.kind,
+            "document_id": job.document_id,
+            "input_version": job.input_version,
+            "input": job.input,
+            "attempt": job.attempt,
+            "generation": job.generation,
+            "deadline": job.deadline,
+        })
+    }
+
+    async fn call(&self, job: &JobContext) -> Result<Value, HandlerError> {
+        let mut request = self
+            .client
+            .post(self.url.clone())
+            .header("Idempotency-Key", job.idempotency_key())
+            .json(&Self::body(job));
+        if let Some(trace) = &job.trace {
+            request = request.header("traceparent", &trace.traceparent);
+            if let Some(state) = &trace.tracestate {
+                request = request.header("tracestate", state);
+            }
+        }
+        let mut response = request.send().await.map_err(|e| {
+            HandlerError::retryable(format!("calling {}: {}", self.url, error_chain(&e)))
+        })?;
+        let status = response.status();
+        let retry_after = retry_after(response.headers());
+        let limit = if status.is_success() { self.max_output_bytes } else { ERROR_BODY_BYTES };
+        let mut body = Vec::new();
+        let mut cut = false;
+        loop {
+            let chunk = response.chunk().await.map_err(|e| {
+                HandlerError::retryable(format!(
+                    "reading the answer of {}: {}",
+                    self.url,
+                    error_chain(&e)
+                ))
+            })?;
+            let Some(chunk) = chunk else { break };
+            body.extend_from_slice(&chunk);
+            if body.len() > limit {
+                cut = true;
+                body.truncate(limit);
+                break;
+            }
+        }
+        if status.is_success() {
+            if cut {
+                return Err(HandlerError::permanent(format!(
+                    "{} answered with more than max_output_bytes ({limit} bytes)",
+                    self.url
+                )));
+            }
+            return serde_json::from_slice(&body).map_err(|e| {
+                HandlerError::permanent(format!(
+                    "{} answered {status} with a body that is not JSON: {e}",
+                    self.url
+                ))
+            });
+        }
+        Err(failure(&self.url, status, retry_after, &String::from_utf8_lossy(&body)))
+    }
+}
+
+/// The attempt's failure for an answer that is not a success, by the protocol's table:
+/// 422 invalid input; 408, 429 and 5xx retryable (not before `retry_after`); any other
+/// status permanent. `body` is kept in the message, trimmed. For handlers that call HTTP
+/// services themselves, too.
+pub fn failure(
+    url: &reqwest::Url,
+    status: reqwest::StatusCode,
+    retry_after: Option<Duration>,
+    body: &str,
+) -> HandlerError {
+    let mut cut = body.trim();
+    if cut.len() > ERROR_BODY_BYTES {
+        let mut end = ERROR_BODY_BYTES;
+        while !cut.is_char_boundary(end) {
+            end -= 1;
+        }
+        cut = &cut[..end];
+    }
+    let message = format!("{url} answered {status}: {cut}");
+    match status.as_u16() {
+        422 => HandlerError::invalid_input(message),
+        408 | 429 | 500..=599 => {
+            let error = HandlerError::retryable(message);
+            match retry_after {
+                Some(delay) => error.retry_after(delay),
+                None => error,
+            }
+        }
+        _ => HandlerError::permanent(message),
+    }
+}
+
+impl Handler for Remote {
+    async fn run(
+        &self,
+        job: &JobContext,
+        cancel: CancellationToken,
+    ) -> Result<Value, HandlerError> {
+        tokio::select! {
+            // Dropping the call closes its connection: the remote side sees the abort.
+            _ = cancel.cancelled() => Err(HandlerError::retryable("cancelled: the lease was lost or the processor is stopping")),
+            result = self.call(job) => result,
+        }
+    }
+}
+
+/// `Retry-After` as a delay: seconds, or an HTTP date.
+pub fn retry_after(headers: &reqwest::header::HeaderMap) -> Option<Duration> {
+    let value = headers.get(reqwest::header::RETRY_AFTER)?.to_str().ok()?.trim();
+    if let Ok(seconds) = value.parse::<u64>() {
+        return Some(Duration::from_secs(seconds));
+    }
+    let at = chrono::DateTime::parse_from_rfc2822(value).ok()?;
+    (at.with_timezone(&chrono::Utc) - chrono::Utc::now()).to_std().ok()
+}
+
+/// An error with its causes ("error sending request: connection refused").
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn retry_after_reads_seconds_and_http_dates() {
+        let mut headers = reqwest::header::HeaderMap::new();
+        headers.insert(reqwest::header::RETRY_AFTER, "7".parse().unwrap());
+        assert_eq!(retry_after(&headers), Some(Duration::from_secs(7)));
+        let later = (chrono::Utc::now() + chrono::Duration::seconds(90)).to_rfc2822();
+        headers.insert(reqwest::header::RETRY_AFTER, later.parse().unwrap());
+        let delay = retry_after(&headers).unwrap();
+        assert!(delay > Duration::from_secs(80) && delay <= Duration::from_secs(90), "{delay:?}");
+        headers.insert(reqwest::header::RETRY_AFTER, "soon".parse().unwrap());
+        assert_eq!(retry_after(&headers), None);
+    }
+}

@@ -1,0 +1,112 @@
+//! The fault tests' handler: the example `index-document` with knobs to fail and slow it,
+//! and an audit of every business write it commits (`index_writes`, the oracle of the
+//! exactly-once checks). Test-only: nothing that ships honours these knobs.
+//!
+//! The input may carry `"simulate"`: `{"fail_attempts": 2}` fails the first two attempts
+//! retryably, `{"permanent": true}` fails permanently, `{"sleep_ms": 200}` makes each attempt
+//! take that long (ended early by the cancellation token).
+
+use std::time::Duration;
+
+use jobfold_examples::index::{self, IndexDocument};
+use jobfold_processor::handler::{Committed, Handler, HandlerError, Handlers, JobContext};
+use serde_json::Value;
+use sqlx::PgConnection;
+use tokio_util::sync::CancellationToken;
+
+/// The tests' own tables (versions from 200001).
+pub static MIGRATOR: sqlx::migrate::Migrator =
+    sqlx::migrate::Migrator { ignore_missing: true, ..sqlx::migrate!("./migrations") };
+
+/// jobfold's migrations, the examples' and the tests'.
+///
+/// # Errors
+/// A migration failed.
+pub async fn migrate(pool: &sqlx::PgPool) -> anyhow::Result<()> {
+    jobfold_examples::migrate(pool).await?;
+    MIGRATOR.run(pool).await?;
+    Ok(())
+}
+
+/// The kind the test handler runs.
+pub const KIND: &str = index::KIND;
+
+/// The handlers of `jobfold-test-processor`: [`Simulated`] as `index-document`.
+pub fn handlers() -> Handlers {
+    Handlers::new().with(KIND, Simulated)
+}
+
+/// `index-document` with the `simulate` knobs, recording each write in `index_writes`.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Simulated;
+
+/// Appends one row to `index_writes`, the audit of business writes: it has no unique key, so
+/// a write committed twice shows as two rows. Call it inside the write's transaction.
+///
+/// # Errors
+/// The statement failed; the transaction should be rolled back.
+pub async fn record_write(tx: &mut PgConnection, job: &JobContext) -> Result<(), sqlx::Error> {
+    // language=PostgreSQL
+    sqlx::query(
+        "INSERT INTO index_writes (job_id, document_id, input_version, generation) \
+         VALUES ($1, $2, $3, $4)",
+    )
+    .bind(job.job_id)
+    .bind(&job.document_id)
+    .bind(job.input_version)
+    .bind(job.generation)
+    .execute(tx)
+    .await?;
+    Ok(())
+}
+
+impl Handler for Simulated {
+    async fn run(
+        &self,
+        job: &JobContext,
+        cancel: CancellationToken,
+    ) -> Result<Value, HandlerError> {
+        let simulate = job.input.get("simulate").cloned().unwrap_or(Value::Null);
+        if let Some(ms) = simulate.get("sleep_ms").and_then(Value::as_u64) {
+            tokio::select! {
+                _ = cancel.cancelled() => return Err(HandlerError::retryable("cancelled: the lease was lost")),
+                _ = tokio::time::sleep(Duration::from_millis(ms)) => {}
+            }
+        }
+        if simulate.get("permanent").and_then(Value::as_bool) == Some(true) {
+            return Err(HandlerError::permanent("simulated permanent failure"));
+        }
+        let fail_attempts = simulate.get("fail_attempts").and_then(Value::as_i64).unwrap_or(0);
+        if i64::from(job.attempt) <= fail_attempts {
+            return Err(HandlerError::retryable(format!(
+                "simulated transient failure (attempt {} of {fail_attempts} failing)",
+                job.attempt
+            )));
+        }
+        IndexDocument.run(job, cancel).await
+    }
+
+    async fn commit(
+        &self,
+        tx: &mut PgConnection,
+        job: &JobContext,
+        output: &Value,
+    ) -> Result<Committed, sqlx::Error> {
+        let committed = IndexDocument.commit(tx, job, output).await?;
+        if committed == Committed::Applied {
+            record_write(tx, job).await?;
+        }
+        Ok(committed)
+    }
+}
+
+/// A processor with [`handlers`] in this process, as `jobfold-test-processor` runs it.
+///
+/// # Errors
+/// As [`jobfold_processor::Processor::run`].
+pub async fn run(
+    config: jobfold_common::config::Config,
+    shutdown: CancellationToken,
+) -> anyhow::Result<()> {
+    jobfold_processor::Processor::builder(config).handlers(handlers()).run(shutdown).await
+}

@@ -1,0 +1,384 @@
+//! The design's example jobs in `jobfold-examples`, and handlers in another language through
+//! the shipped `jobfold-processor`: real Postgres, Kafka, registry, `sox` and Python.
+//!
+//! - summarize-conversation and convert-audio, with the processor killed (abort, as kill -9)
+//!   at each crash window: every job succeeds, each business row is written once per (job,
+//!   input version), the model is never asked again after a summary committed, and every
+//!   converted file is whole and matches its committed checksum.
+//! - the shipped processor runs kinds configured with a URL: the Python worker of
+//!   `examples/python`, and the protocol's answers (503 with Retry-After, 404), while it
+//!   leaves the `simulate` input of the test handler alone.
+
+use std::collections::{BTreeMap, HashMap};
+use std::io::BufRead;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use jobfold_common::accept::NewJob;
+use jobfold_common::failpoint;
+use jobfold_tests::harness::{Installation, Service, eventually};
+use serde_json::{Value, json};
+use sha2::Digest;
+use uuid::Uuid;
+
+/// Calls a test server saw: (route, idempotency key, when).
+type Calls = Arc<Mutex<Vec<(String, String, chrono::DateTime<chrono::Utc>, Instant)>>>;
+
+/// A server on 127.0.0.1 standing in for the outside services: `/v1/chat/completions` (the
+/// model, 150 ms per answer), `/flaky` (503 with `Retry-After: 2` to each key's first call,
+/// then 200) and `/gone` (404). Returns its base URL and the calls it saw.
+async fn outside_services() -> (String, Calls) {
+    use axum::http::{HeaderMap, StatusCode};
+    use axum::response::IntoResponse;
+    let calls: Calls = Arc::default();
+    let seen = Arc::clone(&calls);
+    let record = move |route: &str, headers: &HeaderMap| {
+        let key = headers
+            .get("idempotency-key")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or_default()
+            .to_owned();
+        let mut calls = seen.lock().unwrap();
+        calls.push((route.to_owned(), key.clone(), chrono::Utc::now(), Instant::now()));
+        calls.iter().filter(|c| c.0 == route && c.1 == key).count()
+    };
+    let (model, flaky, gone) = (record.clone(), record.clone(), record);
+    let app = axum::Router::new()
+        .route(
+            "/v1/chat/completions",
+            axum::routing::post(move |headers: HeaderMap, body: axum::Json<Value>| async move {
+                model("model", &headers);
+                tokio::time::sleep(Duration::from_millis(150)).await;
+                let turns = body["messages"].as_array().map_or(0, Vec::len);
+                axum::Json(json!({"model": "test-model", "choices": [{"message":
+                    {"role": "assistant", "content": format!("A summary of {turns} messages.")}}]}))
+            }),
+        )
+        .route(
+            "/flaky",
+            axum::routing::post(move |headers: HeaderMap| async move {
+                if flaky("flaky", &headers) == 1 {
+                    (StatusCode::SERVICE_UNAVAILABLE, [("retry-after", "2")], "busy")
+                        .into_response()
+                } else {
+                    axum::Json(json!({"ok": true})).into_response()
+                }
+            }),
+        )
+        .route(
+            "/gone",
+            axum::routing::post(move |headers: HeaderMap| async move {
+                gone("gone", &headers);
+                (StatusCode::NOT_FOUND, "no such thing").into_response()
+            }),
+        );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    (url, calls)
+}
+
+fn fast_env(it: &Installation) -> HashMap<String, String> {
+    let mut env = it.env();
+    for (k, v) in [
+        ("JOBFOLD_PROCESSOR__LEASE_TTL", "3s"),
+        ("JOBFOLD_PROCESSOR__HEARTBEAT", "1s"),
+        ("JOBFOLD_PROCESSOR__RETRY_BASE", "50ms"),
+        ("JOBFOLD_PROCESSOR__RETRY_CAP", "200ms"),
+        ("JOBFOLD_PROCESSOR__REAPER_INTERVAL", "500ms"),
+        ("JOBFOLD_PROCESSOR__REAPER_GRACE", "2s"),
+        ("JOBFOLD_KAFKA__SESSION_TIMEOUT_MS", "6000"),
+    ] {
+        env.insert(k.into(), v.into());
+    }
+    env.insert("JOBFOLD_PROCESSOR__GROUP".into(), jobfold_tests::kafka::unique_name("examples"));
+    env
+}
+
+/// Every insert and update of the examples' business tables, in a table of the test's own
+/// (no unique key): a write committed twice shows as two rows.
+async fn audit_business_writes(it: &Installation) {
+    for statement in [
+        "CREATE TABLE business_writes (tbl text NOT NULL, job_id uuid NOT NULL, version bigint NOT NULL)",
+        "CREATE FUNCTION audit_write() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN \
+         INSERT INTO business_writes VALUES (TG_TABLE_NAME, NEW.job_id, NEW.version); RETURN NEW; END $$",
+        "CREATE TRIGGER audit AFTER INSERT OR UPDATE ON conversation_summaries \
+         FOR EACH ROW EXECUTE FUNCTION audit_write()",
+        "CREATE TRIGGER audit AFTER INSERT OR UPDATE ON audio_conversions \
+         FOR EACH ROW EXECUTE FUNCTION audit_write()",
+    ] {
+        sqlx::query(statement).execute(&it.pool).await.unwrap();
+    }
+}
+
+async fn count(it: &Installation, sql: &str) -> i64 {
+    sqlx::query_scalar(sql).fetch_one(&it.pool).await.unwrap()
+}
+
+/// A tone of `seconds` as a WAV file, made with sox.
+fn tone(path: &Path, seconds: u32) {
+    let status = std::process::Command::new("sox")
+        .args(["-n", "-r", "22050", "-c", "2"])
+        .arg(path)
+        .args(["synth", &seconds.to_string(), "sine", "440"])
+        .status()
+        .expect("running sox (docker/test.sh installs it)");
+    assert!(status.success());
+}
+
+/// Kill the examples processor at `window` (its third pass), start another; check.
+async fn examples_survive_a_crash_at(name: &str, window: &str) {
+    let it = Installation::new(name).await;
+    it.create_topics().await;
+    audit_business_writes(&it).await;
+    let (outside, calls) = outside_services().await;
+    let dir = std::env::temp_dir().join(format!("jobfold-{name}-{}", Uuid::new_v4().simple()));
+    let (audio_in, audio_out) = (dir.join("in"), dir.join("out"));
+    std::fs::create_dir_all(&audio_in).unwrap();
+    for i in 0..4 {
+        tone(&audio_in.join(format!("call-{i}.wav")), 1 + i);
+    }
+    let mut env = fast_env(&it);
+    env.insert("SUMMARIZE_MODEL_URL".into(), format!("{outside}/v1/chat/completions"));
+    env.insert("AUDIO_INPUT_DIR".into(), audio_in.display().to_string());
+    env.insert("AUDIO_OUTPUT_DIR".into(), audio_out.display().to_string());
+    let _relay = Service::start("jobfold-relay", &env);
+    env.insert("JOBFOLD_FAILPOINT".into(), format!("{window}@3"));
+    let mut crashing = Service::start("jobfold-examples", &env);
+    eventually(Duration::from_secs(60), "the examples' kinds to be registered", || async {
+        count(&it, "SELECT count(*) FROM job_kinds WHERE kind IN ('summarize-conversation', 'convert-audio')").await == 2
+    })
+    .await;
+
+    let acceptor = it.acceptor().await;
+    let mut jobs = Vec::new();
+    for c in 0..6 {
+        for version in 1..=2 {
+            let messages: Vec<Value> = (0..version)
+                .map(|t| json!({"role": "user", "content": format!("conversation {c}, turn {t}")}))
+                .collect();
+            jobs.push(NewJob {
+                document_id: format!("conversation-{c}"),
+                kind: "summarize-conversation".into(),
+                input_version: version,
+                input: json!({ "messages": messages }),
+                idempotency_key: None,
+                trace: None,
+            });
+        }
+    }
+    for i in 0..4 {
+        jobs.push(NewJob {
+            document_id: format!("call-{i}"),
+            kind: "convert-audio".into(),
+            input_version: 1,
+            input: json!({"source": format!("call-{i}.wav"), "format": "flac", "rate": 16000}),
+            idempotency_key: None,
+            trace: None,
+        });
+    }
+    for job in &jobs {
+        acceptor.accept(&it.pool, job).await.unwrap();
+    }
+    let status = crashing.wait_exit(Duration::from_secs(60)).expect("the processor aborts");
+    assert!(!status.success() && crashing.log_text().contains(window), "{}", crashing.log_text());
+    env.remove("JOBFOLD_FAILPOINT");
+    let _survivor = Service::start("jobfold-examples", &env);
+    let total = jobs.len() as i64;
+    eventually(Duration::from_secs(120), "every job to end after the crash", || async {
+        count(
+            &it,
+            "SELECT count(*) FROM jobs WHERE state IN ('succeeded', 'superseded', 'quarantined')",
+        )
+        .await
+            == total
+    })
+    .await;
+    assert_eq!(count(&it, "SELECT count(*) FROM jobs WHERE state = 'quarantined'").await, 0);
+
+    // Each business row once per (job, input version), and one for every job that applied.
+    let twice = count(&it, "SELECT count(*) FROM (SELECT 1 FROM business_writes GROUP BY tbl, job_id, version HAVING count(*) > 1) d").await;
+    assert_eq!(twice, 0, "a business write was committed twice");
+    let succeeded = count(&it, "SELECT count(*) FROM jobs WHERE state = 'succeeded'").await;
+    assert_eq!(count(&it, "SELECT count(*) FROM business_writes").await, succeeded);
+    // The newest version of every conversation is its summary.
+    assert_eq!(count(&it, "SELECT count(*) FROM conversation_summaries WHERE version = 2 AND summary = 'A summary of 3 messages.'").await, 6);
+
+    // The model is never asked again after a summary committed (a redelivery is stopped by
+    // the dedupe row first), and every call carried the job's idempotency key.
+    let committed: Vec<(String, chrono::DateTime<chrono::Utc>)> = sqlx::query_as(
+        "SELECT j.job_id::text || ':' || j.input_version, e.occurred_at FROM job_events e \
+         JOIN jobs j USING (job_id) WHERE e.kind IN ('JobSucceeded', 'JobSuperseded')",
+    )
+    .fetch_all(&it.pool)
+    .await
+    .unwrap();
+    let committed: BTreeMap<String, _> = committed.into_iter().collect();
+    let calls = calls.lock().unwrap().clone();
+    assert!(calls.len() >= 12, "{calls:?}");
+    for (_, key, at, _) in &calls {
+        let done = committed.get(key).unwrap_or_else(|| panic!("a call with key {key:?}"));
+        assert!(at <= done, "the model was called for {key} after its result committed");
+    }
+
+    // Every conversion is whole: the file at the committed path has the committed checksum,
+    // and no partial file is left under the final names.
+    let rows: Vec<(String, String, i64)> =
+        sqlx::query_as("SELECT path, sha256, bytes FROM audio_conversions ORDER BY document_id")
+            .fetch_all(&it.pool)
+            .await
+            .unwrap();
+    assert_eq!(rows.len(), 4);
+    for (path, sha256, bytes) in rows {
+        let data = std::fs::read(&path).unwrap();
+        assert_eq!((hex::encode(sha2::Sha256::digest(&data)), data.len() as i64), (sha256, bytes));
+        let info = std::process::Command::new("soxi").arg("-r").arg(&path).output().unwrap();
+        assert_eq!(String::from_utf8_lossy(&info.stdout).trim(), "16000", "{path}");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+    it.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn example_jobs_commit_once_when_killed_after_the_lease() {
+    examples_survive_a_crash_at("ex-lease", failpoint::PROCESSOR_AFTER_LEASE_COMMIT).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn example_jobs_commit_once_when_killed_in_the_handler() {
+    examples_survive_a_crash_at("ex-handler", failpoint::PROCESSOR_IN_HANDLER).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn example_jobs_commit_once_when_killed_after_the_completion() {
+    examples_survive_a_crash_at("ex-complete", failpoint::PROCESSOR_AFTER_COMPLETION_BEFORE_OFFSET)
+        .await;
+}
+
+/// The Python worker, started on a free port; killed on drop.
+struct PythonWorker(std::process::Child, u16);
+
+impl PythonWorker {
+    fn start() -> Self {
+        let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../examples/python/worker.py");
+        let mut child = std::process::Command::new("python3")
+            .arg(script)
+            .args(["--port", "0"])
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .expect("running python3");
+        let mut line = String::new();
+        std::io::BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+        let port = line.trim().rsplit(':').next().and_then(|p| p.parse().ok());
+        Self(child, port.unwrap_or_else(|| panic!("worker.py said {line:?}")))
+    }
+}
+
+impl Drop for PythonWorker {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// The shipped processor runs the kinds its configuration names a URL for, by the protocol:
+/// the Python worker's results, its 422 as invalid input, a 503's Retry-After respected, a
+/// 404 as permanent; and a `simulate` input means nothing to it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_shipped_processor_runs_handlers_in_any_language_over_http() {
+    let it = Installation::new("remote").await;
+    it.create_topics().await;
+    let python = PythonWorker::start();
+    let (outside, calls) = outside_services().await;
+    let file =
+        std::env::temp_dir().join(format!("jobfold-remote-{}.toml", Uuid::new_v4().simple()));
+    std::fs::write(
+        &file,
+        format!(
+            "[kinds.count-words]\nurl = \"http://127.0.0.1:{}/count-words\"\n\
+             [kinds.flaky]\nurl = \"{outside}/flaky\"\n[kinds.gone]\nurl = \"{outside}/gone\"\n",
+            python.1
+        ),
+    )
+    .unwrap();
+    let mut env = fast_env(&it);
+    env.insert("JOBFOLD_CONFIG".into(), file.display().to_string());
+    let _relay = Service::start("jobfold-relay", &env);
+    let processor = Service::start("jobfold-processor", &env);
+    eventually(Duration::from_secs(60), "the configured kinds to be registered", || async {
+        count(&it, "SELECT count(*) FROM job_kinds WHERE kind IN ('count-words', 'flaky', 'gone')")
+            .await
+            == 3
+    })
+    .await;
+    let acceptor = it.acceptor().await;
+    let job = |kind: &str, input: Value| NewJob {
+        document_id: format!("doc-{kind}-{}", input.to_string().len()),
+        kind: kind.into(),
+        input_version: 1,
+        input,
+        idempotency_key: None,
+        trace: None,
+    };
+    // The test handler's knobs would hang this job for ever and fail it; here they are data.
+    let knobs = json!({"text": "three little words", "simulate": {"sleep_ms": 1_000_000_000_000u64, "permanent": true}});
+    let mut ids = Vec::new();
+    for j in [
+        job("count-words", knobs),
+        job("count-words", json!({"title": "no text"})),
+        job("flaky", json!({})),
+        job("gone", json!({})),
+    ] {
+        ids.push(acceptor.accept(&it.pool, &j).await.unwrap().job_id);
+    }
+    eventually(Duration::from_secs(60), "every job to end", || async {
+        count(&it, "SELECT count(*) FROM jobs WHERE state IN ('succeeded', 'quarantined')").await
+            == 4
+    })
+    .await;
+    let state = |id: Uuid| {
+        let pool = it.pool.clone();
+        async move {
+            sqlx::query_as::<_, (String, i32)>(
+                "SELECT state::text, attempt FROM jobs WHERE job_id = $1",
+            )
+            .bind(id)
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+        }
+    };
+    assert_eq!(state(ids[0]).await, ("succeeded".into(), 1), "{}", processor.log_text());
+    let result: Value = sqlx::query_scalar("SELECT result FROM job_results WHERE job_id = $1")
+        .bind(ids[0])
+        .fetch_one(&it.pool)
+        .await
+        .unwrap();
+    assert_eq!(result["words"], 3);
+    assert_eq!(result["idempotency_key"], format!("{}:1", ids[0]));
+    let class = |id: Uuid| {
+        let pool = it.pool.clone();
+        async move {
+            sqlx::query_scalar::<_, String>(
+                "SELECT lower(error_class) FROM quarantine WHERE job_id = $1",
+            )
+            .bind(id)
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+        }
+    };
+    assert_eq!(state(ids[1]).await.0, "quarantined");
+    assert_eq!(class(ids[1]).await, "invalid_input");
+    assert_eq!(state(ids[2]).await, ("succeeded".into(), 2));
+    assert_eq!(state(ids[3]).await, ("quarantined".into(), 1));
+    assert_eq!(class(ids[3]).await, "permanent");
+    // The second call to /flaky waited out its Retry-After (2 s), not the 50 ms backoff.
+    let calls = calls.lock().unwrap().clone();
+    let flaky: Vec<Instant> = calls.iter().filter(|c| c.0 == "flaky").map(|c| c.3).collect();
+    assert_eq!(flaky.len(), 2);
+    assert!(flaky[1] - flaky[0] >= Duration::from_millis(1900), "{:?}", flaky[1] - flaky[0]);
+    let _ = std::fs::remove_file(file);
+    it.cleanup().await;
+}
