@@ -128,6 +128,15 @@ impl Installation {
             .unwrap()
     }
 
+    /// A job's state and attempt count.
+    pub async fn state_and_attempt(&self, job_id: Uuid) -> (String, i32) {
+        sqlx::query_as("SELECT state::text, attempt FROM jobs WHERE job_id = $1")
+            .bind(job_id)
+            .fetch_one(&self.pool)
+            .await
+            .unwrap()
+    }
+
     /// Events the relay has not published yet.
     pub async fn unpublished(&self) -> i64 {
         jobfold_common::gauges::unpublished(&self.pool).await.unwrap()

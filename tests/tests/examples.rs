@@ -112,6 +112,18 @@ async fn audit_business_writes(it: &Installation) {
     }
 }
 
+/// A job of `kind` for `document` at `version`.
+fn new_job(document: String, kind: &str, version: i64, input: Value) -> NewJob {
+    NewJob {
+        document_id: document,
+        kind: kind.into(),
+        input_version: version,
+        input,
+        idempotency_key: None,
+        trace: None,
+    }
+}
+
 async fn count(it: &Installation, sql: &str) -> i64 {
     sqlx::query_scalar(sql).fetch_one(&it.pool).await.unwrap()
 }
@@ -139,7 +151,13 @@ async fn examples_survive_a_crash_at(name: &str, window: &str) {
     for i in 0..4 {
         tone(&audio_in.join(format!("call-{i}.wav")), 1 + i);
     }
+    // One processor runs the three example kinds and a handler in Python.
+    let python = PythonWorker::start();
+    let file = dir.join("kinds.toml");
+    let url = format!("http://127.0.0.1:{}/count-words", python.1);
+    std::fs::write(&file, format!("[kinds.count-words]\nurl = \"{url}\"\n")).unwrap();
     let mut env = fast_env(&it);
+    env.insert("JOBFOLD_CONFIG".into(), file.display().to_string());
     env.insert("SUMMARIZE_MODEL_URL".into(), format!("{outside}/v1/chat/completions"));
     env.insert("AUDIO_INPUT_DIR".into(), audio_in.display().to_string());
     env.insert("AUDIO_OUTPUT_DIR".into(), audio_out.display().to_string());
@@ -147,7 +165,7 @@ async fn examples_survive_a_crash_at(name: &str, window: &str) {
     env.insert("JOBFOLD_FAILPOINT".into(), format!("{window}@3"));
     let mut crashing = Service::start("jobfold-examples", &env);
     eventually(Duration::from_secs(60), "the examples' kinds to be registered", || async {
-        count(&it, "SELECT count(*) FROM job_kinds WHERE kind IN ('summarize-conversation', 'convert-audio')").await == 2
+        count(&it, "SELECT count(*) FROM job_kinds WHERE kind IN ('summarize-conversation', 'convert-audio', 'count-words')").await == 3
     })
     .await;
 
@@ -158,25 +176,22 @@ async fn examples_survive_a_crash_at(name: &str, window: &str) {
             let messages: Vec<Value> = (0..version)
                 .map(|t| json!({"role": "user", "content": format!("conversation {c}, turn {t}")}))
                 .collect();
-            jobs.push(NewJob {
-                document_id: format!("conversation-{c}"),
-                kind: "summarize-conversation".into(),
-                input_version: version,
-                input: json!({ "messages": messages }),
-                idempotency_key: None,
-                trace: None,
-            });
+            let input = json!({ "messages": messages });
+            jobs.push(new_job(
+                format!("conversation-{c}"),
+                "summarize-conversation",
+                version,
+                input,
+            ));
         }
     }
     for i in 0..4 {
-        jobs.push(NewJob {
-            document_id: format!("call-{i}"),
-            kind: "convert-audio".into(),
-            input_version: 1,
-            input: json!({"source": format!("call-{i}.wav"), "format": "flac", "rate": 16000}),
-            idempotency_key: None,
-            trace: None,
-        });
+        let input = json!({"source": format!("call-{i}.wav"), "format": "flac", "rate": 16000});
+        jobs.push(new_job(format!("call-{i}"), "convert-audio", 1, input));
+    }
+    for i in 0..4 {
+        let input = json!({"text": "one two three ".repeat(i + 1)});
+        jobs.push(new_job(format!("note-{i}"), "count-words", 1, input));
     }
     for job in &jobs {
         acceptor.accept(&it.pool, job).await.unwrap();
@@ -200,8 +215,19 @@ async fn examples_survive_a_crash_at(name: &str, window: &str) {
     // Each business row once per (job, input version), and one for every job that applied.
     let twice = count(&it, "SELECT count(*) FROM (SELECT 1 FROM business_writes GROUP BY tbl, job_id, version HAVING count(*) > 1) d").await;
     assert_eq!(twice, 0, "a business write was committed twice");
-    let succeeded = count(&it, "SELECT count(*) FROM jobs WHERE state = 'succeeded'").await;
+    let succeeded =
+        count(&it, "SELECT count(*) FROM jobs WHERE state = 'succeeded' AND kind <> 'count-words'")
+            .await;
     assert_eq!(count(&it, "SELECT count(*) FROM business_writes").await, succeeded);
+    // The Python handler's results, one per job.
+    let words: Vec<i64> = sqlx::query_scalar(
+        "SELECT (r.result->>'words')::bigint FROM job_results r JOIN jobs j USING (job_id) \
+         WHERE j.kind = 'count-words' ORDER BY j.document_id",
+    )
+    .fetch_all(&it.pool)
+    .await
+    .unwrap();
+    assert_eq!(words, [3, 6, 9, 12]);
     // The newest version of every conversation is its summary.
     assert_eq!(count(&it, "SELECT count(*) FROM conversation_summaries WHERE version = 2 AND summary = 'A summary of 3 messages.'").await, 6);
 
@@ -217,6 +243,7 @@ async fn examples_survive_a_crash_at(name: &str, window: &str) {
     let committed: BTreeMap<String, _> = committed.into_iter().collect();
     let calls = calls.lock().unwrap().clone();
     assert!(calls.len() >= 12, "{calls:?}");
+    drop(python);
     for (_, key, at, _) in &calls {
         let done = committed.get(key).unwrap_or_else(|| panic!("a call with key {key:?}"));
         assert!(at <= done, "the model was called for {key} after its result committed");
@@ -313,13 +340,8 @@ async fn the_shipped_processor_runs_handlers_in_any_language_over_http() {
     })
     .await;
     let acceptor = it.acceptor().await;
-    let job = |kind: &str, input: Value| NewJob {
-        document_id: format!("doc-{kind}-{}", input.to_string().len()),
-        kind: kind.into(),
-        input_version: 1,
-        input,
-        idempotency_key: None,
-        trace: None,
+    let job = |kind: &str, input: Value| {
+        new_job(format!("doc-{kind}-{}", input.to_string().len()), kind, 1, input)
     };
     // The test handler's knobs would hang this job for ever and fail it; here they are data.
     let knobs = json!({"text": "three little words", "simulate": {"sleep_ms": 1_000_000_000_000u64, "permanent": true}});
@@ -337,18 +359,7 @@ async fn the_shipped_processor_runs_handlers_in_any_language_over_http() {
             == 4
     })
     .await;
-    let state = |id: Uuid| {
-        let pool = it.pool.clone();
-        async move {
-            sqlx::query_as::<_, (String, i32)>(
-                "SELECT state::text, attempt FROM jobs WHERE job_id = $1",
-            )
-            .bind(id)
-            .fetch_one(&pool)
-            .await
-            .unwrap()
-        }
-    };
+    let state = |id: Uuid| it.state_and_attempt(id);
     assert_eq!(state(ids[0]).await, ("succeeded".into(), 1), "{}", processor.log_text());
     let result: Value = sqlx::query_scalar("SELECT result FROM job_results WHERE job_id = $1")
         .bind(ids[0])

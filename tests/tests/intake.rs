@@ -117,7 +117,8 @@ async fn requests_become_jobs_once_and_poison_becomes_dead_letters() {
 }
 
 /// A request Postgres cannot store — U+0000 in its document id, kind or input (valid Avro,
-/// valid JSON), or a row a constraint refuses — is the request's fault: dead-lettered with
+/// valid JSON), a kind no processor has registered, or a row a constraint refuses — is the
+/// request's fault: dead-lettered with
 /// the reason, and the requests behind it on every partition are accepted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_postgres_cannot_store_is_dead_lettered_and_the_partition_moves_on() {
@@ -132,13 +133,15 @@ async fn a_request_postgres_cannot_store_is_dead_lettered_and_the_partition_move
     let topic = it.config.topics.requests.clone();
     let mut sent = 0;
     let mut poison = 0;
-    // Twelve documents spread over the partitions: each partition's first message is bad.
-    for d in 0..12 {
+    // Fifteen documents spread over the partitions: each partition's first message is bad.
+    for d in 0..15 {
         let document = format!("doc-{d}");
-        let bad = match d % 4 {
+        let bad = match d % 5 {
             0 => JobRequest { input: r#"{"text":"a\u0000b"}"#.into(), ..request(&document, 1) },
             1 => JobRequest { job_kind: "index\0document".into(), ..request(&document, 1) },
             2 => JobRequest { document_id: format!("{document}\0"), ..request(&document, 1) },
+            // A kind no processor has registered (misspelt).
+            3 => JobRequest { job_kind: "index-documnet".into(), ..request(&document, 1) },
             _ => request("forbidden", 1),
         };
         for r in std::iter::once(bad).chain((1..=5).map(|v| request(&document, v))) {
@@ -157,8 +160,8 @@ async fn a_request_postgres_cannot_store_is_dead_lettered_and_the_partition_move
 
     let shutdown = CancellationToken::new();
     let processor = tokio::spawn(jobfold_tests::handlers::run(it.config.clone(), shutdown.clone()));
-    eventually(Duration::from_secs(60), "60 jobs and 12 dead letters", || async {
-        it.count("jobs").await == 60 && it.count("dead_letters").await == poison
+    eventually(Duration::from_secs(60), "75 jobs and 15 dead letters", || async {
+        it.count("jobs").await == 75 && it.count("dead_letters").await == poison
     })
     .await;
     shutdown.cancel();
@@ -167,6 +170,7 @@ async fn a_request_postgres_cannot_store_is_dead_lettered_and_the_partition_move
         sqlx::query_scalar("SELECT error FROM dead_letters").fetch_all(&it.pool).await.unwrap();
     assert_eq!(errors.iter().filter(|e| e.contains("U+0000")).count(), 9, "{errors:?}");
     assert_eq!(errors.iter().filter(|e| e.contains("23514")).count(), 3, "{errors:?}");
+    assert_eq!(errors.iter().filter(|e| e.contains("unknown kind")).count(), 3, "{errors:?}");
     assert_eq!(committed_total(&it.config.intake.group, &topic, it.config.topics.partitions), sent);
     it.cleanup().await;
 }

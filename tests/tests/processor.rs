@@ -93,11 +93,7 @@ async fn states(it: &Installation) -> Vec<(String, i64)> {
 
 /// A job's state and attempt count.
 async fn state_and_attempt(it: &Installation, job_id: Uuid) -> (String, i32) {
-    sqlx::query_as("SELECT state::text, attempt FROM jobs WHERE job_id = $1")
-        .bind(job_id)
-        .fetch_one(&it.pool)
-        .await
-        .unwrap()
+    it.state_and_attempt(job_id).await
 }
 
 async fn count_where(it: &Installation, sql: &str) -> i64 {
@@ -207,18 +203,7 @@ async fn retries_back_off_and_stop_at_the_budget_and_invalid_input_is_not_retrie
     eventually(Duration::from_secs(60), "every job to finish", || all_finished(&it, 4)).await;
     pipeline.stop().await;
 
-    let row = |id: Uuid| {
-        let pool = it.pool.clone();
-        async move {
-            sqlx::query_as::<_, (String, i32)>(
-                "SELECT state::text, attempt FROM jobs WHERE job_id = $1",
-            )
-            .bind(id)
-            .fetch_one(&pool)
-            .await
-            .unwrap()
-        }
-    };
+    let row = |id: Uuid| state_and_attempt(&it, id);
     assert_eq!(row(ids[0]).await, ("succeeded".into(), 3), "two retryable failures, then success");
     assert_eq!(row(ids[1]).await, ("quarantined".into(), 3), "stops at the attempt budget");
     assert_eq!(row(ids[2]).await, ("quarantined".into(), 1), "invalid input is never retried");
