@@ -393,3 +393,63 @@ async fn the_shipped_processor_runs_handlers_in_any_language_over_http() {
     let _ = std::fs::remove_file(file);
     it.cleanup().await;
 }
+
+/// convert-audio's subprocess ends with the run: cancelled (a lost lease, shutdown) or past
+/// its time-out, sox is killed and neither a partial nor a final file is left.
+#[tokio::test]
+async fn a_cancelled_or_timed_out_conversion_kills_sox_and_leaves_no_file() {
+    use jobfold_examples::audio::ConvertAudio;
+    use jobfold_processor::handler::{ErrorClass, Handler, JobContext};
+    let dir = std::env::temp_dir().join(format!("jobfold-sox-{}", Uuid::new_v4().simple()));
+    let (input, output) = (dir.join("in"), dir.join("out"));
+    std::fs::create_dir_all(&input).unwrap();
+    // Ten minutes of audio: seconds of work for sox, far more than the run is given.
+    tone(&input.join("long.wav"), 600);
+    let job = JobContext {
+        job_id: Uuid::now_v7(),
+        document_id: "long".into(),
+        kind: "convert-audio".into(),
+        input_version: 1,
+        input: json!({"source": "long.wav", "format": "flac", "rate": 48000}),
+        attempt: 1,
+        generation: 1,
+        trace: None,
+        deadline: None,
+    };
+    // This process's children named sox, from /proc/<pid>/stat: "pid (comm) state ppid ...".
+    let sox_children = || {
+        let me = std::process::id().to_string();
+        std::fs::read_dir("/proc")
+            .unwrap()
+            .filter_map(|e| std::fs::read_to_string(e.ok()?.path().join("stat")).ok())
+            .filter(|stat| {
+                let fields: Vec<&str> = stat.rsplit(") ").next().unwrap_or("").split(' ').collect();
+                // A killed child not reaped yet is a zombie (Z): gone for this purpose.
+                stat.contains("(sox)") && fields.get(1) == Some(&me.as_str()) && fields[0] != "Z"
+            })
+            .count()
+    };
+
+    let handler = ConvertAudio::new(&input, &output, "sox", Duration::from_secs(600));
+    let cancel = tokio_util::sync::CancellationToken::new();
+    let fire = cancel.clone();
+    tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        fire.cancel();
+    });
+    let cancelled = handler.run(&job, cancel).await.unwrap_err();
+    assert_eq!(cancelled.class, ErrorClass::Retryable, "{cancelled}");
+    assert!(cancelled.message.contains("cancelled"), "{cancelled}");
+    // Killed at once: sox alone would go on for seconds more.
+    eventually(Duration::from_secs(1), "sox to be killed", || async { sox_children() == 0 }).await;
+
+    let impatient = ConvertAudio::new(&input, &output, "sox", Duration::from_millis(300));
+    let timed_out = impatient.run(&job, Default::default()).await.unwrap_err();
+    assert!(timed_out.message.contains("ran longer"), "{timed_out}");
+    eventually(Duration::from_secs(1), "sox to be killed", || async { sox_children() == 0 }).await;
+
+    // Nothing written under any name.
+    let left: Vec<_> = std::fs::read_dir(&output).unwrap().collect();
+    assert!(left.is_empty(), "{left:?}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
