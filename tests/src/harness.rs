@@ -120,6 +120,27 @@ impl Installation {
         ])
     }
 
+    /// [`Installation::env`] with test timings (short leases, heartbeats, retries and reaper
+    /// rounds; a killed member's partitions move after 6 s) and the processors' `group`.
+    pub fn fast_env(&self, group: &str) -> HashMap<String, String> {
+        let mut env = self.env();
+        for (k, v) in [
+            ("JOBFOLD_PROCESSOR__LEASE_TTL", "3s"),
+            ("JOBFOLD_PROCESSOR__HEARTBEAT", "1s"),
+            ("JOBFOLD_PROCESSOR__RETRY_BASE", "50ms"),
+            ("JOBFOLD_PROCESSOR__RETRY_CAP", "200ms"),
+            ("JOBFOLD_PROCESSOR__REAPER_INTERVAL", "500ms"),
+            ("JOBFOLD_PROCESSOR__REAPER_GRACE", "2s"),
+            ("JOBFOLD_PROCESSOR__REVOKE_TIMEOUT", "5s"),
+            // The broker's minimum session timeout, not 45 s.
+            ("JOBFOLD_KAFKA__SESSION_TIMEOUT_MS", "6000"),
+        ] {
+            env.insert(k.into(), v.into());
+        }
+        env.insert("JOBFOLD_PROCESSOR__GROUP".into(), group.to_owned());
+        env
+    }
+
     /// Row count of `table`.
     pub async fn count(&self, table: &str) -> i64 {
         sqlx::query_scalar(&format!("SELECT count(*) FROM {table}"))

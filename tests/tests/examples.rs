@@ -27,7 +27,7 @@ type Calls = Arc<Mutex<Vec<(String, String, chrono::DateTime<chrono::Utc>, Insta
 
 /// A server on 127.0.0.1 standing in for the outside services: `/v1/chat/completions` (the
 /// model, 150 ms per answer), `/flaky` (503 with `Retry-After: 2` to each key's first call,
-/// then 200) and `/gone` (404). Returns its base URL and the calls it saw.
+/// then 200), `/gone` (404) and `/huge` (a 4 MiB result). Returns its base URL and the calls it saw.
 async fn outside_services() -> (String, Calls) {
     use axum::http::{HeaderMap, StatusCode};
     use axum::response::IntoResponse;
@@ -43,7 +43,8 @@ async fn outside_services() -> (String, Calls) {
         calls.push((route.to_owned(), key.clone(), chrono::Utc::now(), Instant::now()));
         calls.iter().filter(|c| c.0 == route && c.1 == key).count()
     };
-    let (model, flaky, gone) = (record.clone(), record.clone(), record);
+    let (model, flaky) = (record.clone(), record.clone());
+    let (gone, huge) = (record.clone(), record);
     let app = axum::Router::new()
         .route(
             "/v1/chat/completions",
@@ -72,6 +73,14 @@ async fn outside_services() -> (String, Calls) {
                 gone("gone", &headers);
                 (StatusCode::NOT_FOUND, "no such thing").into_response()
             }),
+        )
+        .route(
+            "/huge",
+            axum::routing::post(move |headers: HeaderMap| async move {
+                huge("huge", &headers);
+                // 4 MiB of JSON, far past the kind's max_output_bytes (64 KiB).
+                axum::Json(json!({ "blob": "x".repeat(4 << 20) })).into_response()
+            }),
         );
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
@@ -80,20 +89,7 @@ async fn outside_services() -> (String, Calls) {
 }
 
 fn fast_env(it: &Installation) -> HashMap<String, String> {
-    let mut env = it.env();
-    for (k, v) in [
-        ("JOBFOLD_PROCESSOR__LEASE_TTL", "3s"),
-        ("JOBFOLD_PROCESSOR__HEARTBEAT", "1s"),
-        ("JOBFOLD_PROCESSOR__RETRY_BASE", "50ms"),
-        ("JOBFOLD_PROCESSOR__RETRY_CAP", "200ms"),
-        ("JOBFOLD_PROCESSOR__REAPER_INTERVAL", "500ms"),
-        ("JOBFOLD_PROCESSOR__REAPER_GRACE", "2s"),
-        ("JOBFOLD_KAFKA__SESSION_TIMEOUT_MS", "6000"),
-    ] {
-        env.insert(k.into(), v.into());
-    }
-    env.insert("JOBFOLD_PROCESSOR__GROUP".into(), jobfold_tests::kafka::unique_name("examples"));
-    env
+    it.fast_env(&jobfold_tests::kafka::unique_name("examples"))
 }
 
 /// Every insert and update of the examples' business tables, in a table of the test's own
@@ -311,7 +307,7 @@ impl Drop for PythonWorker {
 
 /// The shipped processor runs the kinds its configuration names a URL for, by the protocol:
 /// the Python worker's results, its 422 as invalid input, a 503's Retry-After respected, a
-/// 404 as permanent; and a `simulate` input means nothing to it.
+/// 404 as permanent, an answer past `max_output_bytes` cut off; and a `simulate` input means nothing to it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_shipped_processor_runs_handlers_in_any_language_over_http() {
     let it = Installation::new("remote").await;
@@ -324,7 +320,8 @@ async fn the_shipped_processor_runs_handlers_in_any_language_over_http() {
         &file,
         format!(
             "[kinds.count-words]\nurl = \"http://127.0.0.1:{}/count-words\"\n\
-             [kinds.flaky]\nurl = \"{outside}/flaky\"\n[kinds.gone]\nurl = \"{outside}/gone\"\n",
+             [kinds.flaky]\nurl = \"{outside}/flaky\"\n[kinds.gone]\nurl = \"{outside}/gone\"\n\
+             [kinds.huge]\nurl = \"{outside}/huge\"\nmax_output_bytes = 65536\n",
             python.1
         ),
     )
@@ -334,9 +331,12 @@ async fn the_shipped_processor_runs_handlers_in_any_language_over_http() {
     let _relay = Service::start("jobfold-relay", &env);
     let processor = Service::start("jobfold-processor", &env);
     eventually(Duration::from_secs(60), "the configured kinds to be registered", || async {
-        count(&it, "SELECT count(*) FROM job_kinds WHERE kind IN ('count-words', 'flaky', 'gone')")
-            .await
-            == 3
+        count(
+            &it,
+            "SELECT count(*) FROM job_kinds WHERE kind IN ('count-words', 'flaky', 'gone', 'huge')",
+        )
+        .await
+            == 4
     })
     .await;
     let acceptor = it.acceptor().await;
@@ -351,12 +351,13 @@ async fn the_shipped_processor_runs_handlers_in_any_language_over_http() {
         job("count-words", json!({"title": "no text"})),
         job("flaky", json!({})),
         job("gone", json!({})),
+        job("huge", json!({})),
     ] {
         ids.push(acceptor.accept(&it.pool, &j).await.unwrap().job_id);
     }
     eventually(Duration::from_secs(60), "every job to end", || async {
         count(&it, "SELECT count(*) FROM jobs WHERE state IN ('succeeded', 'quarantined')").await
-            == 4
+            == 5
     })
     .await;
     let state = |id: Uuid| it.state_and_attempt(id);
@@ -385,6 +386,14 @@ async fn the_shipped_processor_runs_handlers_in_any_language_over_http() {
     assert_eq!(state(ids[2]).await, ("succeeded".into(), 2));
     assert_eq!(state(ids[3]).await, ("quarantined".into(), 1));
     assert_eq!(class(ids[3]).await, "permanent");
+    // An answer past the kind's max_output_bytes is read no further and fails for good.
+    assert_eq!(state(ids[4]).await, ("quarantined".into(), 1));
+    let reason: String = sqlx::query_scalar("SELECT reason FROM quarantine WHERE job_id = $1")
+        .bind(ids[4])
+        .fetch_one(&it.pool)
+        .await
+        .unwrap();
+    assert!(reason.contains("answered with more than max_output_bytes (65536"), "{reason}");
     // The second call to /flaky waited out its Retry-After (2 s), not the 50 ms backoff.
     let calls = calls.lock().unwrap().clone();
     let flaky: Vec<Instant> = calls.iter().filter(|c| c.0 == "flaky").map(|c| c.3).collect();

@@ -39,22 +39,7 @@ async fn fast_installation(name: &str) -> (Installation, Acceptor) {
 }
 
 fn fast_env(it: &Installation) -> std::collections::HashMap<String, String> {
-    let mut env = it.env();
-    for (k, v) in [
-        ("JOBFOLD_PROCESSOR__LEASE_TTL", "3s"),
-        ("JOBFOLD_PROCESSOR__HEARTBEAT", "1s"),
-        ("JOBFOLD_PROCESSOR__RETRY_BASE", "50ms"),
-        ("JOBFOLD_PROCESSOR__RETRY_CAP", "200ms"),
-        ("JOBFOLD_PROCESSOR__REAPER_INTERVAL", "500ms"),
-        ("JOBFOLD_PROCESSOR__REAPER_GRACE", "2s"),
-        ("JOBFOLD_PROCESSOR__REVOKE_TIMEOUT", "5s"),
-        // A killed member's partitions move after 6 s (the broker's minimum), not 45 s.
-        ("JOBFOLD_KAFKA__SESSION_TIMEOUT_MS", "6000"),
-    ] {
-        env.insert(k.into(), v.into());
-    }
-    env.insert("JOBFOLD_PROCESSOR__GROUP".into(), it.config.processor.group.clone());
-    env
+    it.fast_env(&it.config.processor.group)
 }
 
 /// A relay and a processor in this process.
