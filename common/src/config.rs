@@ -207,8 +207,15 @@ pub struct Processor {
     /// How often a running job's lease is extended.
     #[serde(with = "humantime_serde")]
     pub heartbeat: Duration,
-    /// Jobs running at once in this process, across partitions.
+    /// Jobs running at once in this process, across partitions. Only running jobs hold a
+    /// slot: a job waiting behind its document's running one, or for its kind's
+    /// `concurrency`, holds none.
     pub max_in_flight: usize,
+    /// Messages one partition may hold in memory (waiting behind their document, or
+    /// running); past it the partition is paused until it holds half.
+    pub max_buffered: usize,
+    /// Bytes of messages one partition may hold in memory; as `max_buffered`.
+    pub max_buffered_bytes: usize,
     /// Largest result a handler may return, as JSON, in bytes. A larger one ends the attempt
     /// as a permanent failure (the job is quarantined with the reason): its `JobSucceeded`
     /// event must fit the events topic's `max.message.bytes`.
@@ -570,6 +577,12 @@ impl Config {
         }
         if p.max_in_flight == 0 {
             return invalid("processor.max_in_flight", "must be at least 1");
+        }
+        if p.max_buffered == 0 {
+            return invalid("processor.max_buffered", "must be at least 1");
+        }
+        if p.max_buffered_bytes < 1024 {
+            return invalid("processor.max_buffered_bytes", "must be at least 1024");
         }
         if p.db_connections < 2 {
             return invalid("processor.db_connections", "must be at least 2");

@@ -39,6 +39,12 @@ pub const INTAKE_DUPLICATES_TOTAL: &str = "jobfold_intake_duplicates_total";
 
 /// Jobs running in this processor.
 pub const IN_FLIGHT: &str = "jobfold_in_flight";
+/// Gauge: messages the processor holds in memory (waiting behind their document, or running).
+pub const BUFFERED_MESSAGES: &str = "jobfold_buffered_messages";
+/// Gauge: partitions paused because they hold their `max_buffered` share.
+pub const PAUSED_PARTITIONS: &str = "jobfold_paused_partitions";
+/// Counter: times a partition was paused because it held its `max_buffered` share.
+pub const PARTITION_PAUSES_TOTAL: &str = "jobfold_partition_pauses_total";
 /// Documents whose next job is of a kind this processor has no handler for: they wait
 /// (a rolling deploy adding a kind) rather than being quarantined.
 pub const WAITING_FOR_HANDLER: &str = "jobfold_waiting_for_handler";
@@ -126,6 +132,17 @@ pub fn describe() {
     );
     describe_counter!(DEAD_LETTERS_TOTAL, Unit::Count, "Undecodable messages dead-lettered.");
     describe_gauge!(IN_FLIGHT, Unit::Count, "Jobs running in this processor.");
+    describe_gauge!(
+        BUFFERED_MESSAGES,
+        Unit::Count,
+        "Messages held in memory: waiting behind their document's running job, or running."
+    );
+    describe_gauge!(PAUSED_PARTITIONS, Unit::Count, "Partitions paused: their buffer is full.");
+    describe_counter!(
+        PARTITION_PAUSES_TOTAL,
+        Unit::Count,
+        "Times a partition was paused because it held its max_buffered share."
+    );
     describe_gauge!(
         WAITING_FOR_HANDLER,
         Unit::Count,

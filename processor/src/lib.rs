@@ -26,6 +26,7 @@
 
 pub mod analytics;
 pub mod batch;
+pub mod buffer;
 pub mod complete;
 pub mod dead_letter;
 pub mod handler;

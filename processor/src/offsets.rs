@@ -8,6 +8,8 @@
 
 use std::collections::{BTreeSet, HashMap};
 
+use tokio_util::sync::CancellationToken;
+
 /// One partition's progress.
 #[derive(Debug, Default)]
 struct Partition {
@@ -22,6 +24,8 @@ struct Partition {
     revoked: bool,
     /// Bumped on every assignment, so work from an earlier assignment is told apart.
     epoch: u64,
+    /// Fires when this assignment is revoked: work waiting for a slot gives up at once.
+    revoked_token: CancellationToken,
 }
 
 /// A started message: where it is, and under which assignment it started.
@@ -53,6 +57,7 @@ impl Tracker {
         for p in partitions {
             if let Some(state) = self.partitions.get_mut(p) {
                 state.revoked = true;
+                state.revoked_token.cancel();
             }
         }
     }
@@ -87,6 +92,18 @@ impl Tracker {
             .is_some_and(|s| s.epoch == ticket.epoch && !s.revoked)
     }
 
+    /// Fires when `ticket`'s assignment is revoked (or already has been).
+    pub fn revoked(&self, ticket: &Ticket) -> CancellationToken {
+        match self.partitions.get(&ticket.partition) {
+            Some(s) if s.epoch == ticket.epoch => s.revoked_token.clone(),
+            _ => {
+                let gone = CancellationToken::new();
+                gone.cancel();
+                gone
+            }
+        }
+    }
+
     /// Records a message as finished; returns the offset to store, if it advanced.
     pub fn finish(&mut self, ticket: Ticket) -> Option<i64> {
         let state = self.partitions.get_mut(&ticket.partition)?;
@@ -113,6 +130,7 @@ impl Tracker {
             && state.epoch == ticket.epoch
         {
             state.revoked = true;
+            state.revoked_token.cancel();
             state.in_flight.remove(&ticket.offset);
         }
     }
@@ -141,7 +159,10 @@ mod tests {
         let mut t = Tracker::default();
         t.assign(&[1]);
         let a = t.start(1, 5).unwrap();
+        let revoked = t.revoked(&a);
+        assert!(!revoked.is_cancelled());
         t.revoke(&[1]);
+        assert!(revoked.is_cancelled(), "work waiting for a slot hears of the revoke");
         assert!(t.start(1, 6).is_none());
         assert!(!t.is_current(&a));
         assert_eq!(t.in_flight(&[1]), 1);
@@ -168,6 +189,8 @@ mod tests {
         t.revoke(&[2]);
         t.assign(&[2]);
         let new = t.start(2, 7).unwrap();
+        assert!(t.revoked(&old).is_cancelled());
+        assert!(!t.revoked(&new).is_cancelled());
         assert_eq!(t.finish(old), None);
         assert_eq!(t.finish(new), Some(7));
     }

@@ -6,7 +6,12 @@
 //!
 //! Concurrency: jobs of different documents run at once, up to `processor.max_in_flight`;
 //! one document's events run one after another, in partition order (each document has one
-//! queue and one task draining it).
+//! queue and one task draining it). A slot is held only while a job is leased, running and
+//! completing: a message waiting behind its document's running job, for its kind's
+//! `concurrency`, or for a retry holds none, so a document with a thousand versions queued
+//! takes one slot and the other documents take the rest. What each partition holds in
+//! memory is bounded: past `processor.max_buffered` messages or `max_buffered_bytes` it is
+//! paused, and resumed when half is left ([`crate::buffer`]).
 //!
 //! Per dispatch event (`JobRequested`, `RetryDue`, `ReplayRequested`):
 //! 1. lease transaction: skip if its dedupe row exists; end the job without running it if
@@ -40,6 +45,7 @@ use jobfold_common::config::{Config, MAX_ERROR_BYTES};
 use jobfold_common::failpoint;
 use jobfold_schemas::{Decoder, JobEvent};
 use rand::Rng;
+use rdkafka::TopicPartitionList;
 use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext, Rebalance, StreamConsumer};
 use rdkafka::message::OwnedMessage;
 use rdkafka::{ClientContext, Message, Statistics};
@@ -49,6 +55,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::AbortOnDropHandle;
 use tracing::Instrument;
 
+use crate::buffer::{Bounds, Buffer};
 use crate::complete::{Attempt, Completed, Completer};
 use crate::handler::{HandlerError, Handlers, JobContext};
 use crate::lease::{Dispatch, Leased, Leaser};
@@ -62,6 +69,7 @@ const RETRY_MAX: Duration = Duration::from_secs(10);
 /// Rebalance callbacks: stop, drain and commit revoked partitions; start assigned ones.
 pub struct WorkerContext {
     tracker: Arc<Mutex<Tracker>>,
+    buffer: Arc<Mutex<Buffer>>,
     revoke_timeout: Duration,
     topic: String,
     /// Partitions whose lag this member reported, so it reports 0 once it lost them.
@@ -125,7 +133,7 @@ impl ConsumerContext for WorkerContext {
         }
     }
 
-    fn post_rebalance(&self, _consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+    fn post_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
         if let Rebalance::Assign(list) = rebalance {
             let partitions: Vec<i32> = list.elements().iter().map(|e| e.partition()).collect();
             let held = {
@@ -133,17 +141,22 @@ impl ConsumerContext for WorkerContext {
                 tracker.assign(&partitions);
                 tracker.held()
             };
+            // A partition paused under an earlier assignment starts fetching again.
+            self.buffer.lock().expect("buffer").assigned(&partitions);
+            if let Err(e) = consumer.resume(list) {
+                tracing::warn!(error = %e, "Resuming assigned partitions failed.");
+            }
             metrics::gauge!(pm::ASSIGNED_PARTITIONS).set(held as f64);
             tracing::info!(?partitions, held, "Partitions assigned.");
         }
     }
 }
 
-/// A message waiting in its document's queue, holding an in-flight slot.
+/// A message held for its document's task, and the bytes it counts in its partition.
 struct Queued {
     message: OwnedMessage,
     ticket: Ticket,
-    _permit: OwnedSemaphorePermit,
+    bytes: usize,
 }
 
 /// What the tasks share.
@@ -159,6 +172,10 @@ struct Shared {
     waiting_for_handler: std::sync::atomic::AtomicI64,
     /// Per kind with a `concurrency` setting: its running jobs' slots.
     kind_slots: HashMap<String, Arc<Semaphore>>,
+    /// The process's running jobs' slots, `processor.max_in_flight`.
+    slots: Arc<Semaphore>,
+    /// What each partition holds, to pause and resume it.
+    buffer: Arc<Mutex<Buffer>>,
     /// Leases dispatches, several to a transaction.
     leaser: Leaser,
     /// Commits finished attempts, several to a transaction.
@@ -182,8 +199,13 @@ pub async fn run(
     shutdown: CancellationToken,
 ) -> anyhow::Result<()> {
     let tracker = Arc::new(Mutex::new(Tracker::default()));
+    let buffer = Arc::new(Mutex::new(Buffer::new(Bounds {
+        messages: config.processor.max_buffered,
+        bytes: config.processor.max_buffered_bytes,
+    })));
     let context = WorkerContext {
         tracker: Arc::clone(&tracker),
+        buffer: Arc::clone(&buffer),
         revoke_timeout: config.processor.revoke_timeout,
         topic: config.topics.events.clone(),
         lag_reported: Mutex::default(),
@@ -213,7 +235,7 @@ pub async fn run(
         .filter_map(|(kind, k)| Some((kind.clone(), Arc::new(Semaphore::new(k.concurrency?)))))
         .collect();
     let shared = Arc::new(Shared {
-        config,
+        config: config.clone(),
         pool,
         consumer: Arc::new(consumer),
         decoder,
@@ -221,13 +243,14 @@ pub async fn run(
         handlers,
         waiting_for_handler: std::sync::atomic::AtomicI64::new(0),
         kind_slots,
+        slots: Arc::new(Semaphore::new(config.processor.max_in_flight)),
+        buffer,
         leaser,
         completer,
         tracker,
         queues: Mutex::new(HashMap::new()),
         shutdown: shutdown.clone(),
     });
-    let slots = Arc::new(Semaphore::new(shared.config.processor.max_in_flight));
     let reaper = tokio::spawn(crate::reaper::run(
         shared.config.clone(),
         shared.pool.clone(),
@@ -235,11 +258,6 @@ pub async fn run(
         shutdown.clone(),
     ));
     loop {
-        let permit = tokio::select! {
-            biased;
-            _ = shutdown.cancelled() => break,
-            permit = Arc::clone(&slots).acquire_owned() => permit.expect("the semaphore is never closed"),
-        };
         let message = tokio::select! {
             biased;
             _ = shutdown.cancelled() => break,
@@ -259,7 +277,17 @@ pub async fn run(
         };
         let key =
             message.key().map(|k| String::from_utf8_lossy(k).into_owned()).unwrap_or_default();
-        let queued = Queued { message, ticket, _permit: permit };
+        let bytes = message.payload().map_or(0, <[u8]>::len) + key.len();
+        let pause = {
+            let mut buffer = shared.buffer.lock().expect("buffer");
+            let pause = buffer.add(ticket.partition, bytes);
+            metrics::gauge!(pm::BUFFERED_MESSAGES).set(buffer.messages() as f64);
+            pause
+        };
+        if pause {
+            pause_or_resume(&shared, &message, true);
+        }
+        let queued = Queued { message, ticket, bytes };
         let start_task = {
             let mut queues = shared.queues.lock().expect("queues");
             match queues.get_mut(&key) {
@@ -276,13 +304,14 @@ pub async fn run(
         if let Some(first) = start_task {
             tokio::spawn(drain_key(Arc::clone(&shared), key, first));
         }
-        metrics::gauge!(pm::IN_FLIGHT)
-            .set((shared.config.processor.max_in_flight - slots.available_permits()) as f64);
     }
     // Soft stop: running jobs finish, bounded.
     let all = shared.config.processor.max_in_flight as u32;
-    let drained =
-        tokio::time::timeout(shared.config.processor.revoke_timeout, slots.acquire_many(all)).await;
+    let drained = tokio::time::timeout(
+        shared.config.processor.revoke_timeout,
+        shared.slots.acquire_many(all),
+    )
+    .await;
     if drained.is_err() {
         tracing::warn!("Shutdown: jobs still running are left to their lease expiry.");
     }
@@ -291,6 +320,69 @@ pub async fn run(
     }
     let _ = reaper.await;
     Ok(())
+}
+
+/// Pauses (or resumes) fetching `message`'s partition, and counts it.
+fn pause_or_resume(shared: &Shared, message: &OwnedMessage, pause: bool) {
+    let mut list = TopicPartitionList::new();
+    list.add_partition(message.topic(), message.partition());
+    let done = if pause { shared.consumer.pause(&list) } else { shared.consumer.resume(&list) };
+    match done {
+        Ok(()) if pause => {
+            metrics::counter!(pm::PARTITION_PAUSES_TOTAL).increment(1);
+            tracing::debug!(
+                partition = message.partition(),
+                "Partition paused: its buffer is full."
+            );
+        }
+        Ok(()) => tracing::debug!(partition = message.partition(), "Partition resumed."),
+        // The partition moved meanwhile: the next owner fetches it afresh.
+        Err(e) => {
+            tracing::debug!(error = %e, partition = message.partition(), pause, "Pause or resume failed.")
+        }
+    }
+    let paused = shared.buffer.lock().expect("buffer").paused();
+    metrics::gauge!(pm::PAUSED_PARTITIONS).set(paused as f64);
+}
+
+/// A running job's slot: the in-flight gauge follows it.
+struct Slot {
+    _permits: (Option<OwnedSemaphorePermit>, OwnedSemaphorePermit),
+    slots: Arc<Semaphore>,
+    max: usize,
+}
+
+impl Slot {
+    /// Waits for a slot of `kind` (if it has its own `concurrency`), then for one of the
+    /// process's — the kind's first, so jobs waiting for their kind hold none of the
+    /// process's slots. `None` if the shutdown or `revoked` came first.
+    async fn acquire(shared: &Shared, kind: &str, revoked: &CancellationToken) -> Option<Self> {
+        let wait = async {
+            let of_kind = match shared.kind_slots.get(kind) {
+                Some(slots) => Some(Arc::clone(slots).acquire_owned().await.ok()?),
+                None => None,
+            };
+            let own = Arc::clone(&shared.slots).acquire_owned().await.ok()?;
+            Some((of_kind, own))
+        };
+        let permits = tokio::select! {
+            biased;
+            _ = shared.shutdown.cancelled() => return None,
+            _ = revoked.cancelled() => return None,
+            permits = wait => permits?,
+        };
+        let max = shared.config.processor.max_in_flight;
+        metrics::gauge!(pm::IN_FLIGHT).set((max - shared.slots.available_permits()) as f64);
+        Some(Self { _permits: permits, slots: Arc::clone(&shared.slots), max })
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        // This slot's permit is still taken here.
+        let running = self.max - self.slots.available_permits() - 1;
+        metrics::gauge!(pm::IN_FLIGHT).set(running as f64);
+    }
 }
 
 fn hostname() -> String {
@@ -307,7 +399,7 @@ async fn drain_key(shared: Arc<Shared>, key: String, first: Queued) {
         // After shutdown or revoke, queued messages are left for redelivery.
         let current = !shared.shutdown.is_cancelled()
             && shared.tracker.lock().expect("tracker").is_current(&ticket);
-        let finished = current && handle(&shared, &queued.message).await;
+        let finished = current && handle(&shared, &queued.message, &ticket).await;
         let store = {
             let mut tracker = shared.tracker.lock().expect("tracker");
             if finished {
@@ -328,6 +420,15 @@ async fn drain_key(shared: Arc<Shared>, key: String, first: Queued) {
                 "Offset not stored (the partition moved)."
             );
         }
+        let resume = {
+            let mut buffer = shared.buffer.lock().expect("buffer");
+            let resume = buffer.remove(ticket.partition, queued.bytes);
+            metrics::gauge!(pm::BUFFERED_MESSAGES).set(buffer.messages() as f64);
+            resume
+        };
+        if resume {
+            pause_or_resume(&shared, &queued.message, false);
+        }
         drop(queued);
         let mut queues = shared.queues.lock().expect("queues");
         match queues.get_mut(&key).and_then(VecDeque::pop_front) {
@@ -341,11 +442,11 @@ async fn drain_key(shared: Arc<Shared>, key: String, first: Queued) {
 
 /// Handles one message to the end. False if it was left unfinished (shutdown or revoke):
 /// its offset must not be stored.
-async fn handle(shared: &Shared, message: &OwnedMessage) -> bool {
+async fn handle(shared: &Shared, message: &OwnedMessage, ticket: &Ticket) -> bool {
     let mut backoff = RETRY_MIN;
     let mut announced = false;
     loop {
-        match try_handle(shared, message).await {
+        match try_handle(shared, message, ticket).await {
             Ok(Step::Done) => return true,
             Ok(Step::Interrupted) => return false,
             Ok(Step::NoHandler(kind)) => {
@@ -440,7 +541,11 @@ enum Step {
 /// How often a job of a kind without a handler here is looked at again.
 const NO_HANDLER_RETRY: Duration = Duration::from_secs(5);
 
-async fn try_handle(shared: &Shared, message: &OwnedMessage) -> anyhow::Result<Step> {
+async fn try_handle(
+    shared: &Shared,
+    message: &OwnedMessage,
+    ticket: &Ticket,
+) -> anyhow::Result<Step> {
     let Some(payload) = message.payload() else {
         crate::dead_letter::store(
             &shared.pool,
@@ -475,10 +580,11 @@ async fn try_handle(shared: &Shared, message: &OwnedMessage) -> anyhow::Result<S
     let Some(handler) = shared.handlers.get(&event.job_kind).cloned() else {
         return Ok(Step::NoHandler(event.job_kind));
     };
-    // A kind with its own concurrency waits for a slot of its own before it is leased.
-    let _kind_slot = match shared.kind_slots.get(&event.job_kind) {
-        Some(slots) => Some(Arc::clone(slots).acquire_owned().await?),
-        None => None,
+    // A slot (the kind's, then the process's) from here to the completion; a revoke or the
+    // shutdown while waiting leaves the message for redelivery.
+    let revoked = shared.tracker.lock().expect("tracker").revoked(ticket);
+    let Some(_slot) = Slot::acquire(shared, &event.job_kind, &revoked).await else {
+        return Ok(Step::Interrupted);
     };
     let consumed = Consumed {
         group: shared.config.processor.group.clone(),

@@ -1302,3 +1302,82 @@ async fn each_kind_runs_within_its_own_settings() {
     assert_eq!(count_where(&it, "SELECT count(*) FROM jobs WHERE state = 'succeeded'").await, 5);
     it.cleanup().await;
 }
+
+/// Accepts `jobs` in one transaction (quicker than one each) and has a relay publish them, so
+/// a processor started next finds them all on the topic, in this order.
+async fn accept_and_publish(it: &Installation, acceptor: &Acceptor, jobs: &[NewJob]) {
+    let mut tx = it.pool.begin().await.unwrap();
+    for j in jobs {
+        acceptor.accept_in(&mut tx, j).await.unwrap();
+    }
+    tx.commit().await.unwrap();
+    let relay = Pipeline::start(it, false);
+    eventually(Duration::from_secs(60), "every event to be published", || async {
+        it.unpublished().await == 0
+    })
+    .await;
+    relay.stop().await;
+}
+
+/// A document with a thousand versions waiting holds one slot, not all of them: the hundred
+/// documents accepted after it finish while it is still working through its versions, as
+/// they would without it. (Were a waiting message to hold its slot, the busy document's
+/// queue would take every slot, and the others would finish only after some 990 of its
+/// versions.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn one_busy_document_does_not_starve_the_others() {
+    let (mut it, acceptor) = fast_installation("proc-fair").await;
+    it.config.processor.max_in_flight = 8;
+    let mut jobs: Vec<NewJob> =
+        (1..=1000).map(|v| job("busy", v, json!({ "text": format!("version {v}") }))).collect();
+    jobs.extend((0..100).map(|d| job(&format!("quiet-{d}"), 1, json!({ "text": "quiet" }))));
+    accept_and_publish(&it, &acceptor, &jobs).await;
+
+    let pipeline = Pipeline::start(&it, true);
+    eventually(Duration::from_secs(60), "the quiet documents to finish", || async {
+        count_where(
+            &it,
+            "SELECT count(*) FROM jobs WHERE document_id LIKE 'quiet-%' AND state = 'succeeded'",
+        )
+        .await
+            == 100
+    })
+    .await;
+    let busy_done = count_where(
+        &it,
+        "SELECT count(*) FROM jobs WHERE document_id = 'busy' AND finished_at IS NOT NULL",
+    )
+    .await;
+    eventually(Duration::from_secs(180), "every job to finish", || all_finished(&it, 1100)).await;
+    pipeline.stop().await;
+    println!("busy versions finished when the quiet documents were done: {busy_done} of 1000");
+    assert!(busy_done < 500, "the quiet documents waited for {busy_done} busy versions");
+    assert_eq!(states(&it).await, [("succeeded".into(), 1100)]);
+    assert_exactly_one_write_per_success(&it).await;
+    it.cleanup().await;
+}
+
+/// A partition holding more than `processor.max_buffered` messages is paused and resumed
+/// when half is left: with a bound of 20 and 300 versions of one document, the processor
+/// pauses (and counts it), and every job still finishes, the partition's other documents
+/// too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partition_over_its_buffer_is_paused_and_resumed() {
+    let (it, acceptor) = fast_installation("proc-buffer").await;
+    let mut jobs: Vec<NewJob> =
+        (1..=300).map(|v| job("busy", v, json!({ "text": format!("version {v}") }))).collect();
+    jobs.extend((0..60).map(|d| job(&format!("quiet-{d}"), 1, json!({ "text": "quiet" }))));
+    accept_and_publish(&it, &acceptor, &jobs).await;
+
+    let mut env = fast_env(&it);
+    env.insert("JOBFOLD_PROCESSOR__MAX_BUFFERED".into(), "20".into());
+    let processor = Service::start("jobfold-test-processor", &env);
+    eventually(Duration::from_secs(180), "every job to finish", || all_finished(&it, 360)).await;
+    let pauses = processor.metric("jobfold_partition_pauses_total").await.unwrap_or(0.0);
+    assert!(pauses >= 1.0, "the busy partition was never paused: {pauses}");
+    let buffered = processor.metric("jobfold_buffered_messages").await;
+    assert_eq!(buffered, Some(0.0), "nothing is held once every job is done");
+    assert_eq!(states(&it).await, [("succeeded".into(), 360)]);
+    assert_exactly_one_write_per_success(&it).await;
+    it.cleanup().await;
+}
