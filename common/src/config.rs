@@ -98,6 +98,8 @@ pub struct Config {
     pub accept: Accept,
     pub intake: Intake,
     pub processor: Processor,
+    /// What is deleted, and after how long; nothing by default.
+    pub retention: Retention,
     /// Bearer token the HTTP API requires on every mutating request (`POST`); none: open.
     #[serde(default)]
     pub api_token: Option<Sensitive<String>>,
@@ -246,6 +248,51 @@ pub struct Processor {
     /// dispatched again by the reaper. Longer than any expected backlog.
     #[serde(with = "humantime_serde")]
     pub stall_after: Duration,
+}
+
+/// Deleting what ended jobs leave behind, `[retention]`. Each setting absent (the default)
+/// keeps its rows for ever: Postgres is the log of record until you say otherwise. Each
+/// counts from the job's end (`finished_at`); only jobs in a final state count
+/// (`succeeded`, `superseded`, `cancelled` — a quarantined job waits for an operator).
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct Retention {
+    /// Dedupe rows (`consumed_events`) of jobs ended this long ago: the job's state already
+    /// makes a redelivered event of an ended job a no-op.
+    #[serde(default, with = "humantime_serde")]
+    pub consumed_events_after: Option<Duration>,
+    /// Events (`job_events`, and their `outbox` rows) of jobs ended this long ago, once on
+    /// Kafka: the events topic keeps the log (`topics.events_retention_ms`).
+    #[serde(default, with = "humantime_serde")]
+    pub job_events_after: Option<Duration>,
+    /// Results (`job_results`) of jobs ended this long ago.
+    #[serde(default, with = "humantime_serde")]
+    pub job_results_after: Option<Duration>,
+    /// The jobs themselves, ended this long ago, with every row of theirs — except each
+    /// document and kind's newest succeeded version, which supersedes older versions
+    /// submitted late. A job's idempotency key is remembered as long as its job.
+    #[serde(default, with = "humantime_serde")]
+    pub jobs_after: Option<Duration>,
+    /// How often each processor sweeps.
+    #[serde(with = "humantime_serde")]
+    pub interval: Duration,
+    /// Jobs one sweep statement handles, at most.
+    pub batch: usize,
+}
+
+impl Retention {
+    /// The settings by the table they delete from, those set only.
+    pub fn sweeps(&self) -> Vec<(&'static str, Duration)> {
+        [
+            ("consumed_events", self.consumed_events_after),
+            ("job_events", self.job_events_after),
+            ("job_results", self.job_results_after),
+            ("jobs", self.jobs_after),
+        ]
+        .into_iter()
+        .filter_map(|(name, after)| Some((name, after?)))
+        .collect()
+    }
 }
 
 /// The intake consumer on the requests topic.
@@ -602,6 +649,29 @@ impl Config {
         if p.max_output_bytes < 2 {
             return invalid("processor.max_output_bytes", "must be at least 2");
         }
+        let r = &self.retention;
+        if r.interval < Duration::from_millis(100) {
+            return invalid("retention.interval", "must be at least 100ms");
+        }
+        if r.batch == 0 || r.batch > 100_000 {
+            return invalid("retention.batch", "must be between 1 and 100000");
+        }
+        for (name, after) in r.sweeps() {
+            if after < Duration::from_secs(1) {
+                return Err(ConfigError::Named {
+                    key: format!("key `retention.{name}_after`"),
+                    problem: "must be at least 1s".into(),
+                });
+            }
+            if r.jobs_after.is_some_and(|jobs| jobs < after) {
+                return Err(ConfigError::Named {
+                    key: "key `retention.jobs_after`".into(),
+                    problem: format!(
+                        "must be at least retention.{name}_after: deleting a job deletes its rows"
+                    ),
+                });
+            }
+        }
         for name in self.kinds.keys() {
             self.validate_kind(name)?;
         }
@@ -785,6 +855,24 @@ mod tests {
         let refused = problem(config.validate());
         assert!(refused.contains("kafka.linger.ms"), "{refused}");
         assert!(!refused.contains("hunter2"));
+    }
+
+    #[test]
+    fn retention_is_off_by_default_and_its_bounds_name_their_key() {
+        let mut config = defaults();
+        assert!(config.retention.sweeps().is_empty(), "nothing is deleted by default");
+        config.retention.job_events_after = Some(Duration::from_secs(3600));
+        config.retention.jobs_after = Some(Duration::from_secs(60));
+        let refused = problem(config.validate());
+        assert!(refused.contains("retention.jobs_after"), "{refused}");
+        assert!(refused.contains("retention.job_events_after"), "{refused}");
+        config.retention.jobs_after = Some(Duration::from_secs(7200));
+        assert!(config.validate().is_ok());
+        config.retention.consumed_events_after = Some(Duration::from_millis(10));
+        assert!(problem(config.validate()).contains("retention.consumed_events_after"));
+        let mut config = defaults();
+        config.processor.max_buffered = 0;
+        assert!(problem(config.validate()).contains("processor.max_buffered"));
     }
 
     #[test]

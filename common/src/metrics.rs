@@ -63,6 +63,8 @@ pub const FENCED_COMPLETIONS_TOTAL: &str = "jobfold_fenced_completions_total";
 pub const HANDLER_RUNS_TOTAL: &str = "jobfold_handler_runs_total";
 /// Handler duration by kind.
 pub const HANDLER_DURATION_SECONDS: &str = "jobfold_handler_duration_seconds";
+/// Counter: rows deleted by retention, by table.
+pub const RETENTION_DELETED_TOTAL: &str = "jobfold_retention_deleted_total";
 /// Jobs the reaper dispatched again, by reason (lease_expired, stalled).
 pub const REAPER_DISPATCHED_TOTAL: &str = "jobfold_reaper_dispatched_total";
 
@@ -171,6 +173,11 @@ pub fn describe() {
     );
     describe_counter!(HANDLER_RUNS_TOTAL, Unit::Count, "Handler runs started.");
     describe_histogram!(HANDLER_DURATION_SECONDS, Unit::Seconds, "Handler duration by kind.");
+    describe_counter!(
+        RETENTION_DELETED_TOTAL,
+        Unit::Count,
+        "Rows deleted by retention ([retention]), by table."
+    );
     describe_counter!(REAPER_DISPATCHED_TOTAL, Unit::Count, "Jobs dispatched again by the reaper.");
     describe_gauge!(JOBS, Unit::Count, "Unfinished jobs by state.");
     describe_gauge!(

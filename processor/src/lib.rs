@@ -36,6 +36,7 @@ pub mod lease;
 pub mod offsets;
 pub mod reaper;
 pub mod remote;
+pub mod retention;
 pub mod status;
 pub mod store;
 pub mod worker;

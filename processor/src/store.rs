@@ -21,6 +21,8 @@ use uuid::Uuid;
 pub struct Consumed {
     pub group: String,
     pub event_id: Uuid,
+    /// The job the event is about (its dedupe row goes with the job's other rows).
+    pub job_id: Uuid,
     pub topic: String,
     pub partition: i32,
     pub offset: i64,
@@ -342,8 +344,7 @@ pub async fn consumed_among(
     Ok(ids.into_iter().collect())
 }
 
-/// Writes the events' dedupe rows and advances their partition offset rows, in the
-/// caller's transaction, in one statement.
+/// Writes the events' dedupe rows, in the caller's transaction, in one statement.
 ///
 /// # Errors
 /// The database failed.
@@ -356,25 +357,17 @@ pub async fn record_all_consumed(
     }
     let column = |f: fn(&Consumed) -> String| consumed.iter().map(f).collect::<Vec<_>>();
     let event_ids: Vec<Uuid> = consumed.iter().map(|c| c.event_id).collect();
+    let job_ids: Vec<Uuid> = consumed.iter().map(|c| c.job_id).collect();
     let partitions: Vec<i32> = consumed.iter().map(|c| c.partition).collect();
     let offsets: Vec<i64> = consumed.iter().map(|c| c.offset).collect();
     // language=PostgreSQL
     sqlx::query(
         r#"
-        WITH input AS (
-            SELECT * FROM unnest($1::text[], $2::uuid[], $3::text[], $4::int[], $5::bigint[])
-                AS i(consumer_group, event_id, topic, kafka_partition, kafka_offset)
-        ), dedupe AS (
-            INSERT INTO consumed_events (consumer_group, event_id, topic, kafka_partition, kafka_offset)
-            SELECT * FROM input
-            ON CONFLICT ON CONSTRAINT consumed_events_pkey DO NOTHING
-        )
-        INSERT INTO partition_offsets (consumer_group, topic, kafka_partition, next_offset)
-        SELECT consumer_group, topic, kafka_partition, max(kafka_offset) + 1 FROM input
-        GROUP BY consumer_group, topic, kafka_partition
-        ON CONFLICT ON CONSTRAINT partition_offsets_pkey DO UPDATE
-            SET next_offset = greatest(partition_offsets.next_offset, EXCLUDED.next_offset),
-                updated_at = now()
+        INSERT INTO consumed_events (consumer_group, event_id, topic, kafka_partition,
+                                     kafka_offset, job_id)
+        SELECT * FROM unnest($1::text[], $2::uuid[], $3::text[], $4::int[], $5::bigint[],
+                             $6::uuid[])
+        ON CONFLICT ON CONSTRAINT consumed_events_pkey DO NOTHING
         "#,
     )
     .bind(column(|c| c.group.clone()))
@@ -382,6 +375,7 @@ pub async fn record_all_consumed(
     .bind(column(|c| c.topic.clone()))
     .bind(partitions)
     .bind(offsets)
+    .bind(job_ids)
     .execute(tx)
     .await?;
     Ok(())

@@ -257,6 +257,11 @@ pub async fn run(
         shared.events.clone(),
         shutdown.clone(),
     ));
+    let retention = tokio::spawn(crate::retention::run(
+        shared.config.clone(),
+        shared.pool.clone(),
+        shutdown.clone(),
+    ));
     loop {
         let message = tokio::select! {
             biased;
@@ -319,6 +324,7 @@ pub async fn run(
         tracing::warn!(error = %e, "Committing offsets on shutdown failed.");
     }
     let _ = reaper.await;
+    let _ = retention.await;
     Ok(())
 }
 
@@ -589,6 +595,7 @@ async fn try_handle(
     let consumed = Consumed {
         group: shared.config.processor.group.clone(),
         event_id: event.event_id,
+        job_id: event.job_id,
         topic: message.topic().to_owned(),
         partition: message.partition(),
         offset: message.offset(),

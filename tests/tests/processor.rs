@@ -741,8 +741,14 @@ async fn leased_attempt(
         .fetch_one(&it.pool)
         .await
         .unwrap();
-    let consumed =
-        Consumed { group: "test".into(), event_id, topic: "t".into(), partition: 0, offset };
+    let consumed = Consumed {
+        group: "test".into(),
+        event_id,
+        job_id,
+        topic: "t".into(),
+        partition: 0,
+        offset,
+    };
     let dispatch = Dispatch {
         job_id,
         event_id,
@@ -1379,5 +1385,80 @@ async fn a_partition_over_its_buffer_is_paused_and_resumed() {
     assert_eq!(buffered, Some(0.0), "nothing is held once every job is done");
     assert_eq!(states(&it).await, [("succeeded".into(), 360)]);
     assert_exactly_one_write_per_success(&it).await;
+    it.cleanup().await;
+}
+
+/// Each retention sweep deletes what ended jobs leave behind and nothing else: the dedupe
+/// rows, results and events (already on Kafka) of final jobs; the final jobs but each
+/// document's newest succeeded version; the quarantined job, waiting for an operator, keeps
+/// everything. The kept newest version still supersedes an older one submitted late, and the
+/// events topic still holds the whole log.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn retention_deletes_what_ended_jobs_leave_and_keeps_the_newest_version() {
+    use jobfold_processor::retention::sweep;
+    let (it, acceptor) = fast_installation("proc-retention").await;
+    let pipeline = Pipeline::start(&it, true);
+    let mut jobs: Vec<NewJob> =
+        (1..=3).map(|v| job("doc-a", v, json!({ "text": format!("a {v}") }))).collect();
+    jobs.push(job("doc-b", 1, json!({ "text": "b", "simulate": { "permanent": true } })));
+    jobs.push(job("doc-c", 1, json!({ "text": "c" })));
+    let ids = accept_all(&acceptor, &it, &jobs).await;
+    eventually(Duration::from_secs(60), "every job to end", || all_finished(&it, 5)).await;
+    eventually(Duration::from_secs(60), "every event on Kafka", || async {
+        it.unpublished().await == 0
+    })
+    .await;
+    pipeline.stop().await;
+    let events_before = it.count("job_events").await;
+    assert!(it.count("consumed_events").await >= 5);
+
+    for name in ["consumed_events", "job_events", "job_results", "jobs"] {
+        while sweep(&it.pool, name, Duration::ZERO, 2).await.unwrap() > 0 {}
+    }
+    let kept: Vec<(String, i64, String)> = sqlx::query_as(
+        "SELECT document_id, input_version, state::text FROM jobs ORDER BY document_id",
+    )
+    .fetch_all(&it.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        kept,
+        [
+            ("doc-a".into(), 3, "succeeded".into()),
+            ("doc-b".into(), 1, "quarantined".into()),
+            ("doc-c".into(), 1, "succeeded".into()),
+        ]
+    );
+    let quarantined = ids[3];
+    let left = |table: &'static str| {
+        let pool = it.pool.clone();
+        async move {
+            let sql = format!("SELECT count(*) FILTER (WHERE job_id <> $1), count(*) FROM {table}");
+            let (others, all): (i64, i64) =
+                sqlx::query_as(&sql).bind(quarantined).fetch_one(&pool).await.unwrap();
+            (others, all)
+        }
+    };
+    assert_eq!(left("consumed_events").await.0, 0, "dedupe rows of final jobs are gone");
+    assert_eq!(left("job_results").await.0, 0, "results of final jobs are gone");
+    assert_eq!(left("job_events").await.0, 0, "events of final jobs are gone");
+    assert!(left("job_events").await.1 >= 4, "the quarantined job keeps its events");
+    assert_eq!(it.count("quarantine").await, 1);
+    assert_eq!(
+        jobfold_tests::harness::events_on_topic(&it),
+        events_before,
+        "the events topic holds the whole log"
+    );
+
+    // doc-a's version 3 is kept, so a late version 2 is superseded without running.
+    let pipeline = Pipeline::start(&it, true);
+    let late = acceptor.accept(&it.pool, &job("doc-a", 2, json!({ "text": "late" }))).await;
+    let late = late.unwrap().job_id;
+    eventually(Duration::from_secs(60), "the late version to end", || async {
+        it.state_and_attempt(late).await.0 != "queued"
+    })
+    .await;
+    pipeline.stop().await;
+    assert_eq!(it.state_and_attempt(late).await, ("superseded".into(), 0));
     it.cleanup().await;
 }

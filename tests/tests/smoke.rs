@@ -255,10 +255,10 @@ async fn migrations_apply_and_constraints_hold() {
             "job_results",
             "jobs",
             "outbox",
-            "partition_offsets",
             "quarantine",
             "relay_cursor",
             "relay_parked",
+            "retention_cursor",
         ]
     );
 
