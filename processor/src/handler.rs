@@ -213,7 +213,16 @@ impl Handlers {
     pub fn kinds(&self) -> impl Iterator<Item = &str> {
         self.by_kind.keys().map(String::as_str)
     }
+
+    /// `kind` as a metric label: itself if registered here, else [`OTHER_KIND`] — so the
+    /// label's values are bounded by the handlers, whatever kinds callers send.
+    pub fn label(&self, kind: &str) -> String {
+        if self.by_kind.contains_key(kind) { kind.to_owned() } else { OTHER_KIND.to_owned() }
+    }
 }
+
+/// The `kind` label of every kind without a handler in this process.
+pub const OTHER_KIND: &str = "other";
 
 impl Handlers {
     /// Records in `job_kinds` that a processor runs these kinds, so accept takes jobs of
@@ -237,5 +246,31 @@ impl Handlers {
         .execute(pool)
         .await?;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    struct Nothing;
+
+    impl Handler for Nothing {
+        async fn run(
+            &self,
+            _job: &JobContext,
+            _cancel: CancellationToken,
+        ) -> Result<serde_json::Value, HandlerError> {
+            Ok(serde_json::Value::Null)
+        }
+    }
+
+    #[test]
+    fn only_kinds_with_a_handler_become_label_values() {
+        let handlers = Handlers::new().with("index-document", Nothing);
+        assert_eq!(handlers.label("index-document"), "index-document");
+        for sent in ["index-documnet", "", &"x".repeat(500)] {
+            assert_eq!(handlers.label(sent), OTHER_KIND, "{sent:?}");
+        }
     }
 }

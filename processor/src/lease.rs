@@ -65,6 +65,8 @@ pub struct Settings {
     pub events: Events,
     /// This worker's name in leases.
     pub owner: String,
+    /// The kinds run here (for metric labels).
+    pub handlers: crate::handler::Handlers,
 }
 
 /// Leases dispatches, several to a transaction.
@@ -191,7 +193,7 @@ async fn lease_batch(
     store::record_all_consumed(&mut tx, &to_record).await?;
     tx.commit().await?;
     for (job, outcome) in &ended {
-        crate::worker::completed(job, outcome);
+        crate::worker::completed(job, outcome, &settings.handlers);
     }
     for (i, job) in to_lease {
         decided[i] = Leased::Run(Box::new(job));

@@ -225,6 +225,7 @@ pub async fn run(
         pool: pool.clone(),
         events: events.clone(),
         owner,
+        handlers: handlers.clone(),
     });
     tracing::info!(kinds = ?handlers, "Handlers registered.");
     let completer =
@@ -690,7 +691,7 @@ async fn try_handle(
             )))
         }
     };
-    metrics::histogram!(pm::HANDLER_DURATION_SECONDS, "kind" => job.kind.clone())
+    metrics::histogram!(pm::HANDLER_DURATION_SECONDS, "kind" => shared.handlers.label(&job.kind))
         .record(started.elapsed().as_secs_f64());
     metrics::counter!(pm::HANDLER_RUNS_TOTAL).increment(1);
     failpoint::hit(failpoint::PROCESSOR_IN_HANDLER);
@@ -732,7 +733,7 @@ async fn try_handle(
             return Ok(Step::Done);
         }
         Completed::Committed { job, outcome } => {
-            completed(&job, outcome);
+            completed(&job, outcome, &shared.handlers);
             tracing::debug!(%job_id, outcome, "Attempt completed.");
         }
     }
@@ -793,11 +794,11 @@ pub fn bounded(
 }
 
 /// Counts a committed outcome; an ended job also records its acceptance-to-end time.
-pub(crate) fn completed(job: &store::JobRow, outcome: &'static str) {
+pub(crate) fn completed(job: &store::JobRow, outcome: &'static str, handlers: &Handlers) {
     metrics::counter!(pm::COMPLETED_TOTAL, "outcome" => outcome).increment(1);
     if outcome != "retry_scheduled" {
         let took = (Utc::now() - job.accepted_at).to_std().unwrap_or_default();
-        let kind = job.kind.clone();
+        let kind = handlers.label(&job.kind);
         metrics::histogram!(pm::ACCEPT_TO_COMPLETE_SECONDS, "kind" => kind, "outcome" => outcome)
             .record(took.as_secs_f64());
     }
