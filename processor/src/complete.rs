@@ -175,10 +175,10 @@ impl Batch<'_> {
         order.sort_by_key(|&i| attempts[i].job.job_id);
         for i in order {
             let attempt = &attempts[i];
-            let Some(mut job) = current
-                .remove(&attempt.job.job_id)
-                .filter(|job| job.state == "leased" && job.generation == attempt.job.generation)
-            else {
+            let Some(mut job) = current.remove(&attempt.job.job_id).filter(|job| {
+                job.state == jobfold_schemas::fold::Status::Leased
+                    && job.generation == attempt.job.generation
+            }) else {
                 answers[i] = Some(Completed::Fenced);
                 continue;
             };

@@ -12,6 +12,7 @@ use jobfold_schemas::event::{
     DispatchReason, ErrorClass, JobFailed, JobLeased, JobQuarantined, JobRetryScheduled,
     JobSucceeded, JobSuperseded, RetryDue, TraceContext,
 };
+use jobfold_schemas::fold::Status;
 use jobfold_schemas::{Codec, JobEvent, Payload};
 use sqlx::PgConnection;
 use uuid::Uuid;
@@ -36,7 +37,10 @@ pub struct JobRow {
     pub kind: String,
     pub payload: serde_json::Value,
     pub input_version: i64,
-    pub state: String,
+    /// Moved only by [`Events`] as it appends, through [`Status::after`]: the schemas
+    /// crate's state machine, the one the fold uses.
+    #[sqlx(try_from = "String")]
+    pub state: Status,
     pub attempt: i32,
     pub generation: i64,
     pub lease_until: Option<DateTime<Utc>>,
@@ -135,6 +139,22 @@ impl Events {
                 stale.job.job_id
             );
         }
+        // Every event goes through the state machine first: one it refuses is not written.
+        let next: Vec<Status> = appends
+            .iter()
+            .map(|a| {
+                a.job.state.after(&a.payload).map_err(|allowed| {
+                    let allowed: Vec<&str> = allowed.iter().map(|s| s.as_str()).collect();
+                    anyhow::anyhow!(
+                        "job {}: {} cannot follow state {} (allowed only in {})",
+                        a.job.job_id,
+                        a.payload.kind(),
+                        a.job.state,
+                        allowed.join(", ")
+                    )
+                })
+            })
+            .collect::<anyhow::Result<_>>()?;
         let now = Utc::now();
         let now = DateTime::from_timestamp_millis(now.timestamp_millis()).unwrap_or(now);
         let n = appends.len();
@@ -223,8 +243,9 @@ impl Events {
         .bind(bump)
         .execute(&mut *tx)
         .await?;
-        for job in jobs {
+        for (job, next) in jobs.into_iter().zip(next) {
             job.stream_version += 1;
+            job.state = next;
         }
         Ok(())
     }
@@ -430,25 +451,24 @@ pub fn decide(
     newest_succeeded: Option<i64>,
     now: DateTime<Utc>,
 ) -> LeaseDecision {
-    match job.state.as_str() {
-        "succeeded" | "superseded" | "cancelled" => {
-            return LeaseDecision::Skip("the job is finished");
-        }
-        "quarantined" => return LeaseDecision::Skip("the job is quarantined"),
-        _ => {}
+    if job.state.is_final() {
+        return LeaseDecision::Skip("the job is finished");
+    }
+    if job.state == Status::Quarantined {
+        return LeaseDecision::Skip("the job is quarantined");
     }
     if event_input_version != job.input_version {
         return LeaseDecision::Skip("the event is for another input version");
     }
     // A job waiting for its scheduled retry moves on that retry's RetryDue, its newest event:
     // an older dispatch read late (a stalled job's re-dispatch) would cut the backoff short.
-    if job.state == "retry_wait" && event_stream_version < job.stream_version {
+    if job.state == Status::RetryWait && event_stream_version < job.stream_version {
         return LeaseDecision::Skip("the job waits for its scheduled retry");
     }
     if let Some(newer) = newest_succeeded.filter(|v| *v > job.input_version) {
         return LeaseDecision::Supersede(newer);
     }
-    if job.state == "leased" && job.lease_until.is_some_and(|until| until > now) {
+    if job.state == Status::Leased && job.lease_until.is_some_and(|until| until > now) {
         return LeaseDecision::Wait(job.lease_until.expect("checked"));
     }
     if job.attempt >= job.max_attempts {
@@ -494,7 +514,6 @@ pub async fn take_leases(
         untils.push(until);
         job.generation += 1;
         job.attempt += 1;
-        job.state = "leased".into();
         job.lease_until = Some(until);
         job.lease_owner = Some(owner.to_owned());
         job_ids.push(job.job_id);
@@ -510,15 +529,17 @@ pub async fn take_leases(
         });
         appends.push((job, payload, trace));
     }
+    let states = states_of(&appends);
     events.append_each_then_update_jobs(tx, appends).await?;
     // language=PostgreSQL
     sqlx::query(
         r#"
-        UPDATE jobs j SET state = 'leased', generation = l.generation, attempt = l.attempt,
-                          lease_until = l.lease_until, lease_owner = $6, next_attempt_at = NULL,
-                          stream_version = l.stream_version
-        FROM unnest($1::uuid[], $2::bigint[], $3::int[], $4::int[], $5::timestamptz[])
-            AS l(job_id, generation, attempt, stream_version, lease_until)
+        UPDATE jobs j SET state = l.state::job_state, generation = l.generation,
+                          attempt = l.attempt, lease_until = l.lease_until, lease_owner = $6,
+                          next_attempt_at = NULL, stream_version = l.stream_version
+        FROM unnest($1::uuid[], $2::bigint[], $3::int[], $4::int[], $5::timestamptz[],
+                    $7::text[])
+            AS l(job_id, generation, attempt, stream_version, lease_until, state)
         WHERE j.job_id = l.job_id
         "#,
     )
@@ -528,6 +549,7 @@ pub async fn take_leases(
     .bind(versions)
     .bind(untils)
     .bind(owner)
+    .bind(states?)
     .execute(&mut *tx)
     .await?;
     Ok(())
@@ -567,17 +589,17 @@ pub async fn supersede(
     newer: i64,
     trace: Option<TraceContext>,
 ) -> anyhow::Result<()> {
+    let payload = Payload::JobSuperseded(JobSuperseded { by_input_version: newer });
+    events.append(tx, job, payload, None, trace).await?;
     // language=PostgreSQL
     sqlx::query(
-        "UPDATE jobs SET state = 'superseded', finished_at = now(), lease_until = NULL, \
+        "UPDATE jobs SET state = $2::job_state, finished_at = now(), lease_until = NULL, \
          lease_owner = NULL, next_attempt_at = NULL WHERE job_id = $1",
     )
     .bind(job.job_id)
+    .bind(job.state.as_str())
     .execute(&mut *tx)
     .await?;
-    let payload = Payload::JobSuperseded(JobSuperseded { by_input_version: newer });
-    events.append(tx, job, payload, None, trace).await?;
-    job.state = "superseded".into();
     Ok(())
 }
 
@@ -594,13 +616,21 @@ pub async fn quarantine(
     owner: &str,
     trace: Option<TraceContext>,
 ) -> anyhow::Result<()> {
+    let payload = Payload::JobQuarantined(JobQuarantined {
+        reason: reason.to_owned(),
+        error_class: class,
+        owner: owner.to_owned(),
+        attempts: job.attempt,
+    });
+    events.append(tx, job, payload, None, trace).await?;
     // language=PostgreSQL
     sqlx::query(
-        "UPDATE jobs SET state = 'quarantined', finished_at = now(), lease_until = NULL, \
+        "UPDATE jobs SET state = $3::job_state, finished_at = now(), lease_until = NULL, \
          lease_owner = NULL, next_attempt_at = NULL, last_error = $2 WHERE job_id = $1",
     )
     .bind(job.job_id)
     .bind(reason)
+    .bind(job.state.as_str())
     .execute(&mut *tx)
     .await?;
     // language=PostgreSQL
@@ -623,14 +653,6 @@ pub async fn quarantine(
     .bind(owner)
     .execute(&mut *tx)
     .await?;
-    let payload = Payload::JobQuarantined(JobQuarantined {
-        reason: reason.to_owned(),
-        error_class: class,
-        owner: owner.to_owned(),
-        attempts: job.attempt,
-    });
-    events.append(tx, job, payload, None, trace).await?;
-    job.state = "quarantined".into();
     Ok(())
 }
 
@@ -667,7 +689,6 @@ pub async fn succeed_all(
             result: result.to_string(),
         });
         results.push(result);
-        job.state = "succeeded".into();
         appends.push((job, payload, trace));
     }
     // language=PostgreSQL
@@ -681,21 +702,43 @@ pub async fn succeed_all(
     .bind(results)
     .execute(&mut *tx)
     .await?;
+    let states = states_of(&appends);
     events.append_each_then_update_jobs(tx, appends).await?;
     // language=PostgreSQL
     sqlx::query(
         r#"
-        UPDATE jobs j SET state = 'succeeded', finished_at = now(), lease_until = NULL,
+        UPDATE jobs j SET state = s.state::job_state, finished_at = now(), lease_until = NULL,
                           lease_owner = NULL, last_error = NULL, stream_version = s.stream_version
-        FROM unnest($1::uuid[], $2::int[]) AS s(job_id, stream_version)
+        FROM unnest($1::uuid[], $2::int[], $3::text[]) AS s(job_id, stream_version, state)
         WHERE j.job_id = s.job_id
         "#,
     )
     .bind(job_ids)
     .bind(versions)
+    .bind(states?)
     .execute(&mut *tx)
     .await?;
     Ok(())
+}
+
+/// The state each job will have after its append, for the statement that writes the job rows
+/// after it: `job.state.after(payload)`, refused as the append would refuse it.
+fn states_of(
+    appends: &[(&mut JobRow, Payload, Option<TraceContext>)],
+) -> anyhow::Result<Vec<&'static str>> {
+    appends
+        .iter()
+        .map(|(job, payload, _)| {
+            job.state.after(payload).map(Status::as_str).map_err(|_| {
+                anyhow::anyhow!(
+                    "job {}: {} cannot follow {}",
+                    job.job_id,
+                    payload.kind(),
+                    job.state
+                )
+            })
+        })
+        .collect()
 }
 
 /// What an attempt produced, to be committed.
@@ -742,16 +785,6 @@ pub async fn complete(
             let budget_left = job.attempt < job.max_attempts;
             let in_time = job.deadline.is_none_or(|d| retry_at < d);
             if class == ErrorClass::Retryable && budget_left && in_time {
-                // language=PostgreSQL
-                sqlx::query(
-                    "UPDATE jobs SET state = 'retry_wait', lease_until = NULL, lease_owner = NULL, \
-                     next_attempt_at = $2, last_error = $3 WHERE job_id = $1",
-                )
-                .bind(job.job_id)
-                .bind(retry_at)
-                .bind(&message)
-                .execute(&mut *tx)
-                .await?;
                 let scheduled = Payload::JobRetryScheduled(JobRetryScheduled {
                     attempt: job.attempt,
                     next_attempt_at: retry_at,
@@ -762,7 +795,17 @@ pub async fn complete(
                     reason: DispatchReason::Backoff,
                 });
                 events.append(tx, job, due, Some(retry_at), trace).await?;
-                job.state = "retry_wait".into();
+                // language=PostgreSQL
+                sqlx::query(
+                    "UPDATE jobs SET state = $4::job_state, lease_until = NULL, \
+                     lease_owner = NULL, next_attempt_at = $2, last_error = $3 WHERE job_id = $1",
+                )
+                .bind(job.job_id)
+                .bind(retry_at)
+                .bind(&message)
+                .bind(job.state.as_str())
+                .execute(&mut *tx)
+                .await?;
                 return Ok("retry_scheduled");
             }
             let reason = match class {
@@ -793,7 +836,7 @@ mod tests {
             kind: "k".into(),
             payload: serde_json::json!({}),
             input_version: 3,
-            state: state.into(),
+            state: state.parse().expect("a job state"),
             attempt: 1,
             generation: 1,
             lease_until: None,
@@ -920,8 +963,8 @@ pub async fn replay(
     request: Replay,
 ) -> Result<JobRow, ReplayError> {
     let mut job = lock_job(tx, job_id).await?.ok_or(ReplayError::NotFound(job_id))?;
-    if job.state != "quarantined" {
-        return Err(ReplayError::NotQuarantined { job_id, state: job.state });
+    if job.state != Status::Quarantined {
+        return Err(ReplayError::NotQuarantined { job_id, state: job.state.as_str().into() });
     }
     if request.new_input.is_some() && request.new_input_version.is_none() {
         return Err(ReplayError::InputWithoutVersion);
@@ -939,10 +982,18 @@ pub async fn replay(
     if let Some(input) = &request.new_input {
         job.payload = input.clone();
     }
+    let payload = Payload::ReplayRequested(jobfold_schemas::event::ReplayRequested {
+        requested_by: request.requested_by.unwrap_or_else(|| "unknown".into()),
+        new_input_version: request.new_input_version,
+        new_input: request.new_input.map(|v| v.to_string()),
+        max_attempts,
+        deadline,
+    });
+    events.append(tx, &mut job, payload, None, None).await?;
     // language=PostgreSQL
     sqlx::query(
         r#"
-        UPDATE jobs SET state = 'queued', attempt = 0, max_attempts = $2, deadline = $3,
+        UPDATE jobs SET state = $6::job_state, attempt = 0, max_attempts = $2, deadline = $3,
                         finished_at = NULL, lease_until = NULL, lease_owner = NULL,
                         next_attempt_at = NULL, last_error = NULL,
                         input_version = $4, payload = $5
@@ -954,18 +1005,10 @@ pub async fn replay(
     .bind(deadline)
     .bind(job.input_version)
     .bind(&job.payload)
+    .bind(job.state.as_str())
     .execute(&mut *tx)
     .await?;
     sqlx::query("DELETE FROM quarantine WHERE job_id = $1").bind(job_id).execute(&mut *tx).await?;
-    let payload = Payload::ReplayRequested(jobfold_schemas::event::ReplayRequested {
-        requested_by: request.requested_by.unwrap_or_else(|| "unknown".into()),
-        new_input_version: request.new_input_version,
-        new_input: request.new_input.map(|v| v.to_string()),
-        max_attempts,
-        deadline,
-    });
-    events.append(tx, &mut job, payload, None, None).await?;
-    job.state = "queued".into();
     job.attempt = 0;
     Ok(job)
 }

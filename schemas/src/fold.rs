@@ -1,8 +1,10 @@
 //! The job state machine: [`fold`] and [`JobState::apply`], pure functions of the event log.
 //!
-//! This is the one definition of what a job's events mean. The processor appends only events
-//! that `apply` accepts, replay folds the log with it, and the property tests check its
-//! invariants. Nothing here panics on bad input: an event that cannot follow the state is an
+//! This is the one definition of what a job's events mean. [`Status::after`] is its table of
+//! which event may follow which status: the processor moves each job by it as it appends the
+//! job's events (refusing, unwritten, an event it does not allow), `apply` folds with it and
+//! checks the rest (generations, attempts, budgets), replay folds the log with `apply`, and
+//! the property tests check its invariants. Nothing here panics on bad input: an event that cannot follow the state is an
 //! [`FoldError`] naming both.
 //!
 //! ```text
@@ -68,6 +70,59 @@ impl Status {
     /// Final states: no event follows them (quarantine is not final: it can be replayed).
     pub fn is_final(self) -> bool {
         matches!(self, Self::Succeeded | Self::Superseded | Self::Cancelled)
+    }
+
+    /// The status after an event with `payload`, or, if the event cannot follow this status,
+    /// the statuses it may follow. The one table of which event may follow which status:
+    /// [`JobState::apply`] folds with it, and the processor moves its jobs with it as it
+    /// appends their events. `apply` checks the rest (generations, attempts, budgets).
+    ///
+    /// # Errors
+    /// The statuses the event may follow (none for `JobRequested`, which only starts a job).
+    pub fn after(self, payload: &Payload) -> Result<Status, &'static [Status]> {
+        use Status::{Cancelled, Leased, Quarantined, Queued, RetryWait, Succeeded, Superseded};
+        const DISPATCHABLE: &[Status] = &[Queued, Leased, RetryWait];
+        const LEASED: &[Status] = &[Leased];
+        const OPEN: &[Status] = &[Queued, Leased, RetryWait, Quarantined];
+        let (allowed, next): (&'static [Status], Option<Status>) = match payload {
+            Payload::JobRequested(_) => (&[], None),
+            Payload::JobLeased(_) => (DISPATCHABLE, Some(Leased)),
+            Payload::JobSucceeded(_) => (LEASED, Some(Succeeded)),
+            // The lease stays until the decision (retry or quarantine) that follows.
+            Payload::JobFailed(_) => (LEASED, None),
+            Payload::JobRetryScheduled(_) => (LEASED, Some(RetryWait)),
+            // A dispatch marker: it changes no status.
+            Payload::RetryDue(_) => (DISPATCHABLE, None),
+            Payload::JobQuarantined(_) => (DISPATCHABLE, Some(Quarantined)),
+            Payload::ReplayRequested(_) => (&[Quarantined], Some(Queued)),
+            Payload::JobSuperseded(_) => (OPEN, Some(Superseded)),
+            Payload::JobCancelled(_) => (OPEN, Some(Cancelled)),
+        };
+        if allowed.contains(&self) { Ok(next.unwrap_or(self)) } else { Err(allowed) }
+    }
+}
+
+/// A `job_state` label that names no [`Status`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("`{0}` is not a job state")]
+pub struct UnknownStatus(pub String);
+
+impl std::str::FromStr for Status {
+    type Err = UnknownStatus;
+
+    fn from_str(label: &str) -> Result<Self, Self::Err> {
+        Self::ALL
+            .into_iter()
+            .find(|s| s.as_str() == label)
+            .ok_or_else(|| UnknownStatus(label.to_owned()))
+    }
+}
+
+impl TryFrom<String> for Status {
+    type Error = UnknownStatus;
+
+    fn try_from(label: String) -> Result<Self, Self::Error> {
+        label.parse()
     }
 }
 
@@ -277,14 +332,15 @@ impl JobState {
         }
     }
 
-    /// Requires the current status to be one of `allowed`.
-    fn require(&self, event: &JobEvent, allowed: &[Status]) -> Result<(), FoldError> {
-        if allowed.contains(&self.status) {
-            Ok(())
-        } else {
-            let names: Vec<&str> = allowed.iter().map(|s| s.as_str()).collect();
-            Err(self.illegal(event, format!("allowed only in {}", names.join(", "))))
+    /// The status after `event` ([`Status::after`]), or why it cannot follow this one.
+    fn next_status(&self, event: &JobEvent) -> Result<Status, FoldError> {
+        if matches!(event.payload, Payload::JobRequested(_)) {
+            return Err(self.illegal(event, "a job is requested once, at stream version 1"));
         }
+        self.status.after(&event.payload).map_err(|allowed| {
+            let names: Vec<&str> = allowed.iter().map(|s| s.as_str()).collect();
+            self.illegal(event, format!("allowed only in {}", names.join(", ")))
+        })
     }
 
     /// Requires `generation` to be the current lease's.
@@ -312,12 +368,10 @@ impl JobState {
     fn transition(&mut self, event: &JobEvent) -> Result<(), FoldError> {
         use Status::{Cancelled, Leased, Quarantined, Queued, RetryWait, Succeeded, Superseded};
         let at = event.occurred_at;
+        let next = self.next_status(event)?;
         match &event.payload {
-            Payload::JobRequested(_) => {
-                return Err(self.illegal(event, "a job is requested once, at stream version 1"));
-            }
+            Payload::JobRequested(_) => unreachable!("refused by next_status"),
             Payload::JobLeased(leased) => {
-                self.require(event, &[Queued, RetryWait, Leased])?;
                 if leased.generation != self.generation + 1 {
                     return Err(self.illegal(
                         event,
@@ -356,13 +410,11 @@ impl JobState {
                 });
             }
             Payload::JobSucceeded(succeeded) => {
-                self.require(event, &[Leased])?;
                 self.require_generation(event, succeeded.generation)?;
                 self.result = Some(succeeded.result.clone());
                 self.finish(Succeeded, at);
             }
             Payload::JobFailed(failed) => {
-                self.require(event, &[Leased])?;
                 self.require_generation(event, failed.generation)?;
                 if failed.attempt != self.attempt {
                     return Err(self.illegal(
@@ -382,7 +434,6 @@ impl JobState {
                 });
             }
             Payload::JobRetryScheduled(retry) => {
-                self.require(event, &[Leased])?;
                 let failed_now = self.last_failure.as_ref().is_some_and(|f| {
                     f.generation == self.generation && f.class == ErrorClass::Retryable
                 });
@@ -411,11 +462,8 @@ impl JobState {
                 self.lease = None;
                 self.next_attempt_at = Some(retry.next_attempt_at);
             }
-            Payload::RetryDue(_) => {
-                self.require(event, &[Queued, Leased, RetryWait])?;
-            }
+            Payload::RetryDue(_) => {}
             Payload::JobQuarantined(quarantined) => {
-                self.require(event, &[Queued, Leased, RetryWait])?;
                 if self.status == Leased
                     && self.last_failure.as_ref().is_none_or(|f| f.generation != self.generation)
                 {
@@ -433,7 +481,6 @@ impl JobState {
                 self.finish(Quarantined, at);
             }
             Payload::ReplayRequested(replay) => {
-                self.require(event, &[Quarantined])?;
                 if let Some(version) = replay.new_input_version {
                     if version <= self.input_version {
                         return Err(self.illegal(
@@ -461,7 +508,6 @@ impl JobState {
                 self.last_failure = None;
             }
             Payload::JobSuperseded(superseded) => {
-                self.require(event, &[Queued, Leased, RetryWait, Quarantined])?;
                 if superseded.by_input_version <= self.input_version {
                     return Err(self.illegal(
                         event,
@@ -475,10 +521,11 @@ impl JobState {
                 self.finish(Superseded, at);
             }
             Payload::JobCancelled(_) => {
-                self.require(event, &[Queued, Leased, RetryWait, Quarantined])?;
                 self.finish(Cancelled, at);
             }
         }
+        debug_assert_eq!(self.status, next, "Status::after and the fold agree");
+        self.status = next;
         Ok(())
     }
 }

@@ -645,6 +645,47 @@ async fn an_append_after_another_write_of_its_transaction_is_refused() {
     it.cleanup().await;
 }
 
+/// The processor moves its jobs by the schemas crate's state machine, the one the fold uses:
+/// an event it refuses for the job's state is not written, and an accepted one sets the
+/// state the job row gets.
+#[tokio::test]
+async fn an_append_the_state_machine_refuses_is_not_written() {
+    use jobfold_schemas::Status;
+    let it = Installation::new("proc-machine").await;
+    let acceptor = it.acceptor().await;
+    let events = it.events().await;
+    let ids = accept_all(&acceptor, &it, &[job("doc-machine", 1, json!({ "text": "x" }))]).await;
+    let succeeded = jobfold_schemas::Payload::JobSucceeded(jobfold_schemas::event::JobSucceeded {
+        generation: 0,
+        attempt: 0,
+        result: "{}".into(),
+    });
+
+    // Queued: a JobSucceeded without a lease cannot follow.
+    let mut tx = it.pool.begin().await.unwrap();
+    let mut job = jobfold_processor::store::lock_job(&mut tx, ids[0]).await.unwrap().unwrap();
+    assert_eq!(job.state, Status::Queued);
+    let refused = events.append(&mut tx, &mut job, succeeded, None, None).await.unwrap_err();
+    let refused = refused.to_string();
+    assert!(refused.contains("JobSucceeded cannot follow state queued"), "{refused}");
+    assert!(refused.contains("allowed only in leased"), "{refused}");
+    assert_eq!((job.state, job.stream_version), (Status::Queued, 1), "nothing moved");
+    tx.rollback().await.unwrap();
+
+    // A cancellation can: the state is the machine's.
+    let mut tx = it.pool.begin().await.unwrap();
+    let mut job = jobfold_processor::store::lock_job(&mut tx, ids[0]).await.unwrap().unwrap();
+    let cancel = jobfold_schemas::Payload::JobCancelled(jobfold_schemas::event::JobCancelled {
+        requested_by: "test".into(),
+        reason: "no longer wanted".into(),
+    });
+    events.append(&mut tx, &mut job, cancel, None, None).await.unwrap();
+    assert_eq!(job.state, Status::Cancelled);
+    tx.rollback().await.unwrap();
+    assert_eq!(it.count("job_events").await, 1);
+    it.cleanup().await;
+}
+
 /// Holds every run until `together` runs have started, so their completions arrive at once.
 /// The business write of `doc-bad`'s first attempt fails.
 struct Together {
@@ -793,6 +834,7 @@ async fn a_failing_business_write_fails_its_attempt_alone() {
         pool: it.pool.clone(),
         events: events.clone(),
         owner: "test".into(),
+        handlers: jobfold_tests::handlers::handlers(),
     });
     let mut attempts = Vec::new();
     for (offset, job_id) in ids.iter().enumerate() {
