@@ -7,7 +7,8 @@
 #    python3 (for the example jobs);
 # 2. starts PostgreSQL, Kafka and the schema registry natively (reusing running ones);
 # 3. runs cargo fmt --check, cargo clippy -D warnings, and every test with cargo nextest;
-# 4. stops the services it started (and only those).
+# 4. with no arguments, the shortened soak (`jobfold soak --duration 150s`);
+# 5. stops the services it started (and only those).
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 cd "$JOBFOLD_ROOT"
 
@@ -71,3 +72,11 @@ cargo clippy --workspace --all-targets --locked -- -D warnings
 
 step "cargo nextest run"
 cargo nextest run --workspace --locked --no-fail-fast "$@"
+
+# The shortened soak: the pipeline under steady load with retention on; it fails unless
+# nothing was lost or done twice and every figure levelled off. Only on a whole run.
+if [ $# -eq 0 ]; then
+    step "soak (150 s)"
+    cargo build --locked -p jobfold-relay -p jobfold-processor -p jobfold-examples --bins
+    cargo run --locked -q -p jobfold-processor --bin jobfold -- soak --duration 150s --interval 10s
+fi

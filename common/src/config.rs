@@ -496,7 +496,7 @@ const NOT_CONFIG: [&str; 18] = [
 ];
 
 /// Top-level keys that `JOBFOLD_*` variables may set.
-const ENV_KEYS: [&str; 14] = [
+const ENV_KEYS: [&str; 15] = [
     "database_url",
     "api_token",
     "kafka_brokers",
@@ -509,6 +509,7 @@ const ENV_KEYS: [&str; 14] = [
     "accept",
     "intake",
     "processor",
+    "retention",
     "kinds",
     "kafka",
 ];

@@ -139,7 +139,7 @@ fn ms(h: &Histogram<u64>, q: f64) -> f64 {
 }
 
 /// A conversation to summarize; the stand-in model takes as long as planned for `plan`.
-fn conversation(plan: &str) -> serde_json::Value {
+pub(crate) fn conversation(plan: &str) -> serde_json::Value {
     json!({ "messages": [{ "role": "user", "content": format!("{plan}: where is my order?") }] })
 }
 
@@ -503,7 +503,7 @@ async fn measure_accept_and_relay(
     );
     let half = (full_rate / 2.0).max(10.0);
     let since = chrono::Utc::now();
-    paced(&acceptor, &pool, offset, half, sizes.steady_secs).await?;
+    paced(&acceptor, &pool, offset, half, sizes.steady_secs, &job).await?;
     wait_drained(&pool, Duration::from_secs(120)).await?;
     let h = topic_latencies(config, &decoder, since).await?;
     rows.push(
@@ -585,7 +585,7 @@ async fn measure_processing(
     let steady_rate = (burst_rate / 2.0).max(10.0);
     let since: chrono::DateTime<chrono::Utc> =
         sqlx::query_scalar("SELECT now()").fetch_one(&pool).await?;
-    let steady = paced(&acceptor, &pool, offset, steady_rate, sizes.steady_secs).await?;
+    let steady = paced(&acceptor, &pool, offset, steady_rate, sizes.steady_secs, &job).await?;
     offset += steady;
     wait_finished(&pool, offset, Duration::from_secs(300)).await?;
     let latencies: Vec<f64> = sqlx::query_scalar(
@@ -879,21 +879,22 @@ async fn saturate(
     Ok(next.load(Ordering::Relaxed))
 }
 
-/// Accepts `rate` jobs per second for `secs`, in small batches every 10 ms (single accepts
-/// when the rate is low); returns how many.
-async fn paced(
+/// Accepts `rate` jobs per second for `secs` (job `i` is `make(offset + i)`), in small
+/// batches every 10 ms (single accepts when the rate is low); returns how many.
+pub(crate) async fn paced(
     acceptor: &Acceptor,
     pool: &PgPool,
     offset: usize,
     rate: f64,
     secs: u64,
+    make: &(dyn Fn(usize) -> NewJob + Sync),
 ) -> anyhow::Result<usize> {
     let tick = Duration::from_millis(10);
     let per_tick = rate * tick.as_secs_f64();
     let mut ticker = tokio::time::interval(tick);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
     let (mut owed, mut sent) = (0.0, 0usize);
-    let mut tasks = Vec::new();
+    let mut tasks = tokio::task::JoinSet::new();
     let until = Instant::now() + Duration::from_secs(secs);
     while Instant::now() < until {
         ticker.tick().await;
@@ -903,19 +904,23 @@ async fn paced(
             continue;
         }
         owed -= n as f64;
-        let jobs: Vec<NewJob> = (sent..sent + n).map(|i| job(offset + i)).collect();
+        let jobs: Vec<NewJob> = (sent..sent + n).map(|i| make(offset + i)).collect();
         sent += n;
+        // Those done are let go as it goes: a long run holds only what is still running.
+        while let Some(done) = tasks.try_join_next() {
+            done??;
+        }
         let (acceptor, pool) = (acceptor.clone(), pool.clone());
-        tasks.push(tokio::spawn(async move {
+        tasks.spawn(async move {
             if let [one] = jobs.as_slice() {
                 acceptor.accept(&pool, one).await.map(|_| ())
             } else {
                 acceptor.accept_batch(&pool, &jobs).await.map(|_| ())
             }
-        }));
+        });
     }
-    for task in tasks {
-        task.await??;
+    while let Some(done) = tasks.join_next().await {
+        done??;
     }
     Ok(sent)
 }
@@ -1149,7 +1154,7 @@ async fn raw_consumer(config: &Config, topic: &str, count: usize) -> anyhow::Res
 }
 
 /// The event codec for `config`'s events topic, registered with its registry.
-async fn event_codec(config: &Config) -> anyhow::Result<Codec<JobEvent>> {
+pub(crate) async fn event_codec(config: &Config) -> anyhow::Result<Codec<JobEvent>> {
     Ok(Codec::<JobEvent>::connect(
         registry_settings(&config.schema_registry_url)?,
         &config.topics.events,

@@ -72,7 +72,7 @@ pub(crate) struct Process {
     pub(crate) child: Child,
     log: PathBuf,
     pub(crate) http: u16,
-    metrics: u16,
+    pub(crate) metrics: u16,
 }
 
 /// What the demo started, stopped again at the end.
@@ -555,6 +555,13 @@ pub(crate) fn spawn(
     if let Some(failpoint) = failpoint {
         command.env("JOBFOLD_FAILPOINT", failpoint);
     }
+    // Retention as configured (the soak turns it on).
+    for (name, after) in config.retention.sweeps() {
+        let key = format!("JOBFOLD_RETENTION__{}_AFTER", name.to_uppercase());
+        command.env(key, format!("{}ms", after.as_millis()));
+    }
+    command
+        .env("JOBFOLD_RETENTION__INTERVAL", format!("{}ms", config.retention.interval.as_millis()));
     for (key, value) in &config.kafka.0 {
         command.env(format!("JOBFOLD_KAFKA__{}", key.replace('.', "_").to_uppercase()), value);
     }

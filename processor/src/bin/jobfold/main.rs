@@ -4,6 +4,7 @@ mod bench;
 mod demo;
 mod model;
 mod replay_bench;
+mod soak;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -142,6 +143,27 @@ enum Command {
         /// of these sizes (events), from Postgres and from Kafka.
         #[arg(long, value_delimiter = ',', num_args = 0.., default_missing_value = "100000,1000000")]
         replay: Option<Vec<usize>>,
+    },
+    /// Run the pipeline (relay, examples processor) under steady load with retention on, in a
+    /// database and topics of its own; sample memory, consumer lag and table sizes; then
+    /// check from the events topic that nothing was lost or done twice and that every figure
+    /// levelled off. Exits 1 if not.
+    Soak {
+        /// How long to load.
+        #[arg(long, default_value = "30min", value_parser = humantime::parse_duration)]
+        duration: std::time::Duration,
+        /// How often to sample.
+        #[arg(long, default_value = "60s", value_parser = humantime::parse_duration)]
+        interval: std::time::Duration,
+        /// Jobs a second (default: half the end-to-end rate of a burst measured first).
+        #[arg(long)]
+        rate: Option<f64>,
+        /// Documents the jobs are versions of.
+        #[arg(long, default_value_t = 1000)]
+        documents: usize,
+        /// Also write the report to this file.
+        #[arg(long)]
+        output: Option<PathBuf>,
     },
 }
 
@@ -342,6 +364,17 @@ async fn run(config: Config, command: Command) -> anyhow::Result<()> {
                 std::fs::write(&path, &table)
                     .with_context(|| format!("writing {}", path.display()))?;
             }
+        }
+        Command::Soak { duration, interval, rate, documents, output } => {
+            anyhow::ensure!(documents > 0, "--documents must be at least 1");
+            let plan = soak::Plan { duration, interval, rate, documents };
+            let (report, passed) = soak::run(config, plan).await?;
+            println!("{report}");
+            if let Some(path) = output {
+                std::fs::write(&path, &report)
+                    .with_context(|| format!("writing {}", path.display()))?;
+            }
+            anyhow::ensure!(passed, "the soak failed: see the report");
         }
     }
     Ok(())
