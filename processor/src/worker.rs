@@ -387,7 +387,7 @@ impl Slot {
 impl Drop for Slot {
     fn drop(&mut self) {
         // This slot's permit is still taken here.
-        let running = self.max - self.slots.available_permits() - 1;
+        let running = self.max.saturating_sub(self.slots.available_permits() + 1);
         metrics::gauge!(pm::IN_FLIGHT).set(running as f64);
     }
 }
