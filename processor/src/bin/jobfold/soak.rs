@@ -51,6 +51,8 @@ struct Sample {
     processor_rss_mib: f64,
     relay_rss_mib: f64,
     lag: f64,
+    /// Messages the processor holds in memory (`jobfold_buffered_messages`).
+    buffered: f64,
     rows: [i64; TABLES.len()],
     database_mib: f64,
 }
@@ -252,6 +254,7 @@ fn header() -> Vec<String> {
         "accepted".into(),
         "unfinished".into(),
         "lag".into(),
+        "buffered".into(),
         "processor RSS MiB".into(),
         "relay RSS MiB".into(),
     ];
@@ -266,6 +269,7 @@ fn sample_row(s: &Sample) -> String {
         s.accepted.to_string(),
         s.unfinished.to_string(),
         format!("{:.0}", s.lag),
+        format!("{:.0}", s.buffered),
         format!("{:.1}", s.processor_rss_mib),
         format!("{:.1}", s.relay_rss_mib),
     ];
@@ -330,7 +334,8 @@ async fn sample(
         unfinished,
         processor_rss_mib: rss_mib(processor_pid)?,
         relay_rss_mib: rss_mib(relay_pid)?,
-        lag: consumer_lag(metrics_port).await.unwrap_or(f64::NAN),
+        lag: metric_sum(metrics_port, "jobfold_consumer_lag").await.unwrap_or(f64::NAN),
+        buffered: metric_sum(metrics_port, "jobfold_buffered_messages").await.unwrap_or(f64::NAN),
         rows,
         database_mib: bytes as f64 / 1048576.0,
     })
@@ -347,15 +352,15 @@ fn rss_mib(pid: u32) -> anyhow::Result<f64> {
     Ok(kib / 1024.0)
 }
 
-/// The processor's consumer lag over all partitions, from its `/metrics`.
-async fn consumer_lag(port: u16) -> Option<f64> {
+/// The sum of metric `name` over its labels, from the processor's `/metrics`.
+async fn metric_sum(port: u16, name: &str) -> Option<f64> {
     let text =
         reqwest::get(format!("http://127.0.0.1:{port}/metrics")).await.ok()?.text().await.ok()?;
-    let lags = text
+    let values = text
         .lines()
-        .filter(|l| l.starts_with("jobfold_consumer_lag{"))
+        .filter(|l| l.split(['{', ' ']).next() == Some(name))
         .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok());
-    Some(lags.sum())
+    Some(values.sum())
 }
 
 async fn wait_ended(pool: &PgPool, timeout: Duration) -> anyhow::Result<()> {
