@@ -54,6 +54,7 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
+    telemetry::no_transparent_huge_pages();
     let args = Args::parse();
     let config = Config::load_or_exit("jobfold-examples", args.config.as_deref());
     telemetry::init_tracing(config.log_json);

@@ -17,6 +17,7 @@ struct Args {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
+    telemetry::no_transparent_huge_pages();
     let args = Args::parse();
     let config = Config::load_or_exit("jobfold-test-processor", args.config.as_deref());
     telemetry::init_tracing(config.log_json);

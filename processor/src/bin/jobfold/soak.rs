@@ -175,6 +175,11 @@ async fn soak(mut config: Config, plan: Plan) -> anyhow::Result<(String, bool)> 
         anyhow::ensure!(Instant::now() < deadline, "the relay did not drain");
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
+    // Stopped before the replay, so the projection it is compared with stands still.
+    processor.child.start_kill()?;
+    relay.child.start_kill()?;
+    processor.child.wait().await?;
+    relay.child.wait().await?;
     let deleted: i64 = sqlx::query_scalar("SELECT count(*) FROM jobs").fetch_one(&pool).await?;
     let deleted = submitted as i64 - deleted;
 
@@ -188,11 +193,6 @@ async fn soak(mut config: Config, plan: Plan) -> anyhow::Result<(String, bool)> 
     let lost_in_log = submitted as u64 - ended.min(submitted as u64);
     let stale = business_rows_behind(&pool, submitted, plan.documents).await?;
     let duplicate_effects = report.anomaly_count;
-
-    processor.child.start_kill()?;
-    relay.child.start_kill()?;
-    processor.child.wait().await?;
-    relay.child.wait().await?;
     pool.close().await;
 
     let mut out = String::new();
