@@ -454,10 +454,13 @@ async fn a_later_event_does_not_overtake_its_jobs_delayed_one() {
     let mut waiting = store::lock_job(&mut tx, accepted.job_id).await.unwrap().unwrap();
     events.append(&mut tx, &mut waiting, retry_due(due_at), Some(due_at), None).await.unwrap();
     tx.commit().await.unwrap();
-    // ... when a newer input version finishes the job, as a late dispatch once did.
+    // ... when the job is quarantined (by a lease transaction finding its budget spent).
     let mut tx = it.pool.begin().await.unwrap();
     let mut job_row = store::lock_job(&mut tx, accepted.job_id).await.unwrap().unwrap();
-    store::supersede(&mut tx, &events, &mut job_row, 2, None).await.unwrap();
+    let class = jobfold_schemas::event::ErrorClass::Retryable;
+    store::quarantine(&mut tx, &events, &mut job_row, class, "budget spent", "ops", None)
+        .await
+        .unwrap();
     tx.commit().await.unwrap();
 
     let shutdown = CancellationToken::new();
@@ -467,7 +470,7 @@ async fn a_later_event_does_not_overtake_its_jobs_delayed_one() {
         published.iter().map(|p| (p.event.stream_version, p.event.payload.kind())).collect();
     assert_eq!(
         kinds,
-        [(1, "JobRequested"), (2, "RetryDue"), (3, "JobSuperseded")],
+        [(1, "JobRequested"), (2, "RetryDue"), (3, "JobQuarantined")],
         "the job's events reached Kafka out of stream order (or the delayed one is still held)"
     );
     eventually(Duration::from_secs(10), "the outbox to drain", || async {
@@ -475,10 +478,11 @@ async fn a_later_event_does_not_overtake_its_jobs_delayed_one() {
     })
     .await;
 
-    // Nothing of the job waits any more: its next event goes straight from the log.
+    // Nothing of the job waits any more: its next event (a newer version superseding it)
+    // goes straight from the log.
     let mut tx = it.pool.begin().await.unwrap();
     let mut job_row = store::lock_job(&mut tx, accepted.job_id).await.unwrap().unwrap();
-    events.append(&mut tx, &mut job_row, retry_due(Utc::now()), None, None).await.unwrap();
+    store::supersede(&mut tx, &events, &mut job_row, 2, None).await.unwrap();
     tx.commit().await.unwrap();
     let delayed: Vec<bool> = sqlx::query_scalar(
         "SELECT delayed FROM job_events WHERE job_id = $1 ORDER BY stream_version",
