@@ -15,6 +15,12 @@
 //! - `restart-postgres`: immediate-mode stop (no checkpoint) and restart;
 //! - `add-processor`, `remove-processor`: consumer group rebalances.
 //!
+//! A fourth producer mixes in bad jobs ([`crate::bad`]) at random times: results over the
+//! size limit, inputs holding U+0000 on every path, malformed and unknown-schema intake
+//! frames, handlers that panic, hang or ignore their token, errors of every class,
+//! unregistered kinds, one document with hundreds of versions at once, and operator
+//! replays. Meanwhile it watches the relay's cursor.
+//!
 //! Then it lets the system drain, checks the history and stops everything it started.
 
 use std::collections::BTreeMap;
@@ -53,6 +59,15 @@ pub struct Plan {
     pub port_base: u16,
     /// Time to drain after the last fault.
     pub drain_timeout: Duration,
+    /// Bad jobs, as a share of all the jobs submitted.
+    pub bad_share: f64,
+    /// Versions of the one busy document.
+    pub hot_versions: usize,
+    /// The longest accept -> end of a well-behaved job, the longest an acknowledged intake
+    /// request may wait to be accepted, and the longest the relay's cursor may stand still
+    /// while events wait: what faults alone cost (a lease, a session timeout, a broker
+    /// restart), well under what a bad job holding others up would.
+    pub delay_bound: Duration,
 }
 
 impl Plan {
@@ -65,6 +80,9 @@ impl Plan {
             rate: 5.0,
             port_base: 25_400,
             drain_timeout: Duration::from_secs(180),
+            bad_share: 0.1,
+            hot_versions: 300,
+            delay_bound: Duration::from_secs(40),
         }
     }
 
@@ -85,6 +103,7 @@ pub struct Outcome {
     pub intake_duplicates: u64,
     pub elapsed: Duration,
     pub history: History,
+    pub ledger: crate::bad::Ledger,
 }
 
 impl Outcome {
@@ -121,6 +140,12 @@ impl std::fmt::Display for Outcome {
             self.fenced_completions, self.handler_runs, self.history.business_writes
         )?;
         write!(f, "{}", self.history)?;
+        if !self.history.bad.is_empty() {
+            writeln!(f, "bad jobs (submitted / ended as documented), {} operator replays:", self.ledger.replays)?;
+            for (kind, (submitted, documented)) in &self.history.bad {
+                writeln!(f, "  {kind:<48} {submitted:>5} {documented:>5}")?;
+            }
+        }
         if self.duplicates_delivered() == 0 {
             writeln!(f, "FINDING: no duplicate was delivered: this run proves nothing about them")?;
         }
@@ -409,6 +434,9 @@ pub async fn run(plan: &Plan) -> anyhow::Result<Outcome> {
         ("JOBFOLD_PROCESSOR__REVOKE_TIMEOUT", "3s".into()),
         ("JOBFOLD_PROCESSOR__STALL_AFTER", "2min".into()),
         ("JOBFOLD_PROCESSOR__GAUGE_INTERVAL", "1s".into()),
+        // Bad jobs: a result over 16 KiB is refused, a run past 6 s is cancelled.
+        ("JOBFOLD_PROCESSOR__MAX_OUTPUT_BYTES", "16384".into()),
+        ("JOBFOLD_KINDS__INDEX-DOCUMENT__RUN_TIMEOUT", "6s".into()),
         ("JOBFOLD_RELAY__STANDBY_RETRY", "200ms".into()),
         ("JOBFOLD_RELAY__POLL_INTERVAL", "200ms".into()),
         ("JOBFOLD_KAFKA__SESSION_TIMEOUT_MS", "6000".into()),
@@ -459,12 +487,45 @@ pub async fn run(plan: &Plan) -> anyhow::Result<Outcome> {
             Arc::clone(&stop),
         )),
     ];
+    let ledger = Arc::new(Mutex::new(crate::bad::Ledger::default()));
+    let bad = crate::bad::Producer {
+        seed: plan.seed,
+        rate: plan.bad_share * 3.0 * plan.rate / (1.0 - plan.bad_share).max(0.01),
+        hot_versions: plan.hot_versions,
+        pool: pool.clone(),
+        acceptor: jobfold_common::accept::Acceptor::new(
+            Codec::connect(registry_settings(&config.schema_registry_url)?, &config.topics.events)
+                .await?,
+            config.accept_policy(),
+            "campaign-bad",
+        ),
+        requests: Codec::<JobRequest>::connect(
+            registry_settings(&config.schema_registry_url)?,
+            &config.topics.requests,
+        )
+        .await?,
+        kafka: config
+            .kafka_client_with(jobfold_relay::publish::PRODUCER_DEFAULTS)
+            .set("message.timeout.ms", "10000")
+            .create()?,
+        requests_topic: config.topics.requests.clone(),
+        ports: Arc::clone(&ports),
+        ledger: Arc::clone(&ledger),
+        stop: Arc::clone(&stop),
+    };
+    let producers = {
+        let mut producers = producers;
+        producers.push(tokio::spawn(bad.run()));
+        producers
+    };
+    let mut watch = CursorWatch::default();
 
     // Faults.
     let mut injected = 0;
     let mut next_fault = Instant::now() + Duration::from_secs(3);
     while injected < plan.faults {
         fleet.tend(&mut rng, true).await;
+        watch.look(&pool).await;
         if Instant::now() < next_fault {
             tokio::time::sleep(Duration::from_millis(100)).await;
             continue;
@@ -506,6 +567,7 @@ pub async fn run(plan: &Plan) -> anyhow::Result<Outcome> {
     let acknowledged = acknowledged.lock().expect("acknowledged").clone();
     loop {
         fleet.tend(&mut rng, false).await;
+        watch.look(&pool).await;
         if settled(&pool, &acknowledged).await.unwrap_or(false) || Instant::now() >= deadline {
             break;
         }
@@ -526,7 +588,23 @@ pub async fn run(plan: &Plan) -> anyhow::Result<Outcome> {
         }
     }
 
-    let history = history::check(&config, &pool, &acknowledged).await?;
+    let ledger = ledger.lock().expect("ledger").clone();
+    // A delivered event is produced again only by a relay crash between producing and
+    // marking (or its connection to Postgres or Kafka lost there): each can add one copy.
+    let relay_crashes: u64 = fleet
+        .faults
+        .iter()
+        .filter(|(kind, _)| {
+            kind.contains("relay") || kind.contains("Kafka") || kind.contains("Postgres")
+        })
+        .map(|(_, n)| n)
+        .sum();
+    let observed = history::Observed {
+        relay_longest_stall: watch.longest,
+        copies_bound: 1 + relay_crashes,
+        delay_bound: plan.delay_bound,
+    };
+    let history = history::check(&config, &pool, &acknowledged, &ledger, &observed).await?;
     pool.close().await;
     drop(services);
     Ok(Outcome {
@@ -538,7 +616,42 @@ pub async fn run(plan: &Plan) -> anyhow::Result<Outcome> {
         intake_duplicates: fleet.counter("jobfold_intake_duplicates_total"),
         elapsed: started.elapsed(),
         history,
+        ledger,
     })
+}
+
+/// How long the relay's cursor stood still while events waited to be published, at most.
+#[derive(Debug, Default)]
+struct CursorWatch {
+    last: Option<(i64, i64, Instant)>,
+    longest: Duration,
+    looked: Option<Instant>,
+}
+
+impl CursorWatch {
+    /// Looks once a second (a look that fails, Postgres restarting, is skipped).
+    async fn look(&mut self, pool: &PgPool) {
+        if self.looked.is_some_and(|at| at.elapsed() < Duration::from_secs(1)) {
+            return;
+        }
+        self.looked = Some(Instant::now());
+        let cursor: Result<(i64, i64), _> = sqlx::query_as(
+            "SELECT published_xid::text::bigint, published_seq FROM relay_cursor",
+        )
+        .fetch_one(pool)
+        .await;
+        let (Ok(cursor), Ok(waiting)) = (cursor, jobfold_common::gauges::unpublished(pool).await)
+        else {
+            return;
+        };
+        let now = Instant::now();
+        match self.last {
+            Some((xid, seq, since)) if (xid, seq) == cursor && waiting > 0 => {
+                self.longest = self.longest.max(now - since);
+            }
+            _ => self.last = Some((cursor.0, cursor.1, now)),
+        }
+    }
 }
 
 /// Every acknowledged intake request has its job, and nothing is unfinished or unpublished.
@@ -762,7 +875,7 @@ async fn intake_producer(
         for (id, mut delivery) in deliveries.drain(..) {
             match futures::poll!(&mut delivery) {
                 std::task::Poll::Ready(Ok(Ok(_))) => {
-                    acknowledged.lock().expect("acknowledged").requests.push(id)
+                    acknowledged.lock().expect("acknowledged").acknowledge_request(id)
                 }
                 std::task::Poll::Ready(_) => {}
                 std::task::Poll::Pending => still.push((id, delivery)),
@@ -773,7 +886,7 @@ async fn intake_producer(
     }
     for (id, delivery) in deliveries {
         if let Ok(Ok(_)) = delivery.await {
-            acknowledged.lock().expect("acknowledged").requests.push(id);
+            acknowledged.lock().expect("acknowledged").acknowledge_request(id);
         }
     }
     Ok(())

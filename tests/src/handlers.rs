@@ -4,7 +4,9 @@
 //!
 //! The input may carry `"simulate"`: `{"fail_attempts": 2}` fails the first two attempts
 //! retryably, `{"permanent": true}` fails permanently, `{"sleep_ms": 200}` makes each attempt
-//! take that long (ended early by the cancellation token).
+//! take that long (ended early by the cancellation token), `{"hang_ms": 60000}` takes that
+//! long ignoring the token, `{"panic": true}` panics, `{"output_bytes": 20000}` returns a
+//! result of about that size.
 
 use std::time::Duration;
 
@@ -67,6 +69,13 @@ impl Handler for Simulated {
         cancel: CancellationToken,
     ) -> Result<Value, HandlerError> {
         let simulate = job.input.get("simulate").cloned().unwrap_or(Value::Null);
+        if let Some(ms) = simulate.get("hang_ms").and_then(Value::as_u64) {
+            // Deaf to the token: only the run time-out (which drops the run) ends it early.
+            tokio::time::sleep(Duration::from_millis(ms)).await;
+        }
+        if simulate.get("panic").and_then(Value::as_bool) == Some(true) {
+            panic!("simulated panic on attempt {}", job.attempt);
+        }
         if let Some(ms) = simulate.get("sleep_ms").and_then(Value::as_u64) {
             tokio::select! {
                 _ = cancel.cancelled() => return Err(HandlerError::retryable("cancelled: the lease was lost")),
@@ -83,7 +92,11 @@ impl Handler for Simulated {
                 job.attempt
             )));
         }
-        IndexDocument.run(job, cancel).await
+        let mut output = IndexDocument.run(job, cancel).await?;
+        if let Some(bytes) = simulate.get("output_bytes").and_then(Value::as_u64) {
+            output["padding"] = Value::String("x".repeat(bytes as usize));
+        }
+        Ok(output)
     }
 
     async fn commit(

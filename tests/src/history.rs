@@ -9,10 +9,18 @@
 //! - `document_index` holds the highest succeeded input version of every document;
 //! - accepted = succeeded + quarantined + superseded;
 //! - the event log, folded by the schemas crate's fold, from Postgres and from Kafka, gives
-//!   exactly the `jobs` projection.
+//!   exactly the `jobs` projection;
+//! - every bad job ended as documented (refused, dead-lettered, quarantined with its reason,
+//!   or all its versions ended), and cost only itself: no well-behaved job took longer from
+//!   accept to end, no acknowledged intake request waited longer to be accepted, and the
+//!   relay's cursor never stood still longer while events waited, than the run's delay
+//!   bound; no event is on the topic more often than the relay's crashes explain.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::fmt;
+use std::time::Duration;
+
+use crate::bad::{Expect, Ledger};
 
 use jobfold_common::config::Config;
 use jobfold_processor::analytics::{self, Options, Source};
@@ -27,6 +35,27 @@ pub struct Acknowledged {
     pub jobs: Vec<Uuid>,
     /// Intake request ids whose message the broker acknowledged.
     pub requests: Vec<Uuid>,
+    /// When each was acknowledged.
+    pub request_times: Vec<(Uuid, chrono::DateTime<chrono::Utc>)>,
+}
+
+impl Acknowledged {
+    /// The broker acknowledged intake request `id` now.
+    pub fn acknowledge_request(&mut self, id: Uuid) {
+        self.requests.push(id);
+        self.request_times.push((id, chrono::Utc::now()));
+    }
+}
+
+/// What the campaign saw while it ran, for the checker.
+#[derive(Debug, Clone, Default)]
+pub struct Observed {
+    /// The longest the relay's cursor stood still while events waited.
+    pub relay_longest_stall: Duration,
+    /// How often one event may be on the topic: 1 + the relay's crash windows hit.
+    pub copies_bound: u64,
+    /// See [`crate::campaign::Plan::delay_bound`].
+    pub delay_bound: Duration,
 }
 
 /// The checker's verdict and the numbers that go with it.
@@ -40,6 +69,17 @@ pub struct History {
     /// The same event twice on the topic (read back by the Kafka replay).
     pub duplicates_on_topic: u64,
     pub events_in_log: u64,
+    /// Per bad job kind: submitted, and ended as documented.
+    pub bad: BTreeMap<String, (u64, u64)>,
+    /// Well-behaved jobs: the longest accept -> end, and its 99th percentile.
+    pub longest_job: Duration,
+    pub p99_job: Duration,
+    /// The longest an acknowledged intake request waited to become a job.
+    pub longest_intake: Duration,
+    pub relay_longest_stall: Duration,
+    /// The most copies of one event on the topic, and how many its crashes explain.
+    pub most_copies: u64,
+    pub copies_bound: u64,
 }
 
 impl fmt::Display for History {
@@ -50,6 +90,17 @@ impl fmt::Display for History {
             f,
             "business writes {}, events in the log {}, duplicates on the topic {}",
             self.business_writes, self.events_in_log, self.duplicates_on_topic
+        )?;
+        writeln!(
+            f,
+            "well-behaved jobs accept -> end p99 {:.1} s, longest {:.1} s; intake longest {:.1} s; \
+             relay cursor still at most {:.1} s; at most {} copies of an event ({} explained)",
+            self.p99_job.as_secs_f64(),
+            self.longest_job.as_secs_f64(),
+            self.longest_intake.as_secs_f64(),
+            self.relay_longest_stall.as_secs_f64(),
+            self.most_copies,
+            self.copies_bound
         )?;
         if self.findings.is_empty() {
             writeln!(f, "history: 0 lost, 0 duplicate effects, projection = fold(log)")?;
@@ -84,8 +135,14 @@ pub async fn check(
     config: &Config,
     pool: &PgPool,
     acknowledged: &Acknowledged,
+    ledger: &Ledger,
+    observed: &Observed,
 ) -> anyhow::Result<History> {
     let mut h = History::default();
+    let (bad_findings, bad) = check_bad(config, pool, ledger).await?;
+    h.findings.extend(bad_findings);
+    h.bad = bad;
+    check_delays(config, pool, acknowledged, observed, &mut h).await?;
     let mut finding = |ok: bool, text: String| {
         if !ok {
             h.findings.push(text);
@@ -233,4 +290,200 @@ pub async fn check(
         );
     }
     Ok(h)
+}
+
+/// Each bad job ended as documented; per kind, how many were submitted and ended so.
+async fn check_bad(
+    config: &Config,
+    pool: &PgPool,
+    ledger: &Ledger,
+) -> anyhow::Result<(Vec<String>, BTreeMap<String, (u64, u64)>)> {
+    let mut findings = Vec::new();
+    let mut tally: BTreeMap<String, (u64, u64)> = BTreeMap::new();
+    for bad in &ledger.bad {
+        // language=PostgreSQL
+        let jobs: Vec<(String, i64, Option<String>)> = sqlx::query_as(
+            "SELECT j.state::text, j.input_version, q.reason FROM jobs j \
+             LEFT JOIN quarantine q USING (job_id) WHERE j.document_id = $1 ORDER BY j.input_version",
+        )
+        .bind(&bad.document)
+        .fetch_all(pool)
+        .await?;
+        // language=PostgreSQL
+        let dead_letters: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM dead_letters WHERE consumer_group = $1 AND raw_key = $2",
+        )
+        .bind(&config.intake.group)
+        .bind(bad.document.as_bytes())
+        .fetch_one(pool)
+        .await?;
+        let ended = match &bad.expect {
+            Expect::Refused => jobs.is_empty() && bad.job_id.is_none(),
+            Expect::DeadLettered => jobs.is_empty() && dead_letters >= 1,
+            Expect::Quarantined(why) => match jobs.as_slice() {
+                // Or by the lease transaction, when every attempt died with its process.
+                [(state, 1, Some(reason))] if state == "quarantined" => {
+                    reason.contains(why) || reason.starts_with("attempt budget spent:")
+                }
+                // A replay whose answer was lost with its connection, committed.
+                [(state, 2, None)] if state == "succeeded" && *why == "permanent failure" => true,
+                _ => false,
+            },
+            Expect::Replayed { version } => {
+                matches!(jobs.as_slice(), [(state, v, None)] if state == "succeeded" && v == version)
+            }
+            Expect::AllEnded { versions } => {
+                // language=PostgreSQL
+                let indexed: Option<i64> = sqlx::query_scalar(
+                    "SELECT version FROM document_index WHERE document_id = $1",
+                )
+                .bind(&bad.document)
+                .fetch_optional(pool)
+                .await?;
+                jobs.len() as i64 == *versions
+                    && jobs.iter().all(|(s, _, _)| s == "succeeded" || s == "superseded")
+                    && indexed == Some(*versions)
+            }
+        };
+        let entry = tally.entry(bad.kind.name().to_owned()).or_default();
+        entry.0 += 1;
+        if ended {
+            entry.1 += 1;
+        } else {
+            let summary: Vec<String> =
+                jobs.iter().take(3).map(|(s, v, r)| format!("v{v} {s} {r:?}")).collect();
+            findings.push(format!(
+                "bad job {} ({}) did not end as documented ({:?}): {} jobs [{}], {dead_letters} dead letters",
+                bad.document,
+                bad.kind.name(),
+                bad.expect,
+                jobs.len(),
+                summary.join("; ")
+            ));
+        }
+    }
+    Ok((findings, tally))
+}
+
+/// What the bad jobs cost the others: well-behaved jobs' accept -> end, intake waits, the
+/// relay's stalls and the copies of events on the topic, against their bounds.
+async fn check_delays(
+    config: &Config,
+    pool: &PgPool,
+    acknowledged: &Acknowledged,
+    observed: &Observed,
+    h: &mut History,
+) -> anyhow::Result<()> {
+    let bound = observed.delay_bound;
+    // language=PostgreSQL
+    let (p99, longest, slowest): (Option<f64>, Option<f64>, Option<String>) = sqlx::query_as(
+        r#"
+        WITH took AS (
+            SELECT job_id, EXTRACT(EPOCH FROM finished_at - accepted_at)::float8 AS secs
+            FROM jobs WHERE document_id NOT LIKE 'bad-%' AND document_id NOT LIKE 'hot-%'
+              AND finished_at IS NOT NULL
+        )
+        SELECT percentile_cont(0.99) WITHIN GROUP (ORDER BY secs), max(secs),
+               (SELECT job_id::text FROM took ORDER BY secs DESC LIMIT 1)
+        FROM took
+        "#,
+    )
+    .fetch_one(pool)
+    .await?;
+    h.p99_job = Duration::from_secs_f64(p99.unwrap_or(0.0).max(0.0));
+    h.longest_job = Duration::from_secs_f64(longest.unwrap_or(0.0).max(0.0));
+    if h.longest_job > bound {
+        h.findings.push(format!(
+            "a well-behaved job took {:.1} s from accept to end (job {}), over the bound of {} s",
+            h.longest_job.as_secs_f64(),
+            slowest.unwrap_or_default(),
+            bound.as_secs()
+        ));
+    }
+    let (ids, sent): (Vec<String>, Vec<chrono::DateTime<chrono::Utc>>) = acknowledged
+        .request_times
+        .iter()
+        .map(|(id, at)| (format!("request:{id}"), *at))
+        .unzip();
+    // language=PostgreSQL
+    let waited: Option<f64> = sqlx::query_scalar(
+        r#"
+        SELECT max(EXTRACT(EPOCH FROM j.accepted_at - r.sent)::float8)
+        FROM unnest($1::text[], $2::timestamptz[]) AS r(key, sent)
+        JOIN jobs j ON j.idempotency_key = r.key
+        "#,
+    )
+    .bind(&ids)
+    .bind(&sent)
+    .fetch_one(pool)
+    .await?;
+    h.longest_intake = Duration::from_secs_f64(waited.unwrap_or(0.0).max(0.0));
+    if h.longest_intake > bound {
+        h.findings.push(format!(
+            "an acknowledged intake request waited {:.1} s to be accepted, over the bound of {} s",
+            h.longest_intake.as_secs_f64(),
+            bound.as_secs()
+        ));
+    }
+    h.relay_longest_stall = observed.relay_longest_stall;
+    if h.relay_longest_stall > bound {
+        h.findings.push(format!(
+            "the relay's cursor stood still {:.1} s while events waited, over the bound of {} s",
+            h.relay_longest_stall.as_secs_f64(),
+            bound.as_secs()
+        ));
+    }
+    h.copies_bound = observed.copies_bound;
+    h.most_copies = most_copies(config)?;
+    if h.most_copies > h.copies_bound {
+        h.findings.push(format!(
+            "an event is on the topic {} times; the relay's crashes explain at most {}",
+            h.most_copies, h.copies_bound
+        ));
+    }
+    Ok(())
+}
+
+/// The most copies of one message (same key and bytes) on the events topic.
+fn most_copies(config: &Config) -> anyhow::Result<u64> {
+    use rdkafka::Message as _;
+    use rdkafka::consumer::{BaseConsumer, Consumer as _};
+    let consumer: BaseConsumer = config
+        .kafka_client_with(jobfold_common::kafka::CONSUMER_DEFAULTS)
+        .set("group.id", format!("campaign-copies-{}", Uuid::new_v4()))
+        .set("enable.auto.commit", "false")
+        .create()?;
+    let topic = &config.topics.events;
+    let metadata = consumer.fetch_metadata(Some(topic), Duration::from_secs(10))?;
+    let partitions: Vec<i32> = metadata
+        .topics()
+        .first()
+        .map(|t| t.partitions().iter().map(|p| p.id()).collect())
+        .unwrap_or_default();
+    let mut assignment = rdkafka::TopicPartitionList::new();
+    let mut ends = HashMap::new();
+    for p in &partitions {
+        let (low, high) = consumer.fetch_watermarks(topic, *p, Duration::from_secs(10))?;
+        if high > low {
+            assignment.add_partition_offset(topic, *p, rdkafka::Offset::Offset(low))?;
+            ends.insert(*p, high);
+        }
+    }
+    consumer.assign(&assignment)?;
+    let mut copies: HashMap<u64, u64> = HashMap::new();
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
+    while !ends.is_empty() && std::time::Instant::now() < deadline {
+        let Some(message) = consumer.poll(Duration::from_secs(1)) else { continue };
+        let message = message?;
+        use std::hash::{Hash, Hasher};
+        let mut hasher = std::collections::hash_map::DefaultHasher::new();
+        message.key().hash(&mut hasher);
+        message.payload().hash(&mut hasher);
+        *copies.entry(hasher.finish()).or_default() += 1;
+        if ends.get(&message.partition()).is_some_and(|end| message.offset() + 1 >= *end) {
+            ends.remove(&message.partition());
+        }
+    }
+    anyhow::ensure!(ends.is_empty(), "the events topic could not be read to its end");
+    Ok(copies.values().copied().max().unwrap_or(0))
 }

@@ -13,9 +13,11 @@
 //!   its writes) and the `jobfold-test-processor` binary's migrations.
 //! - [`kafka`]: per-test topics and clients.
 //! - [`registry_standin`]: the stand-in Confluent-compatible registry server.
+//! - [`bad`]: the bad jobs the campaign mixes in.
 //! - [`campaign`]: the fault campaign (also the `jobfold-campaign` command), and
 //!   [`history`]: the checker of what a run left in Postgres and on the topic.
 
+pub mod bad;
 pub mod campaign;
 pub mod handlers;
 pub mod harness;

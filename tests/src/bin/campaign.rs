@@ -31,6 +31,9 @@ struct Args {
     /// Ports of the campaign's own services start above this one.
     #[arg(long, default_value_t = 25_400)]
     port_base: u16,
+    /// Bad jobs, as a share of all the jobs submitted.
+    #[arg(long, default_value_t = 0.1)]
+    bad_share: f64,
 }
 
 #[tokio::main]
@@ -42,6 +45,7 @@ async fn main() -> ExitCode {
         gap_ms: (args.gap_ms[0], *args.gap_ms.get(1).unwrap_or(&args.gap_ms[0])),
         rate: args.rate,
         port_base: args.port_base,
+        bad_share: args.bad_share.clamp(0.0, 0.9),
         ..Plan::long(seed, args.faults)
     };
     match campaign::run(&plan).await {

@@ -1,0 +1,416 @@
+//! Bad jobs the campaign mixes into its workload, at random times, to show each costs only
+//! itself: what each one is, the path it takes in, and how it must end.
+//!
+//! Each bad job has a document of its own (`bad-<kind>-<n>`, or `hot-<n>` for the busy
+//! document), so the checker finds it, and the well-behaved jobs are the rest.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use jobfold_common::accept::{AcceptError, Acceptor, NewJob};
+use jobfold_schemas::{Codec, JobRequest};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use serde_json::{Value, json};
+use uuid::Uuid;
+
+/// What a bad job is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum BadKind {
+    /// A result larger than `processor.max_output_bytes`.
+    OversizedResult,
+    /// An input holding U+0000, over HTTP, the Rust API and the intake topic.
+    NulHttp,
+    NulApi,
+    NulIntake,
+    /// An intake message that is no Confluent frame at all.
+    MalformedFrame,
+    /// An intake frame naming a schema id the registry does not have.
+    UnknownSchema,
+    /// A handler that panics on every attempt.
+    Panics,
+    /// A handler that runs past the kind's `run_timeout`, watching its token.
+    Hangs,
+    /// The same, deaf to its token.
+    IgnoresCancel,
+    /// Errors of every class: retryable every time, permanent, invalid input.
+    RetryableForever,
+    Permanent,
+    InvalidInput,
+    /// A kind no processor registered, over each path.
+    UnknownKindHttp,
+    UnknownKindApi,
+    UnknownKindIntake,
+    /// One document with hundreds of versions accepted at once.
+    HotDocument,
+}
+
+impl BadKind {
+    /// Every kind the producer draws from (the hot document comes once, on its own).
+    pub const DRAWN: [BadKind; 15] = [
+        Self::OversizedResult,
+        Self::NulHttp,
+        Self::NulApi,
+        Self::NulIntake,
+        Self::MalformedFrame,
+        Self::UnknownSchema,
+        Self::Panics,
+        Self::Hangs,
+        Self::IgnoresCancel,
+        Self::RetryableForever,
+        Self::Permanent,
+        Self::InvalidInput,
+        Self::UnknownKindHttp,
+        Self::UnknownKindApi,
+        Self::UnknownKindIntake,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::OversizedResult => "result over max_output_bytes",
+            Self::NulHttp => "U+0000 in the input, HTTP",
+            Self::NulApi => "U+0000 in the input, Rust API",
+            Self::NulIntake => "U+0000 in the input, intake",
+            Self::MalformedFrame => "malformed intake frame",
+            Self::UnknownSchema => "intake frame of an unknown schema id",
+            Self::Panics => "handler panics",
+            Self::Hangs => "handler hangs past run_timeout",
+            Self::IgnoresCancel => "handler ignores cancellation",
+            Self::RetryableForever => "retryable error every attempt",
+            Self::Permanent => "permanent error",
+            Self::InvalidInput => "invalid input",
+            Self::UnknownKindHttp => "unregistered kind, HTTP",
+            Self::UnknownKindApi => "unregistered kind, Rust API",
+            Self::UnknownKindIntake => "unregistered kind, intake",
+            Self::HotDocument => "one document, hundreds of versions at once",
+        }
+    }
+}
+
+/// How a bad job must end.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Expect {
+    /// Refused at accept: no job exists for its document.
+    Refused,
+    /// Set aside by the intake in `dead_letters` (keyed by its document); no job.
+    DeadLettered,
+    /// Quarantined, its reason containing this text.
+    Quarantined(&'static str),
+    /// Every one of its `versions` versions ended and the newest is indexed.
+    AllEnded { versions: i64 },
+    /// Replayed by an operator with a valid input: succeeded at `version`.
+    Replayed { version: i64 },
+}
+
+/// One bad job, as submitted.
+#[derive(Debug, Clone)]
+pub struct Bad {
+    pub kind: BadKind,
+    pub document: String,
+    pub job_id: Option<Uuid>,
+    pub expect: Expect,
+    pub submitted_at: chrono::DateTime<chrono::Utc>,
+}
+
+/// Every bad job of a run.
+#[derive(Debug, Default, Clone)]
+pub struct Ledger {
+    pub bad: Vec<Bad>,
+    /// Operator replays issued (of quarantined permanent failures, with a valid input).
+    pub replays: u64,
+}
+
+/// A document belongs to a bad job.
+pub fn is_bad_document(document: &str) -> bool {
+    document.starts_with("bad-") || document.starts_with("hot-")
+}
+
+/// What the bad producer needs.
+pub struct Producer {
+    pub seed: u64,
+    /// Bad jobs a second, on average.
+    pub rate: f64,
+    pub hot_versions: usize,
+    pub pool: sqlx::PgPool,
+    pub acceptor: Acceptor,
+    pub requests: Codec<JobRequest>,
+    pub kafka: FutureProducer,
+    pub requests_topic: String,
+    /// HTTP ports of the processors running now.
+    pub ports: Arc<Mutex<Vec<u16>>>,
+    pub ledger: Arc<Mutex<Ledger>>,
+    pub stop: Arc<AtomicBool>,
+}
+
+const SIMULATED: &str = "index-document";
+
+impl Producer {
+    /// Submits bad jobs at random times until `stop`; the hot document once, early.
+    ///
+    /// # Errors
+    /// A frame could not be encoded.
+    pub async fn run(self) -> anyhow::Result<()> {
+        let mut rng = StdRng::seed_from_u64(self.seed ^ 4);
+        let client = reqwest::Client::builder().timeout(Duration::from_secs(10)).build()?;
+        let mut n = 0u64;
+        let mut hot_sent = false;
+        let hot_after = rng.random_range(2.0..8.0);
+        let started = std::time::Instant::now();
+        if self.rate <= 0.0 {
+            return Ok(());
+        }
+        while !self.stop.load(Ordering::SeqCst) {
+            let wait = Duration::from_secs_f64(rng.random_range(0.2..1.8) / self.rate);
+            let until = std::time::Instant::now() + wait;
+            while !self.stop.load(Ordering::SeqCst) && std::time::Instant::now() < until {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            if self.stop.load(Ordering::SeqCst) {
+                break;
+            }
+            n += 1;
+            if !hot_sent && started.elapsed().as_secs_f64() > hot_after {
+                hot_sent = true;
+                self.hot_document(n).await;
+                continue;
+            }
+            // Now and then an operator replays a quarantined permanent failure, fixed.
+            if rng.random_bool(0.1) && self.replay_one(&client).await {
+                continue;
+            }
+            let kind = BadKind::DRAWN[rng.random_range(0..BadKind::DRAWN.len())];
+            self.submit(kind, n, &client).await?;
+        }
+        Ok(())
+    }
+
+    fn record(&self, kind: BadKind, document: String, job_id: Option<Uuid>, expect: Expect) {
+        let bad = Bad { kind, document, job_id, expect, submitted_at: chrono::Utc::now() };
+        self.ledger.lock().expect("ledger").bad.push(bad);
+    }
+
+    async fn submit(&self, kind: BadKind, n: u64, client: &reqwest::Client) -> anyhow::Result<()> {
+        let document = format!("bad-{kind:?}-{n}").to_lowercase();
+        let text = json!(format!("bad job {n}"));
+        let quarantined = |input: Value, why: &'static str| (input, Expect::Quarantined(why));
+        let (input, expect) = match kind {
+            BadKind::OversizedResult => quarantined(
+                json!({ "text": text, "simulate": { "output_bytes": 20_000 } }),
+                "max_output_bytes",
+            ),
+            BadKind::Panics => {
+                quarantined(json!({ "text": text, "simulate": { "panic": true } }), "panicked")
+            }
+            BadKind::Hangs => quarantined(
+                json!({ "text": text, "simulate": { "sleep_ms": 60_000 } }),
+                "run_timeout",
+            ),
+            BadKind::IgnoresCancel => quarantined(
+                json!({ "text": text, "simulate": { "hang_ms": 60_000 } }),
+                "run_timeout",
+            ),
+            BadKind::RetryableForever => quarantined(
+                json!({ "text": text, "simulate": { "fail_attempts": 99 } }),
+                "attempt budget spent",
+            ),
+            BadKind::Permanent => quarantined(
+                json!({ "text": text, "simulate": { "permanent": true } }),
+                "permanent failure",
+            ),
+            BadKind::InvalidInput => quarantined(json!({ "title": text }), "invalid input"),
+            BadKind::NulHttp | BadKind::NulApi | BadKind::NulIntake => {
+                (json!({ "text": "before\u{0}after" }), Expect::Refused)
+            }
+            BadKind::UnknownKindHttp | BadKind::UnknownKindApi | BadKind::UnknownKindIntake => {
+                (json!({ "text": text }), Expect::Refused)
+            }
+            BadKind::MalformedFrame | BadKind::UnknownSchema => (Value::Null, Expect::DeadLettered),
+            BadKind::HotDocument => unreachable!("sent by hot_document"),
+        };
+        let job_kind = match kind {
+            BadKind::UnknownKindHttp | BadKind::UnknownKindApi | BadKind::UnknownKindIntake => {
+                "no-such-kind"
+            }
+            _ => SIMULATED,
+        };
+        match kind {
+            BadKind::NulHttp | BadKind::UnknownKindHttp => {
+                let body = json!({ "document_id": document, "kind": job_kind,
+                                   "input_version": 1, "input": input });
+                // Recorded whatever the answer: a job made of it is a finding.
+                if self.http_answered(client, &body.to_string()).await {
+                    self.record(kind, document, None, Expect::Refused);
+                }
+            }
+            BadKind::NulIntake | BadKind::UnknownKindIntake => {
+                let request = JobRequest {
+                    request_id: Uuid::now_v7(),
+                    document_id: document.clone(),
+                    job_kind: job_kind.into(),
+                    input_version: 1,
+                    input: input.to_string(),
+                    requested_at: chrono::Utc::now(),
+                    producer: "campaign-bad".into(),
+                    trace: None,
+                };
+                let frame = self.requests.encode(&request)?;
+                if self.send_raw(&document, &frame).await {
+                    self.record(kind, document, None, Expect::DeadLettered);
+                }
+            }
+            BadKind::MalformedFrame => {
+                if self.send_raw(&document, b"this is not a Confluent frame").await {
+                    self.record(kind, document, None, expect);
+                }
+            }
+            BadKind::UnknownSchema => {
+                // Magic byte 0, schema id 999999, then bytes of no schema.
+                let mut frame = vec![0u8];
+                frame.extend_from_slice(&999_999u32.to_be_bytes());
+                frame.extend_from_slice(b"\x02\x04junk");
+                if self.send_raw(&document, &frame).await {
+                    self.record(kind, document, None, expect);
+                }
+            }
+            _ => {
+                let job = NewJob {
+                    document_id: document.clone(),
+                    kind: job_kind.into(),
+                    input_version: 1,
+                    input,
+                    idempotency_key: Some(format!("bad-{n}")),
+                    trace: None,
+                };
+                if let Some(job_id) = self.accept(&job).await {
+                    self.record(kind, document, job_id, expect);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Accepts through the Rust API, retrying what may heal; `Some(None)` if refused as it
+    /// must be, `None` if it never got an answer before the stop.
+    async fn accept(&self, job: &NewJob) -> Option<Option<Uuid>> {
+        loop {
+            match self.acceptor.accept(&self.pool, job).await {
+                Ok(accepted) => return Some(Some(accepted.job_id)),
+                Err(
+                    AcceptError::Invalid { .. }
+                    | AcceptError::TooLarge { .. }
+                    | AcceptError::Unstorable { .. }
+                    | AcceptError::UnknownKind { .. },
+                ) => return Some(None),
+                Err(_) if self.stop.load(Ordering::SeqCst) => return None,
+                Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
+            }
+        }
+    }
+
+    /// Posts `body` until a processor answers (anything but a 5xx); false if stopped first.
+    async fn http_answered(&self, client: &reqwest::Client, body: &str) -> bool {
+        while !self.stop.load(Ordering::SeqCst) {
+            let port = self.ports.lock().expect("ports").first().copied();
+            if let Some(port) = port
+                && let Ok(answer) = client
+                    .post(format!("http://127.0.0.1:{port}/v1/jobs"))
+                    .header("content-type", "application/json")
+                    .body(body.to_owned())
+                    .send()
+                    .await
+                && !answer.status().is_server_error()
+            {
+                return true;
+            }
+            self.ports.lock().expect("ports").rotate_left(1);
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        false
+    }
+
+    /// Produces `frame` to the requests topic until the broker acknowledges it.
+    async fn send_raw(&self, key: &str, frame: &[u8]) -> bool {
+        while !self.stop.load(Ordering::SeqCst) {
+            let record = FutureRecord::to(&self.requests_topic).key(key).payload(frame);
+            if self.kafka.send(record, Duration::from_secs(5)).await.is_ok() {
+                return true;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        false
+    }
+
+    /// The busy document: `hot_versions` versions of one document in one transaction.
+    async fn hot_document(&self, n: u64) {
+        let document = format!("hot-{n}");
+        let jobs: Vec<NewJob> = (1..=self.hot_versions as i64)
+            .map(|v| NewJob {
+                document_id: document.clone(),
+                kind: SIMULATED.into(),
+                input_version: v,
+                input: json!({ "text": format!("hot version {v}"), "simulate": { "sleep_ms": 150 } }),
+                idempotency_key: Some(format!("hot-{n}-{v}")),
+                trace: None,
+            })
+            .collect();
+        loop {
+            match self.acceptor.accept_batch(&self.pool, &jobs).await {
+                Ok(_) => break,
+                Err(_) if self.stop.load(Ordering::SeqCst) => return,
+                Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
+            }
+        }
+        let expect = Expect::AllEnded { versions: self.hot_versions as i64 };
+        self.record(BadKind::HotDocument, document, None, expect);
+    }
+
+    /// Replays one quarantined permanent failure with a valid input and a new version, as an
+    /// operator would; true if one was replayed.
+    async fn replay_one(&self, client: &reqwest::Client) -> bool {
+        let candidates: Vec<(usize, Uuid)> = {
+            let ledger = self.ledger.lock().expect("ledger");
+            ledger
+                .bad
+                .iter()
+                .enumerate()
+                .filter(|(_, b)| b.expect == Expect::Quarantined("permanent failure"))
+                .filter_map(|(i, b)| Some((i, b.job_id?)))
+                .collect()
+        };
+        for (i, job_id) in candidates {
+            let state: Option<String> =
+                sqlx::query_scalar("SELECT state::text FROM jobs WHERE job_id = $1")
+                    .bind(job_id)
+                    .fetch_optional(&self.pool)
+                    .await
+                    .ok()
+                    .flatten();
+            if state.as_deref() != Some("quarantined") {
+                continue;
+            }
+            let Some(port) = self.ports.lock().expect("ports").first().copied() else {
+                return false;
+            };
+            let body = json!({ "new_input_version": 2, "new_input": { "text": "fixed by an operator" },
+                               "requested_by": "campaign operator" });
+            let answer = client
+                .post(format!("http://127.0.0.1:{port}/v1/jobs/{job_id}/replay"))
+                .header("content-type", "application/json")
+                .body(body.to_string())
+                .send()
+                .await;
+            // Only an answer counts: a replay lost with its connection may or may not have
+            // committed, and the checker then accepts either end.
+            if answer.is_ok_and(|a| a.status().is_success()) {
+                let mut ledger = self.ledger.lock().expect("ledger");
+                ledger.bad[i].expect = Expect::Replayed { version: 2 };
+                ledger.replays += 1;
+                return true;
+            }
+            return false;
+        }
+        false
+    }
+}
