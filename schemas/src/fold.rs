@@ -16,6 +16,7 @@
 //! queued | leased | retry_wait | quarantined ──JobSuperseded──▶ superseded
 //! queued | leased | retry_wait | quarantined ──JobCancelled───▶ cancelled
 //! queued | retry_wait ──JobQuarantined (budget spent before a lease)──▶ quarantined
+//! leased ──JobQuarantined (budget spent, the last attempt's lease ran out)──▶ quarantined
 //! RetryDue: a dispatch marker in queued, leased or retry_wait; it changes no state.
 //! ```
 //!
@@ -464,12 +465,18 @@ impl JobState {
             }
             Payload::RetryDue(_) => {}
             Payload::JobQuarantined(quarantined) => {
-                if self.status == Leased
-                    && self.last_failure.as_ref().is_none_or(|f| f.generation != self.generation)
-                {
+                // A leased job is quarantined after its lease's JobFailed, or, with no
+                // failure, once its budget is spent: its last attempt died with its process
+                // and the lease ran out (the lease transaction quarantines it then).
+                let failed_now =
+                    self.last_failure.as_ref().is_some_and(|f| f.generation == self.generation);
+                let budget_spent = self.attempt >= self.max_attempts
+                    || self.deadline.is_some_and(|deadline| deadline <= at);
+                if self.status == Leased && !failed_now && !budget_spent {
                     return Err(self.illegal(
                         event,
-                        "a leased job is quarantined after a JobFailed of the current lease",
+                        "a leased job is quarantined after a JobFailed of the current lease, \
+                         or once its budget is spent",
                     ));
                 }
                 self.quarantine = Some(Quarantine {

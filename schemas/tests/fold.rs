@@ -137,6 +137,35 @@ fn retries_stop_at_the_attempt_budget() {
     assert_eq!(b.state.status, Status::Quarantined);
 }
 
+/// The last attempt died with its process: no JobFailed, the lease ran out, and the lease
+/// transaction quarantines the job. Short of its budget, the same is refused.
+#[test]
+fn a_last_attempt_that_died_with_its_process_is_quarantined() {
+    let quarantined = |state: &JobState| {
+        next(
+            state,
+            Payload::JobQuarantined(JobQuarantined {
+                reason: "attempt budget spent".into(),
+                error_class: ErrorClass::Retryable,
+                owner: "ops".into(),
+                attempts: state.attempt,
+            }),
+        )
+    };
+    let mut b = builder();
+    b.step(0); // the first attempt, which dies
+    assert!(b.state.clone().apply(&quarantined(&b.state)).is_err(), "quarantined with budget left");
+
+    for _ in 0..MAX_ATTEMPTS - 1 {
+        let generation = b.state.generation;
+        let again = next(&b.state, leased(generation + 1, b.state.attempt + 1));
+        b.state.apply(&again).unwrap();
+    }
+    assert_eq!((b.state.status, b.state.attempt), (Status::Leased, MAX_ATTEMPTS));
+    let end = b.state.clone().applied(&quarantined(&b.state)).unwrap();
+    assert_eq!(end.status, Status::Quarantined);
+}
+
 #[test]
 fn invalid_input_is_quarantined_without_retry() {
     let mut b = builder();
