@@ -11,6 +11,7 @@ use std::time::Duration;
 use jobfold_common::accept::{AcceptError, Acceptor, NewJob};
 use jobfold_schemas::{Codec, JobRequest};
 use rand::rngs::StdRng;
+use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use serde_json::{Value, json};
@@ -120,7 +121,14 @@ pub struct Ledger {
     pub bad: Vec<Bad>,
     /// Operator replays issued (of quarantined permanent failures, with a valid input).
     pub replays: u64,
+    /// Bad jobs that got only "try again later" for [`GIVE_UP_AFTER`]: what should be the
+    /// request's own fault, taken for an outage.
+    pub unanswered: Vec<String>,
 }
+
+/// How long a bad job is submitted again while the answer is an outage (a 5xx, a database
+/// error): far longer than a Postgres restart.
+pub const GIVE_UP_AFTER: Duration = Duration::from_secs(60);
 
 /// A document belongs to a bad job.
 pub fn is_bad_document(document: &str) -> bool {
@@ -141,7 +149,19 @@ pub struct Producer {
     /// HTTP ports of the processors running now.
     pub ports: Arc<Mutex<Vec<u16>>>,
     pub ledger: Arc<Mutex<Ledger>>,
+    /// Set when the busy document is to come (in the campaign's quiet stretch).
+    pub hot: Arc<AtomicBool>,
     pub stop: Arc<AtomicBool>,
+}
+
+impl std::fmt::Debug for Producer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Producer")
+            .field("seed", &self.seed)
+            .field("rate", &self.rate)
+            .field("hot_versions", &self.hot_versions)
+            .finish_non_exhaustive()
+    }
 }
 
 const SIMULATED: &str = "index-document";
@@ -156,8 +176,7 @@ impl Producer {
         let client = reqwest::Client::builder().timeout(Duration::from_secs(10)).build()?;
         let mut n = 0u64;
         let mut hot_sent = false;
-        let hot_after = rng.random_range(2.0..8.0);
-        let started = std::time::Instant::now();
+        let mut deck: Vec<BadKind> = Vec::new();
         if self.rate <= 0.0 {
             return Ok(());
         }
@@ -165,22 +184,27 @@ impl Producer {
             let wait = Duration::from_secs_f64(rng.random_range(0.2..1.8) / self.rate);
             let until = std::time::Instant::now() + wait;
             while !self.stop.load(Ordering::SeqCst) && std::time::Instant::now() < until {
+                if !hot_sent && self.hot.load(Ordering::SeqCst) {
+                    hot_sent = true;
+                    n += 1;
+                    self.hot_document(n).await;
+                }
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
             if self.stop.load(Ordering::SeqCst) {
                 break;
             }
             n += 1;
-            if !hot_sent && started.elapsed().as_secs_f64() > hot_after {
-                hot_sent = true;
-                self.hot_document(n).await;
-                continue;
-            }
             // Now and then an operator replays a quarantined permanent failure, fixed.
             if rng.random_bool(0.1) && self.replay_one(&client).await {
                 continue;
             }
-            let kind = BadKind::DRAWN[rng.random_range(0..BadKind::DRAWN.len())];
+            // Dealt from a shuffled deck, so a run of n×15 bad jobs has n of each kind.
+            if deck.is_empty() {
+                deck = BadKind::DRAWN.to_vec();
+                deck.shuffle(&mut rng);
+            }
+            let kind = deck.pop().expect("dealt from a full deck");
             self.submit(kind, n, &client).await?;
         }
         Ok(())
@@ -197,7 +221,7 @@ impl Producer {
         let quarantined = |input: Value, why: &'static str| (input, Expect::Quarantined(why));
         let (input, expect) = match kind {
             BadKind::OversizedResult => quarantined(
-                json!({ "text": text, "simulate": { "output_bytes": 20_000 } }),
+                json!({ "text": text, "simulate": { "output_bytes": 100_000 } }),
                 "max_output_bytes",
             ),
             BadKind::Panics => {
@@ -240,7 +264,7 @@ impl Producer {
                 let body = json!({ "document_id": document, "kind": job_kind,
                                    "input_version": 1, "input": input });
                 // Recorded whatever the answer: a job made of it is a finding.
-                if self.http_answered(client, &body.to_string()).await {
+                if self.http_answered(client, &document, &body.to_string()).await {
                     self.record(kind, document, None, Expect::Refused);
                 }
             }
@@ -294,6 +318,7 @@ impl Producer {
     /// Accepts through the Rust API, retrying what may heal; `Some(None)` if refused as it
     /// must be, `None` if it never got an answer before the stop.
     async fn accept(&self, job: &NewJob) -> Option<Option<Uuid>> {
+        let since = std::time::Instant::now();
         loop {
             match self.acceptor.accept(&self.pool, job).await {
                 Ok(accepted) => return Some(Some(accepted.job_id)),
@@ -304,25 +329,53 @@ impl Producer {
                     | AcceptError::UnknownKind { .. },
                 ) => return Some(None),
                 Err(_) if self.stop.load(Ordering::SeqCst) => return None,
+                Err(e) if since.elapsed() > GIVE_UP_AFTER => {
+                    self.unanswered(&job.document_id, &format!("accept: {e}"));
+                    return None;
+                }
                 Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
             }
         }
     }
 
-    /// Posts `body` until a processor answers (anything but a 5xx); false if stopped first.
-    async fn http_answered(&self, client: &reqwest::Client, body: &str) -> bool {
+    fn unanswered(&self, document: &str, last: &str) {
+        let text = format!(
+            "bad job {document} got only \"try again\" for {} s, last: {last}",
+            GIVE_UP_AFTER.as_secs()
+        );
+        self.ledger.lock().expect("ledger").unanswered.push(text);
+    }
+
+    /// Posts `body` until a processor answers (anything but a 5xx); false if stopped first,
+    /// or answered only 5xx for [`GIVE_UP_AFTER`] (recorded).
+    async fn http_answered(&self, client: &reqwest::Client, document: &str, body: &str) -> bool {
+        let since = std::time::Instant::now();
+        let mut last = String::from("no processor listening");
         while !self.stop.load(Ordering::SeqCst) {
             let port = self.ports.lock().expect("ports").first().copied();
-            if let Some(port) = port
-                && let Ok(answer) = client
+            if let Some(port) = port {
+                match client
                     .post(format!("http://127.0.0.1:{port}/v1/jobs"))
                     .header("content-type", "application/json")
                     .body(body.to_owned())
                     .send()
                     .await
-                && !answer.status().is_server_error()
-            {
-                return true;
+                {
+                    Ok(answer) if !answer.status().is_server_error() => return true,
+                    // A refused connection is a processor down, not an answer.
+                    Ok(answer) => {
+                        last = format!(
+                            "{} {}",
+                            answer.status(),
+                            answer.text().await.unwrap_or_default()
+                        )
+                    }
+                    Err(e) => last = e.to_string(),
+                }
+            }
+            if since.elapsed() > GIVE_UP_AFTER {
+                self.unanswered(document, &last);
+                return false;
             }
             self.ports.lock().expect("ports").rotate_left(1);
             tokio::time::sleep(Duration::from_millis(200)).await;

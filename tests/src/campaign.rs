@@ -63,11 +63,17 @@ pub struct Plan {
     pub bad_share: f64,
     /// Versions of the one busy document.
     pub hot_versions: usize,
-    /// The longest accept -> end of a well-behaved job, the longest an acknowledged intake
-    /// request may wait to be accepted, and the longest the relay's cursor may stand still
-    /// while events wait: what faults alone cost (a lease, a session timeout, a broker
-    /// restart), well under what a bad job holding others up would.
+    /// How long a well-behaved job may be open, an acknowledged intake request wait to be
+    /// accepted, or the relay's cursor stand still while events wait, outside the faults'
+    /// windows: what the load alone costs (a document's versions queued one behind the other,
+    /// the slowest run, a retry), well under what a bad job holding others up would.
     pub delay_bound: Duration,
+    /// How long after it lands a fault may hold work up: a broker restart, then the group's
+    /// session time-out and rebalance, a lease running out.
+    pub fault_window: Duration,
+    /// The quiet stretch's length after the busy document comes (it comes one
+    /// `fault_window` after the last fault before it).
+    pub quiet: Duration,
 }
 
 impl Plan {
@@ -82,7 +88,9 @@ impl Plan {
             drain_timeout: Duration::from_secs(180),
             bad_share: 0.1,
             hot_versions: 300,
-            delay_bound: Duration::from_secs(40),
+            delay_bound: Duration::from_secs(15),
+            fault_window: Duration::from_secs(25),
+            quiet: Duration::from_secs(30),
         }
     }
 
@@ -141,7 +149,11 @@ impl std::fmt::Display for Outcome {
         )?;
         write!(f, "{}", self.history)?;
         if !self.history.bad.is_empty() {
-            writeln!(f, "bad jobs (submitted / ended as documented), {} operator replays:", self.ledger.replays)?;
+            writeln!(
+                f,
+                "bad jobs (submitted / ended as documented), {} operator replays:",
+                self.ledger.replays
+            )?;
             for (kind, (submitted, documented)) in &self.history.bad {
                 writeln!(f, "  {kind:<48} {submitted:>5} {documented:>5}")?;
             }
@@ -244,6 +256,10 @@ struct Fleet {
     slots: Vec<Slot>,
     banked: BTreeMap<&'static str, f64>,
     faults: BTreeMap<String, u64>,
+    /// Every fault as it landed, for the checker's account of a slow job.
+    timeline: Vec<(chrono::DateTime<chrono::Utc>, String)>,
+    /// When the fault being injected began (a restart's time counts in its window).
+    landing: Option<chrono::DateTime<chrono::Utc>>,
     ports: Arc<Mutex<Vec<u16>>>,
 }
 
@@ -298,7 +314,10 @@ impl Fleet {
     }
 
     fn count(&mut self, kind: impl Into<String>) {
-        *self.faults.entry(kind.into()).or_default() += 1;
+        let kind = kind.into();
+        let at = self.landing.take().unwrap_or_else(chrono::Utc::now);
+        self.timeline.push((at, kind.clone()));
+        *self.faults.entry(kind).or_default() += 1;
     }
 
     /// Scrapes counters, resumes paused processes, restarts what died on its own.
@@ -418,8 +437,11 @@ pub async fn run(plan: &Plan) -> anyhow::Result<Outcome> {
     crate::handlers::migrate(&pool).await?;
     // Producers may start before the first processor registers its kind.
     crate::handlers::handlers().register(&pool, "campaign").await?;
-    jobfold_common::kafka::ensure_topics(&config, &jobfold_common::kafka::jobfold_topics(&config))
-        .await?;
+    // The events topic takes 64 KiB, so that a result over the limit is also one Kafka would
+    // refuse: were it not quarantined, it would hold its document's events back.
+    let mut topics: Vec<_> = jobfold_common::kafka::jobfold_topics(&config).into_iter().collect();
+    topics[0].config.push(("max.message.bytes", (64 * 1024).to_string()));
+    jobfold_common::kafka::ensure_topics(&config, &topics).await?;
 
     let env: std::collections::HashMap<String, String> = [
         ("JOBFOLD_DATABASE_URL", config.database_url.expose().clone()),
@@ -434,8 +456,12 @@ pub async fn run(plan: &Plan) -> anyhow::Result<Outcome> {
         ("JOBFOLD_PROCESSOR__REVOKE_TIMEOUT", "3s".into()),
         ("JOBFOLD_PROCESSOR__STALL_AFTER", "2min".into()),
         ("JOBFOLD_PROCESSOR__GAUGE_INTERVAL", "1s".into()),
-        // Bad jobs: a result over 16 KiB is refused, a run past 6 s is cancelled.
+        // Bad jobs: a result over 16 KiB is refused (the events topic takes 64 KiB), a run
+        // past 6 s is cancelled.
         ("JOBFOLD_PROCESSOR__MAX_OUTPUT_BYTES", "16384".into()),
+        ("JOBFOLD_ACCEPT__MAX_INPUT_BYTES", "16384".into()),
+        // Fewer slots than the busy document has versions.
+        ("JOBFOLD_PROCESSOR__MAX_IN_FLIGHT", "64".into()),
         ("JOBFOLD_KINDS__INDEX-DOCUMENT__RUN_TIMEOUT", "6s".into()),
         ("JOBFOLD_RELAY__STANDBY_RETRY", "200ms".into()),
         ("JOBFOLD_RELAY__POLL_INTERVAL", "200ms".into()),
@@ -451,6 +477,8 @@ pub async fn run(plan: &Plan) -> anyhow::Result<Outcome> {
         slots: Vec::new(),
         banked: BTreeMap::new(),
         faults: BTreeMap::new(),
+        timeline: Vec::new(),
+        landing: None,
         ports: Arc::clone(&ports),
     };
     for binary in
@@ -488,6 +516,7 @@ pub async fn run(plan: &Plan) -> anyhow::Result<Outcome> {
         )),
     ];
     let ledger = Arc::new(Mutex::new(crate::bad::Ledger::default()));
+    let hot = Arc::new(AtomicBool::new(false));
     let bad = crate::bad::Producer {
         seed: plan.seed,
         rate: plan.bad_share * 3.0 * plan.rate / (1.0 - plan.bad_share).max(0.01),
@@ -511,6 +540,7 @@ pub async fn run(plan: &Plan) -> anyhow::Result<Outcome> {
         requests_topic: config.topics.requests.clone(),
         ports: Arc::clone(&ports),
         ledger: Arc::clone(&ledger),
+        hot: Arc::clone(&hot),
         stop: Arc::clone(&stop),
     };
     let producers = {
@@ -518,17 +548,30 @@ pub async fn run(plan: &Plan) -> anyhow::Result<Outcome> {
         producers.push(tokio::spawn(bad.run()));
         producers
     };
-    let mut watch = CursorWatch::default();
+    let watching = Arc::new(AtomicBool::new(true));
+    let watch = tokio::spawn(CursorWatch::default().run(pool.clone(), Arc::clone(&watching)));
 
-    // Faults.
+    // Faults, with one quiet stretch past the first third: the busy document comes once the
+    // last fault's window has closed, so what it costs the others is measured on its own.
     let mut injected = 0;
     let mut next_fault = Instant::now() + Duration::from_secs(3);
+    let quiet_after =
+        rng.random_range(plan.faults / 3..=(2 * plan.faults / 3).max(plan.faults / 3));
     while injected < plan.faults {
         fleet.tend(&mut rng, true).await;
-        watch.look(&pool).await;
         if Instant::now() < next_fault {
             tokio::time::sleep(Duration::from_millis(100)).await;
             continue;
+        }
+        if injected == quiet_after && !hot.load(Ordering::SeqCst) {
+            let quiet_until = Instant::now() + plan.fault_window + plan.quiet;
+            while Instant::now() < quiet_until {
+                fleet.tend(&mut rng, false).await;
+                if Instant::now() + plan.quiet >= quiet_until {
+                    hot.store(true, Ordering::SeqCst);
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
         }
         inject(&mut fleet, &services, &mut rng).await?;
         injected += 1;
@@ -567,7 +610,6 @@ pub async fn run(plan: &Plan) -> anyhow::Result<Outcome> {
     let acknowledged = acknowledged.lock().expect("acknowledged").clone();
     loop {
         fleet.tend(&mut rng, false).await;
-        watch.look(&pool).await;
         if settled(&pool, &acknowledged).await.unwrap_or(false) || Instant::now() >= deadline {
             break;
         }
@@ -588,6 +630,8 @@ pub async fn run(plan: &Plan) -> anyhow::Result<Outcome> {
         }
     }
 
+    watching.store(false, Ordering::SeqCst);
+    let relay_stalls = watch.await?;
     let ledger = ledger.lock().expect("ledger").clone();
     // A delivered event is produced again only by a relay crash between producing and
     // marking (or its connection to Postgres or Kafka lost there): each can add one copy.
@@ -600,7 +644,9 @@ pub async fn run(plan: &Plan) -> anyhow::Result<Outcome> {
         .map(|(_, n)| n)
         .sum();
     let observed = history::Observed {
-        relay_longest_stall: watch.longest,
+        relay_stalls,
+        faults: fleet.timeline.clone(),
+        fault_window: plan.fault_window,
         copies_bound: 1 + relay_crashes,
         delay_bound: plan.delay_bound,
     };
@@ -620,36 +666,52 @@ pub async fn run(plan: &Plan) -> anyhow::Result<Outcome> {
     })
 }
 
-/// How long the relay's cursor stood still while events waited to be published, at most.
+/// When the relay's cursor stood still while events waited to be published.
 #[derive(Debug, Default)]
 struct CursorWatch {
-    last: Option<(i64, i64, Instant)>,
-    longest: Duration,
-    looked: Option<Instant>,
+    /// The cursor, when it was first seen there, and when last seen there with events waiting.
+    last: Option<((i64, i64), Utc, Option<Utc>)>,
+    stalls: Vec<(Utc, Utc)>,
 }
 
+type Utc = chrono::DateTime<chrono::Utc>;
+
 impl CursorWatch {
-    /// Looks once a second (a look that fails, Postgres restarting, is skipped).
-    async fn look(&mut self, pool: &PgPool) {
-        if self.looked.is_some_and(|at| at.elapsed() < Duration::from_secs(1)) {
-            return;
+    /// Looks twice a second until `watching` is cleared, on its own task so that a fault
+    /// being injected does not hide a stall; a look that fails (Postgres restarting) is
+    /// skipped, the time still counting.
+    async fn run(mut self, pool: PgPool, watching: Arc<AtomicBool>) -> Vec<(Utc, Utc)> {
+        while watching.load(Ordering::SeqCst) {
+            self.look(&pool).await;
+            tokio::time::sleep(Duration::from_millis(500)).await;
         }
-        self.looked = Some(Instant::now());
-        let cursor: Result<(i64, i64), _> = sqlx::query_as(
-            "SELECT published_xid::text::bigint, published_seq FROM relay_cursor",
-        )
-        .fetch_one(pool)
-        .await;
+        self.end_stall();
+        self.stalls
+    }
+
+    fn end_stall(&mut self) {
+        if let Some((_, since, Some(seen))) = self.last.take() {
+            self.stalls.push((since, seen));
+        }
+    }
+
+    async fn look(&mut self, pool: &PgPool) {
+        let cursor: Result<(i64, i64), _> =
+            sqlx::query_as("SELECT published_xid::text::bigint, published_seq FROM relay_cursor")
+                .fetch_one(pool)
+                .await;
         let (Ok(cursor), Ok(waiting)) = (cursor, jobfold_common::gauges::unpublished(pool).await)
         else {
             return;
         };
-        let now = Instant::now();
-        match self.last {
-            Some((xid, seq, since)) if (xid, seq) == cursor && waiting > 0 => {
-                self.longest = self.longest.max(now - since);
+        let now = chrono::Utc::now();
+        match &mut self.last {
+            Some((at, _, seen)) if *at == cursor && waiting > 0 => *seen = Some(now),
+            // Moved, or nothing waits: any stall ended.
+            _ => {
+                self.end_stall();
+                self.last = Some((cursor, now, None));
             }
-            _ => self.last = Some((cursor.0, cursor.1, now)),
         }
     }
 }
@@ -674,6 +736,7 @@ async fn settled(pool: &PgPool, acknowledged: &Acknowledged) -> anyhow::Result<b
 }
 
 async fn inject(fleet: &mut Fleet, services: &Services, rng: &mut StdRng) -> anyhow::Result<()> {
+    fleet.landing = Some(chrono::Utc::now());
     let roll = rng.random_range(0..100);
     let processors = fleet.live("jobfold-test-processor");
     let relays = fleet.live("jobfold-relay");
@@ -739,6 +802,7 @@ async fn inject(fleet: &mut Fleet, services: &Services, rng: &mut StdRng) -> any
             }
         }
     }
+    fleet.landing = None;
     Ok(())
 }
 

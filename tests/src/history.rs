@@ -50,12 +50,38 @@ impl Acknowledged {
 /// What the campaign saw while it ran, for the checker.
 #[derive(Debug, Clone, Default)]
 pub struct Observed {
-    /// The longest the relay's cursor stood still while events waited.
-    pub relay_longest_stall: Duration,
+    /// When the relay's cursor stood still while events waited.
+    pub relay_stalls: Vec<(Utc, Utc)>,
     /// How often one event may be on the topic: 1 + the relay's crash windows hit.
     pub copies_bound: u64,
     /// See [`crate::campaign::Plan::delay_bound`].
     pub delay_bound: Duration,
+    /// Every fault injected, and when.
+    pub faults: Vec<(Utc, String)>,
+    /// See [`crate::campaign::Plan::fault_window`].
+    pub fault_window: Duration,
+}
+
+type Utc = chrono::DateTime<chrono::Utc>;
+
+impl Observed {
+    /// How much of `from..to` lies outside every fault's window (`at..at + fault_window`):
+    /// the part of a delay the faults do not explain.
+    pub fn unexplained(&self, from: Utc, to: Utc) -> Duration {
+        let window = chrono::Duration::from_std(self.fault_window).unwrap_or_default();
+        let mut covered = chrono::Duration::zero();
+        let mut reach = from;
+        let mut landed: Vec<Utc> = self.faults.iter().map(|(at, _)| *at).collect();
+        landed.sort();
+        for at in landed {
+            let (start, end) = (at.max(reach), (at + window).min(to));
+            if end > start {
+                covered += end - start;
+                reach = end;
+            }
+        }
+        (to - from - covered).to_std().unwrap_or_default()
+    }
 }
 
 /// The checker's verdict and the numbers that go with it.
@@ -71,15 +97,60 @@ pub struct History {
     pub events_in_log: u64,
     /// Per bad job kind: submitted, and ended as documented.
     pub bad: BTreeMap<String, (u64, u64)>,
-    /// Well-behaved jobs: the longest accept -> end, and its 99th percentile.
-    pub longest_job: Duration,
-    pub p99_job: Duration,
-    /// The longest an acknowledged intake request waited to become a job.
-    pub longest_intake: Duration,
-    pub relay_longest_stall: Duration,
+    /// Well-behaved jobs' accept -> end.
+    pub jobs_open: Delays,
+    /// Acknowledged intake requests' wait to become a job.
+    pub intake_waits: Delays,
+    /// The relay cursor's stalls while events waited.
+    pub relay_stalls: Delays,
+    /// See [`Observed`].
+    pub delay_bound: Duration,
+    pub fault_window: Duration,
     /// The most copies of one event on the topic, and how many its crashes explain.
     pub most_copies: u64,
     pub copies_bound: u64,
+}
+
+/// A set of delays: the 99th percentile, the longest, and the longest part of one that no
+/// fault's window explains.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Delays {
+    pub count: usize,
+    pub p99: Duration,
+    pub longest: Duration,
+    pub unexplained: Duration,
+}
+
+impl Delays {
+    fn of(spans: &[(Utc, Utc)], observed: &Observed) -> Self {
+        let mut took: Vec<Duration> =
+            spans.iter().map(|(from, to)| (*to - *from).to_std().unwrap_or_default()).collect();
+        took.sort();
+        let unexplained = spans
+            .iter()
+            .map(|(from, to)| observed.unexplained(*from, *to))
+            .max()
+            .unwrap_or_default();
+        Self {
+            count: took.len(),
+            p99: took.get(took.len() * 99 / 100).copied().unwrap_or_default(),
+            longest: took.last().copied().unwrap_or_default(),
+            unexplained,
+        }
+    }
+}
+
+impl fmt::Display for Delays {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{:>6.1} {:>6.1} {:>6.1} s  ({})",
+            self.p99.as_secs_f64(),
+            self.longest.as_secs_f64(),
+            self.unexplained.as_secs_f64(),
+            self.count
+        )
+    }
 }
 
 impl fmt::Display for History {
@@ -93,14 +164,17 @@ impl fmt::Display for History {
         )?;
         writeln!(
             f,
-            "well-behaved jobs accept -> end p99 {:.1} s, longest {:.1} s; intake longest {:.1} s; \
-             relay cursor still at most {:.1} s; at most {} copies of an event ({} explained)",
-            self.p99_job.as_secs_f64(),
-            self.longest_job.as_secs_f64(),
-            self.longest_intake.as_secs_f64(),
-            self.relay_longest_stall.as_secs_f64(),
-            self.most_copies,
-            self.copies_bound
+            "delays (p99 / longest / longest outside the faults' {} s windows, bound {} s):",
+            self.fault_window.as_secs(),
+            self.delay_bound.as_secs()
+        )?;
+        writeln!(f, "  well-behaved jobs, accept -> end        {}", self.jobs_open)?;
+        writeln!(f, "  intake requests, acknowledged -> job    {}", self.intake_waits)?;
+        writeln!(f, "  relay cursor standing while events wait {}", self.relay_stalls)?;
+        writeln!(
+            f,
+            "at most {} copies of an event on the topic ({} explained by the relay's crashes)",
+            self.most_copies, self.copies_bound
         )?;
         if self.findings.is_empty() {
             writeln!(f, "history: 0 lost, 0 duplicate effects, projection = fold(log)")?;
@@ -298,7 +372,7 @@ async fn check_bad(
     pool: &PgPool,
     ledger: &Ledger,
 ) -> anyhow::Result<(Vec<String>, BTreeMap<String, (u64, u64)>)> {
-    let mut findings = Vec::new();
+    let mut findings = ledger.unanswered.clone();
     let mut tally: BTreeMap<String, (u64, u64)> = BTreeMap::new();
     for bad in &ledger.bad {
         // language=PostgreSQL
@@ -334,12 +408,11 @@ async fn check_bad(
             }
             Expect::AllEnded { versions } => {
                 // language=PostgreSQL
-                let indexed: Option<i64> = sqlx::query_scalar(
-                    "SELECT version FROM document_index WHERE document_id = $1",
-                )
-                .bind(&bad.document)
-                .fetch_optional(pool)
-                .await?;
+                let indexed: Option<i64> =
+                    sqlx::query_scalar("SELECT version FROM document_index WHERE document_id = $1")
+                        .bind(&bad.document)
+                        .fetch_optional(pool)
+                        .await?;
                 jobs.len() as i64 == *versions
                     && jobs.iter().all(|(s, _, _)| s == "succeeded" || s == "superseded")
                     && indexed == Some(*versions)
@@ -365,8 +438,9 @@ async fn check_bad(
     Ok((findings, tally))
 }
 
-/// What the bad jobs cost the others: well-behaved jobs' accept -> end, intake waits, the
-/// relay's stalls and the copies of events on the topic, against their bounds.
+/// What the bad jobs cost the others: well-behaved jobs' accept -> end, intake waits and the
+/// relay's stalls, each outside the faults' windows against the delay bound, and the copies
+/// of events on the topic against the relay's crashes.
 async fn check_delays(
     config: &Config,
     pool: &PgPool,
@@ -375,61 +449,73 @@ async fn check_delays(
     h: &mut History,
 ) -> anyhow::Result<()> {
     let bound = observed.delay_bound;
+    h.delay_bound = bound;
+    h.fault_window = observed.fault_window;
+    let now = chrono::Utc::now();
+    // A job still open counts until now.
     // language=PostgreSQL
-    let (p99, longest, slowest): (Option<f64>, Option<f64>, Option<String>) = sqlx::query_as(
+    let open: Vec<(Uuid, Utc, Option<Utc>)> = sqlx::query_as(
         r#"
-        WITH took AS (
-            SELECT job_id, EXTRACT(EPOCH FROM finished_at - accepted_at)::float8 AS secs
-            FROM jobs WHERE document_id NOT LIKE 'bad-%' AND document_id NOT LIKE 'hot-%'
-              AND finished_at IS NOT NULL
-        )
-        SELECT percentile_cont(0.99) WITHIN GROUP (ORDER BY secs), max(secs),
-               (SELECT job_id::text FROM took ORDER BY secs DESC LIMIT 1)
-        FROM took
+        SELECT job_id, accepted_at, finished_at FROM jobs
+        WHERE document_id NOT LIKE 'bad-%' AND document_id NOT LIKE 'hot-%'
         "#,
     )
-    .fetch_one(pool)
+    .fetch_all(pool)
     .await?;
-    h.p99_job = Duration::from_secs_f64(p99.unwrap_or(0.0).max(0.0));
-    h.longest_job = Duration::from_secs_f64(longest.unwrap_or(0.0).max(0.0));
-    if h.longest_job > bound {
+    let spans: Vec<(Utc, Utc)> =
+        open.iter().map(|(_, from, to)| (*from, to.unwrap_or(now))).collect();
+    h.jobs_open = Delays::of(&spans, observed);
+    if h.jobs_open.unexplained > bound {
+        let mut slow: Vec<(Duration, Uuid)> = open
+            .iter()
+            .map(|(id, from, to)| (observed.unexplained(*from, to.unwrap_or(now)), *id))
+            .filter(|(d, _)| *d > bound)
+            .collect();
+        slow.sort_by(|a, b| b.cmp(a));
+        let ids: Vec<Uuid> = slow.iter().take(5).map(|(_, id)| *id).collect();
         h.findings.push(format!(
-            "a well-behaved job took {:.1} s from accept to end (job {}), over the bound of {} s",
-            h.longest_job.as_secs_f64(),
-            slowest.unwrap_or_default(),
-            bound.as_secs()
+            "{} well-behaved jobs were open longer than the bound of {} s outside the faults' \
+             windows, {:.1} s at most; the slowest:\n{}",
+            slow.len(),
+            bound.as_secs(),
+            h.jobs_open.unexplained.as_secs_f64(),
+            accounts(pool, &ids, observed).await?
         ));
     }
-    let (ids, sent): (Vec<String>, Vec<chrono::DateTime<chrono::Utc>>) = acknowledged
-        .request_times
-        .iter()
-        .map(|(id, at)| (format!("request:{id}"), *at))
-        .unzip();
+
+    let (ids, sent): (Vec<String>, Vec<Utc>) =
+        acknowledged.request_times.iter().map(|(id, at)| (format!("request:{id}"), *at)).unzip();
+    // A request with no job waits until now.
     // language=PostgreSQL
-    let waited: Option<f64> = sqlx::query_scalar(
+    let waits: Vec<(Utc, Option<Utc>)> = sqlx::query_as(
         r#"
-        SELECT max(EXTRACT(EPOCH FROM j.accepted_at - r.sent)::float8)
+        SELECT r.sent, j.accepted_at
         FROM unnest($1::text[], $2::timestamptz[]) AS r(key, sent)
-        JOIN jobs j ON j.idempotency_key = r.key
+        LEFT JOIN jobs j ON j.idempotency_key = r.key
         "#,
     )
     .bind(&ids)
     .bind(&sent)
-    .fetch_one(pool)
+    .fetch_all(pool)
     .await?;
-    h.longest_intake = Duration::from_secs_f64(waited.unwrap_or(0.0).max(0.0));
-    if h.longest_intake > bound {
+    let spans: Vec<(Utc, Utc)> =
+        waits.iter().map(|(sent, accepted)| (*sent, accepted.unwrap_or(now).max(*sent))).collect();
+    h.intake_waits = Delays::of(&spans, observed);
+    if h.intake_waits.unexplained > bound {
         h.findings.push(format!(
-            "an acknowledged intake request waited {:.1} s to be accepted, over the bound of {} s",
-            h.longest_intake.as_secs_f64(),
+            "an acknowledged intake request waited {:.1} s to be accepted outside the faults' \
+             windows, over the bound of {} s",
+            h.intake_waits.unexplained.as_secs_f64(),
             bound.as_secs()
         ));
     }
-    h.relay_longest_stall = observed.relay_longest_stall;
-    if h.relay_longest_stall > bound {
+
+    h.relay_stalls = Delays::of(&observed.relay_stalls, observed);
+    if h.relay_stalls.unexplained > bound {
         h.findings.push(format!(
-            "the relay's cursor stood still {:.1} s while events waited, over the bound of {} s",
-            h.relay_longest_stall.as_secs_f64(),
+            "the relay's cursor stood still {:.1} s while events waited, outside the faults' \
+             windows, over the bound of {} s",
+            h.relay_stalls.unexplained.as_secs_f64(),
             bound.as_secs()
         ));
     }
@@ -442,6 +528,47 @@ async fn check_delays(
         ));
     }
     Ok(())
+}
+
+/// Jobs `ids`, each with its events and the faults that landed while it was open, as seconds
+/// since its accept.
+async fn accounts(pool: &PgPool, ids: &[Uuid], observed: &Observed) -> anyhow::Result<String> {
+    let mut out = String::new();
+    for id in ids {
+        // language=PostgreSQL
+        let (document, version, accepted, finished): (String, i64, Utc, Option<Utc>) =
+            sqlx::query_as(
+                "SELECT document_id, input_version, accepted_at, finished_at FROM jobs WHERE job_id = $1",
+            )
+            .bind(id)
+            .fetch_one(pool)
+            .await?;
+        let finished = finished.unwrap_or_else(chrono::Utc::now);
+        let at = |t: Utc| (t - accepted).as_seconds_f64();
+        // language=PostgreSQL
+        let events: Vec<(String, Utc)> = sqlx::query_as(
+            "SELECT kind, occurred_at FROM job_events WHERE job_id = $1 ORDER BY stream_version",
+        )
+        .bind(id)
+        .fetch_all(pool)
+        .await?;
+        let events: Vec<String> =
+            events.iter().map(|(kind, t)| format!("{kind} {:+.1}", at(*t))).collect();
+        let window = chrono::Duration::from_std(observed.fault_window).unwrap_or_default();
+        let landed: Vec<String> = observed
+            .faults
+            .iter()
+            .filter(|(t, _)| *t + window >= accepted && *t <= finished)
+            .map(|(t, kind)| format!("{kind} {:+.1}", at(*t)))
+            .collect();
+        out.push_str(&format!(
+            "  {document} v{version} ({id}), {:.1} s: {}\n    faults: {}\n",
+            at(finished),
+            events.join(", "),
+            if landed.is_empty() { "none".to_owned() } else { landed.join(", ") }
+        ));
+    }
+    Ok(out)
 }
 
 /// The most copies of one message (same key and bytes) on the events topic.
