@@ -650,7 +650,15 @@ pub async fn run(plan: &Plan) -> anyhow::Result<Outcome> {
         copies_bound: 1 + relay_crashes,
         delay_bound: plan.delay_bound,
     };
-    let history = history::check(&config, &pool, &acknowledged, &ledger, &observed).await?;
+    let mut history = history::check(&config, &pool, &acknowledged, &ledger, &observed).await?;
+    if plan.bad_share > 0.0 {
+        // A kind never submitted proves nothing about it.
+        for kind in crate::bad::BadKind::DRAWN.iter().chain([&crate::bad::BadKind::HotDocument]) {
+            if !history.bad.contains_key(kind.name()) {
+                history.findings.push(format!("no bad job \"{}\" was submitted", kind.name()));
+            }
+        }
+    }
     pool.close().await;
     drop(services);
     Ok(Outcome {
