@@ -49,6 +49,7 @@ fn the_bench_runs_every_measurement() {
         "| end to end, steady ",
         "| slow jobs, 1 s handler, ",
         "| processor peak RSS | ",
+        "| relay peak RSS, end to end | ",
         "| recovery after kill -9 of 1 of 2 processors | ",
     ] {
         let line = written.lines().find(|l| l.starts_with(row));
@@ -62,6 +63,11 @@ fn the_bench_runs_every_measurement() {
     // Where the relay's CPU went, next to the raw producer's (read from /proc).
     let drain = written.lines().find(|l| l.starts_with("| relay, draining")).unwrap();
     assert!(drain.contains("CPU per event") && drain.contains("the raw producer: "), "{drain}");
+    // Where each end-to-end job's CPU went, by component (read from /proc).
+    let burst = written.lines().find(|l| l.starts_with("| end to end, trivial")).unwrap();
+    for part in ["CPU per job: ", "µs on the machine (", "Postgres ", "processor ", "relay "] {
+        assert!(burst.contains(part), "no {part:?} in {burst}");
+    }
     // The scratch databases are dropped again.
     assert!(scratch() <= scratch_before, "scratch databases left behind");
 }

@@ -568,17 +568,27 @@ async fn measure_processing(
     let a_pid = a.child.id().context("the processor's pid")?;
     let mut offset = 0;
 
-    // Throughput: a burst, accepted in batches, until every job succeeded.
+    // Throughput: a burst, accepted in batches, until every job succeeded. Its end is read
+    // from the processor's counter, so the wait loads neither Postgres nor the processor's
+    // hot path; one count confirms it.
     let burst = sizes.e2e_jobs;
+    let relay_pid = relay.child.id().context("the relay's pid")?;
+    let cpu = CpuByComponent::now(relay_pid, a_pid);
     let started = Instant::now();
     for chunk in (0..burst).collect::<Vec<_>>().chunks(sizes.batch) {
         let jobs: Vec<NewJob> = chunk.iter().map(|i| job(offset + i)).collect();
         acceptor.accept_batch(&pool, &jobs).await?;
     }
-    wait_finished(&pool, burst, Duration::from_secs(900)).await?;
+    wait_succeeded(a.metrics, burst, Duration::from_secs(900)).await?;
     let burst_rate = burst as f64 / started.elapsed().as_secs_f64();
+    let cpu = cpu.zip(CpuByComponent::now(relay_pid, a_pid));
+    wait_finished(&pool, burst, Duration::from_secs(60)).await?;
     offset += burst;
     let burst_row = rows.len();
+    let mut burst_note = String::new();
+    if let Some((before, after)) = cpu {
+        burst_note = format!("; CPU per job: {}", before.per_job(&after, burst as f64));
+    }
     rows.push(Row::new("end to end, trivial handler, burst").rate(burst_rate));
 
     // Latency: a steady load at half the burst rate.
@@ -640,12 +650,12 @@ async fn measure_processing(
         .versus(peak as f64, config.processor.max_in_flight as f64, "processor.max_in_flight")
         .note(format!("{peak} jobs in flight at the peak; {slow} jobs in {secs:.1} s")),
     );
-    let rss = peak_rss_mib(a_pid)?;
-    rows.push(
-        Row::new("processor peak RSS")
-            .versus(rss, 64.0, "64 MiB")
-            .note(format!("{rss:.1} MiB (VmHWM) after the burst, steady and slow runs")),
-    );
+    for (name, pid) in [("processor peak RSS", a_pid), ("relay peak RSS, end to end", relay_pid)] {
+        let rss = peak_rss_mib(pid)?;
+        rows.push(Row::new(name).versus(rss, 64.0, "64 MiB").note(format!(
+            "{rss:.1} MiB (VmHWM) after the {burst}-job burst, steady and slow runs"
+        )));
+    }
 
     // Recovery: kill -9 one of two processors while both run jobs.
     let mut b = crate::demo::spawn(
@@ -729,7 +739,7 @@ async fn measure_processing(
         .note(format!(
             "{burst} jobs accept -> succeeded, 1 processor; per job {messages:.1} Kafka messages \
              ({:.1}% of the raw producer), {writes:.1} rows written ({:.1}% of multi-row insert), \
-             {commits:.2} lease and completion commits",
+             {commits:.2} lease and completion commits{burst_note}",
             100.0 * burst_rate * messages / limits.producer,
             100.0 * burst_rate * writes / limits.rows
         ));
@@ -740,6 +750,26 @@ async fn measure_processing(
     pool.close().await;
     Ok(())
 }
+/// Waits until processor `port`'s `jobfold_completed_total{outcome="succeeded"}` reaches
+/// `count`, looking every 50 ms.
+async fn wait_succeeded(port: u16, count: usize, timeout: Duration) -> anyhow::Result<()> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let done = crate::demo::metric_sum(
+            port,
+            jobfold_common::metrics::COMPLETED_TOTAL,
+            "\"succeeded\"",
+        )
+        .await
+        .unwrap_or(0.0);
+        if done >= count as f64 {
+            return Ok(());
+        }
+        anyhow::ensure!(Instant::now() < deadline, "jobs did not succeed: {done} of {count}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 /// Waits until `count` jobs are finished.
 async fn wait_finished(pool: &PgPool, count: usize, timeout: Duration) -> anyhow::Result<()> {
     let deadline = Instant::now() + timeout;
@@ -1012,7 +1042,6 @@ async fn topic_latencies(
     Ok(h)
 }
 
-/// The process's peak resident memory (VmHWM), in MiB.
 /// CPU seconds used so far, from `/proc` (Linux; `None` elsewhere): by the whole machine
 /// (all cores, busy time) and by each of `pids`.
 #[derive(Debug, Clone)]
@@ -1036,17 +1065,7 @@ impl CpuTime {
             .collect();
         // user nice system idle iowait irq softirq steal …: busy is all but idle and iowait.
         let busy = ticks.iter().take(8).sum::<f64>() - ticks.get(3)? - ticks.get(4)?;
-        let processes = pids
-            .iter()
-            .map(|pid| {
-                let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-                // Fields after the command name (which may hold spaces): utime is the 12th.
-                let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
-                let (user, system): (f64, f64) =
-                    (fields.get(11)?.parse().ok()?, fields.get(12)?.parse().ok()?);
-                Some((user + system) / USER_HZ)
-            })
-            .collect::<Option<Vec<f64>>>()?;
+        let processes = pids.iter().map(|pid| process_cpu(*pid)).collect::<Option<Vec<f64>>>()?;
         Some(CpuTime { machine: busy / USER_HZ, processes })
     }
 
@@ -1055,6 +1074,76 @@ impl CpuTime {
         let per = |a: f64, b: f64| (b - a) * 1e6 / items.max(1.0);
         let processes = self.processes.iter().zip(&later.processes).map(|(a, b)| per(*a, *b));
         (per(self.machine, later.machine), processes.collect())
+    }
+}
+
+/// CPU seconds process `pid` used so far (user and system), from `/proc`.
+fn process_cpu(pid: u32) -> Option<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Fields after the command name (which may hold spaces): utime is the 12th.
+    let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
+    let (user, system): (f64, f64) = (fields.get(11)?.parse().ok()?, fields.get(12)?.parse().ok()?);
+    Some((user + system) / USER_HZ)
+}
+
+/// CPU seconds used so far on this machine, by component: every Postgres process (backends,
+/// WAL writer, checkpointer), the Kafka broker, the relay, the processor and this command; the
+/// rest of the machine's busy time is "other".
+#[derive(Debug, Clone)]
+struct CpuByComponent {
+    machine: f64,
+    components: std::collections::BTreeMap<&'static str, f64>,
+}
+
+impl CpuByComponent {
+    fn now(relay: u32, processor: u32) -> Option<Self> {
+        let machine = CpuTime::now(&[])?.machine;
+        let own = std::process::id();
+        let mut components = std::collections::BTreeMap::new();
+        for entry in std::fs::read_dir("/proc").ok()?.flatten() {
+            let Some(pid) = entry.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else {
+                continue;
+            };
+            let component = if pid == relay {
+                "relay"
+            } else if pid == processor {
+                "processor"
+            } else if pid == own {
+                "bench client"
+            } else {
+                let Ok(cmdline) = std::fs::read(format!("/proc/{pid}/cmdline")) else { continue };
+                let cmdline = String::from_utf8_lossy(&cmdline);
+                if cmdline.starts_with("postgres") || cmdline.contains("bin/postgres") {
+                    "Postgres"
+                } else if cmdline.contains("kafka.Kafka") {
+                    "Kafka"
+                } else {
+                    continue;
+                }
+            };
+            if let Some(cpu) = process_cpu(pid) {
+                *components.entry(component).or_default() += cpu;
+            }
+        }
+        Some(Self { machine, components })
+    }
+
+    /// Microseconds of CPU per job since `self`, the machine's then each component's, e.g.
+    /// "738 µs on the machine (Postgres 462, processor 143, ...)". A process that ended in
+    /// between (a Postgres backend) leaves its time to "other".
+    fn per_job(&self, later: &Self, jobs: f64) -> String {
+        let per = |a: f64, b: f64| (b - a).max(0.0) * 1e6 / jobs.max(1.0);
+        let mut parts: Vec<(f64, &str)> = later
+            .components
+            .iter()
+            .map(|(name, b)| (per(self.components.get(name).copied().unwrap_or(0.0), *b), *name))
+            .collect();
+        let machine = per(self.machine, later.machine);
+        let known: f64 = parts.iter().map(|(us, _)| us).sum();
+        parts.sort_by(|a, b| b.0.total_cmp(&a.0));
+        parts.push(((machine - known).max(0.0), "other"));
+        let parts: Vec<String> = parts.iter().map(|(us, name)| format!("{name} {us:.0}")).collect();
+        format!("{machine:.0} µs on the machine ({})", parts.join(", "))
     }
 }
 

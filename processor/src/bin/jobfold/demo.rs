@@ -75,6 +75,18 @@ pub(crate) struct Process {
     pub(crate) metrics: u16,
 }
 
+/// The sum of metric `name` over the series whose labels contain `labels` (`""` for all),
+/// from a process's `/metrics`; `None` if it could not be read.
+pub(crate) async fn metric_sum(port: u16, name: &str, labels: &str) -> Option<f64> {
+    let text =
+        reqwest::get(format!("http://127.0.0.1:{port}/metrics")).await.ok()?.text().await.ok()?;
+    let values = text
+        .lines()
+        .filter(|l| l.split(['{', ' ']).next() == Some(name) && l.contains(labels))
+        .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok());
+    Some(values.sum())
+}
+
 /// What the demo started, stopped again at the end.
 #[derive(Default)]
 struct Started {

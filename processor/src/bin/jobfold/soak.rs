@@ -334,8 +334,12 @@ async fn sample(
         unfinished,
         processor_rss_mib: rss_mib(processor_pid)?,
         relay_rss_mib: rss_mib(relay_pid)?,
-        lag: metric_sum(metrics_port, "jobfold_consumer_lag").await.unwrap_or(f64::NAN),
-        buffered: metric_sum(metrics_port, "jobfold_buffered_messages").await.unwrap_or(f64::NAN),
+        lag: crate::demo::metric_sum(metrics_port, "jobfold_consumer_lag", "")
+            .await
+            .unwrap_or(f64::NAN),
+        buffered: crate::demo::metric_sum(metrics_port, "jobfold_buffered_messages", "")
+            .await
+            .unwrap_or(f64::NAN),
         rows,
         database_mib: bytes as f64 / 1048576.0,
     })
@@ -350,17 +354,6 @@ fn rss_mib(pid: u32) -> anyhow::Result<f64> {
         .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
         .context("VmRSS missing from /proc status")?;
     Ok(kib / 1024.0)
-}
-
-/// The sum of metric `name` over its labels, from the processor's `/metrics`.
-async fn metric_sum(port: u16, name: &str) -> Option<f64> {
-    let text =
-        reqwest::get(format!("http://127.0.0.1:{port}/metrics")).await.ok()?.text().await.ok()?;
-    let values = text
-        .lines()
-        .filter(|l| l.split(['{', ' ']).next() == Some(name))
-        .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok());
-    Some(values.sum())
 }
 
 async fn wait_ended(pool: &PgPool, timeout: Duration) -> anyhow::Result<()> {
