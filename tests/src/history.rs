@@ -614,3 +614,44 @@ fn most_copies(config: &Config) -> anyhow::Result<u64> {
     anyhow::ensure!(ends.is_empty(), "the events topic could not be read to its end");
     Ok(copies.values().copied().max().unwrap_or(0))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn at(secs: i64) -> Utc {
+        chrono::DateTime::from_timestamp(1_800_000_000 + secs, 0).expect("a time")
+    }
+
+    fn observed(faults: &[i64]) -> Observed {
+        Observed {
+            faults: faults.iter().map(|s| (at(*s), "fault".to_owned())).collect(),
+            fault_window: Duration::from_secs(10),
+            ..Observed::default()
+        }
+    }
+
+    #[test]
+    fn only_what_no_fault_window_covers_is_unexplained() {
+        // No fault: all of it.
+        assert_eq!(observed(&[]).unexplained(at(0), at(30)), Duration::from_secs(30));
+        // One window inside: 30 - 10.
+        assert_eq!(observed(&[5]).unexplained(at(0), at(30)), Duration::from_secs(20));
+        // Overlapping windows count once (5..20), in any order.
+        assert_eq!(observed(&[10, 5]).unexplained(at(0), at(30)), Duration::from_secs(15));
+        // A window opened before the span covers its start; one after it, nothing.
+        assert_eq!(observed(&[-5, 40]).unexplained(at(0), at(30)), Duration::from_secs(25));
+        // Covered end to end.
+        assert_eq!(observed(&[0, 9, 18, 27]).unexplained(at(0), at(30)), Duration::ZERO);
+    }
+
+    #[test]
+    fn delays_report_the_worst_unexplained_part() {
+        let spans = [(at(0), at(30)), (at(40), at(45)), (at(50), at(52))];
+        let delays = Delays::of(&spans, &observed(&[0]));
+        assert_eq!(delays.count, 3);
+        assert_eq!(delays.longest, Duration::from_secs(30));
+        // The 30 s span has 10 s covered; the 5 s one none.
+        assert_eq!(delays.unexplained, Duration::from_secs(20));
+    }
+}
