@@ -33,6 +33,8 @@ pub(crate) struct Sizes {
     /// Events for the relay to drain: the accepted ones, then copies of them up to this many,
     /// so that its start and end are a small part of the time.
     pub(crate) relay_backlog: usize,
+    /// How long the end-to-end burst may wait for the machine to be idle first.
+    pub(crate) settle: Duration,
 }
 
 impl Sizes {
@@ -48,6 +50,7 @@ impl Sizes {
             slow_jobs: 200,
             slow_ms: 10_000,
             relay_backlog: 1_000_000,
+            settle: Duration::from_secs(60),
         }
     }
 
@@ -64,6 +67,8 @@ impl Sizes {
             slow_jobs: 20,
             slow_ms: 1_000,
             relay_backlog: 0,
+            // Under the test suite the machine is never idle.
+            settle: Duration::ZERO,
         }
     }
 
@@ -79,6 +84,7 @@ impl Sizes {
             slow_jobs: 200,
             slow_ms: 10_000,
             relay_backlog: 5_000_000,
+            settle: Duration::from_secs(60),
         }
     }
 }
@@ -573,7 +579,7 @@ async fn measure_processing(
     // hot path; one count confirms it.
     let burst = sizes.e2e_jobs;
     let relay_pid = relay.child.id().context("the relay's pid")?;
-    let settled = settle(Duration::from_secs(60)).await;
+    let settled = settle(sizes.settle).await;
     let cpu = CpuByComponent::now(relay_pid, a_pid);
     let started = Instant::now();
     for chunk in (0..burst).collect::<Vec<_>>().chunks(sizes.batch) {
