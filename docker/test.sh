@@ -8,7 +8,8 @@
 # 2. starts PostgreSQL, Kafka and the schema registry natively (reusing running ones);
 # 3. runs cargo fmt --check, cargo clippy -D warnings, and every test with cargo nextest;
 # 4. with no arguments, the shortened soak (`jobfold soak --duration 150s`);
-# 5. stops the services it started (and only those).
+# 5. removes the scratch databases and topics the tests left, and stops the services it
+#    started (and only those).
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 cd "$JOBFOLD_ROOT"
 
@@ -44,8 +45,20 @@ if ! cargo nextest --version >/dev/null 2>&1; then
 fi
 
 started=()
+swept=0
+# Removes the scratch databases and topics tests and benchmarks leave (a failing test cannot
+# drop its own): left to pile up over runs, the broker's partitions slow its start past the
+# readiness wait. Only names the tests make are touched; see tests/src/bin/test_sweep.rs.
+sweep() {
+    [ "$swept" -eq 0 ] || return 0
+    swept=1
+    step "removing scratch databases and topics"
+    cargo run --locked -q -p jobfold-tests --bin jobfold-test-sweep ||
+        say "warning: the sweep failed; scratch databases and topics are left"
+}
 cleanup() {
     local rc=$?
+    if [ -n "${JOBFOLD_KAFKA_BROKERS:-}" ]; then sweep; fi
     for ((i = ${#started[@]} - 1; i >= 0; i--)); do
         "docker/${started[i]}.sh" stop || true
     done

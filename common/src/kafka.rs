@@ -215,6 +215,29 @@ pub fn jobfold_topics(config: &Config) -> Vec<TopicSpec<'_>> {
     ]
 }
 
+/// Deletes `topics`; one already gone is not an error. The broker removes the partitions'
+/// files in the background.
+///
+/// # Errors
+/// The broker is unreachable or refuses the request.
+pub async fn delete_topics(config: &Config, topics: &[&str]) -> anyhow::Result<()> {
+    if topics.is_empty() {
+        return Ok(());
+    }
+    let admin: AdminClient<DefaultClientContext> = config.kafka_client().create()?;
+    let options = AdminOptions::new().operation_timeout(Some(Duration::from_secs(30)));
+    // A few hundred topics a request keeps each one small.
+    for chunk in topics.chunks(200) {
+        for result in admin.delete_topics(chunk, &options).await? {
+            match result {
+                Ok(_) | Err((_, RDKafkaErrorCode::UnknownTopicOrPartition)) => {}
+                Err((name, code)) => anyhow::bail!("deleting topic {name}: {code}"),
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Creates each topic that does not exist yet; existing topics are left as they are.
 ///
 /// # Errors

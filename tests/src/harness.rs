@@ -20,6 +20,9 @@ use uuid::Uuid;
 use crate::kafka::unique_name;
 use crate::services;
 
+/// How every test database's name starts (`jobfold-test-sweep` finds leftovers by it).
+pub const SCRATCH_DATABASE: &str = "jobfold_test_";
+
 /// One test's jobfold: a fresh database with the migrations applied, and unique names.
 #[derive(Debug)]
 pub struct Installation {
@@ -34,7 +37,10 @@ impl Installation {
         services::require_all();
         let admin_url = services::database_url();
         let admin = PgPool::connect(&admin_url).await.expect("connecting to Postgres");
-        let database = format!("jobfold_{}_{}", name.replace('-', "_"), Uuid::new_v4().simple());
+        // The random part first: Postgres cuts names at 63 bytes, and a long test name must
+        // lose its tail, not the part that makes the name unique.
+        let database =
+            format!("{SCRATCH_DATABASE}{}_{}", Uuid::new_v4().simple(), name.replace('-', "_"));
         sqlx::query(&format!("CREATE DATABASE {database}")).execute(&admin).await.unwrap();
         admin.close().await;
         let (base, _) = admin_url.rsplit_once('/').unwrap();
@@ -181,8 +187,13 @@ impl Installation {
         .unwrap();
     }
 
-    /// Drops the database (call at the end of a passing test).
+    /// Drops the database and deletes the topics (call at the end of a passing test; what a
+    /// failing one leaves, `jobfold-test-sweep` removes after the run).
     pub async fn cleanup(self) {
+        let topics = [self.config.topics.events.as_str(), self.config.topics.requests.as_str()];
+        if let Err(e) = jobfold_common::kafka::delete_topics(&self.config, &topics).await {
+            tracing::warn!("leaving this test's topics: {e:#}");
+        }
         self.pool.close().await;
         let admin = PgPool::connect(&services::database_url()).await.unwrap();
         let _ = sqlx::query(&format!("DROP DATABASE IF EXISTS {} WITH (FORCE)", self.database))

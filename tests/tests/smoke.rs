@@ -229,7 +229,11 @@ async fn migrations_apply_and_constraints_hold() {
     services::require_url("PostgreSQL", &url);
     let admin = sqlx::PgPool::connect(&url).await.unwrap();
     // A database of its own, so the test sees a fresh schema whatever ran before.
-    let name = format!("jobfold_smoke_{}", uuid::Uuid::new_v4().simple());
+    let name = format!(
+        "{}smoke_{}",
+        jobfold_tests::harness::SCRATCH_DATABASE,
+        uuid::Uuid::new_v4().simple()
+    );
     sqlx::query(&format!("CREATE DATABASE {name}")).execute(&admin).await.unwrap();
     let (base, _) = url.rsplit_once('/').unwrap();
     let pool = sqlx::PgPool::connect(&format!("{base}/{name}")).await.unwrap();

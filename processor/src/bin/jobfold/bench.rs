@@ -194,7 +194,13 @@ where
         config.topics.events = format!("jobfold-bench-events-{suffix}");
         config.topics.requests = format!("jobfold-bench-requests-{suffix}");
         config.relay.lock_key = i64::from(rand::random::<u32>());
-        measure(config).await
+        let topics = [config.topics.events.clone(), config.topics.requests.clone()];
+        let measured = measure(config.clone()).await;
+        let names = topics.each_ref().map(String::as_str);
+        if let Err(e) = jobfold_common::kafka::delete_topics(&config, &names).await {
+            tracing::warn!("leaving the benchmark's topics: {e:#}");
+        }
+        measured
     }
     .await;
     let _ = sqlx::query(&format!("DROP DATABASE IF EXISTS {database} WITH (FORCE)"))
