@@ -66,7 +66,7 @@ pub async fn read(pool: &PgPool) -> Result<Snapshot, sqlx::Error> {
                EXTRACT(EPOCH FROM now() - min(accepted_at))::float8,
                count(*) FILTER (WHERE lease_until < now())
         FROM jobs
-        WHERE state IN ('queued', 'leased', 'retry_wait')
+        WHERE finished_at IS NULL
         GROUP BY state
         "#,
     )

@@ -66,7 +66,8 @@ pub async fn reap(config: &Config, pool: &PgPool, events: &Events) -> anyhow::Re
 
 /// Which jobs the reaper dispatches: `$1` is the grace, `$2` stall_after, in seconds.
 const DUE: &str = r#"
-    ((state = 'leased' AND lease_until < now() - make_interval(secs => $1))
+    finished_at IS NULL
+    AND ((state = 'leased' AND lease_until < now() - make_interval(secs => $1))
       OR (state = 'queued' AND accepted_at < now() - make_interval(secs => $2)))
     AND coalesce(next_attempt_at, '-infinity') < now()
 "#;

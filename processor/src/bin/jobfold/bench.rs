@@ -648,7 +648,7 @@ async fn measure_processing(
     loop {
         let (leased, unfinished): (i64, i64) = sqlx::query_as(
             "SELECT count(*) FILTER (WHERE state = 'leased'), count(*) FROM jobs \
-             WHERE state IN ('queued', 'leased', 'retry_wait')",
+             WHERE finished_at IS NULL",
         )
         .fetch_one(&pool)
         .await?;
