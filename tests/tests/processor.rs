@@ -1504,3 +1504,35 @@ async fn retention_deletes_what_ended_jobs_leave_and_keeps_the_newest_version() 
     assert_eq!(it.state_and_attempt(late).await, ("superseded".into(), 0));
     it.cleanup().await;
 }
+
+/// Taking a lease writes no index entry: no index of `jobs` names a column the lease
+/// changes, so the new row version is heap-only (HOT). An index on `state` (as there was)
+/// makes every lease insert into every index of the table.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_is_a_heap_only_update() {
+    use jobfold_processor::store;
+    let it = Installation::new("proc-hot").await;
+    let acceptor = it.acceptor().await;
+    let events = it.events().await;
+    let ids = accept_all(&acceptor, &it, &[job("doc-hot", 1, json!({ "text": "x" }))]).await;
+
+    let mut tx = it.pool.begin().await.unwrap();
+    let mut rows = store::lock_jobs(&mut tx, &ids).await.unwrap();
+    let event_id = Uuid::now_v7();
+    let leases = rows.iter_mut().map(|row| (row, event_id, None)).collect();
+    store::take_leases(&mut tx, &events, leases, "test-owner", |_| Duration::from_secs(30))
+        .await
+        .unwrap();
+    // This transaction's own counts for the table, before it commits.
+    let (updated, hot): (i64, i64) = sqlx::query_as(
+        "SELECT pg_stat_get_xact_tuples_updated('jobs'::regclass), \
+                pg_stat_get_xact_tuples_hot_updated('jobs'::regclass)",
+    )
+    .fetch_one(&mut *tx)
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+    assert_eq!((updated, hot), (1, 1), "the lease's update of the job row was not heap-only");
+    assert_eq!(state_and_attempt(&it, ids[0]).await, ("leased".to_owned(), 1));
+    it.cleanup().await;
+}
