@@ -1486,6 +1486,16 @@ async fn retention_deletes_what_ended_jobs_leave_and_keeps_the_newest_version() 
     assert_eq!(left("job_events").await.0, 0, "events of final jobs are gone");
     assert!(left("job_events").await.1 >= 4, "the quarantined job keeps its events");
     assert_eq!(it.count("quarantine").await, 1);
+    // No foreign key holds events and results to their job: retention itself leaves none
+    // behind a deleted job.
+    for table in ["job_events", "job_results", "consumed_events"] {
+        let orphans = it
+            .count(&format!(
+                "{table} t WHERE NOT EXISTS (SELECT 1 FROM jobs j WHERE j.job_id = t.job_id)"
+            ))
+            .await;
+        assert_eq!(orphans, 0, "{table} rows of deleted jobs");
+    }
     assert_eq!(
         jobfold_tests::harness::events_on_topic(&it),
         events_before,
