@@ -39,8 +39,18 @@ use sqlx::postgres::{PgConnectOptions, PgListener};
 use sqlx::{Connection, PgConnection, PgPool};
 use tokio_util::sync::CancellationToken;
 
-/// The channel `outbox_notify()` signals on every outbox insert.
+/// The channel `outbox_notify()` signals on, when the relay sleeps.
 pub const NOTIFY_CHANNEL: &str = "jobfold_outbox";
+/// The advisory lock (two-key form, apart from the leader lock) the active relay holds while
+/// it sleeps until notified. A transaction that writes events notifies only if it cannot
+/// take this lock shared (migration 0011): a `NOTIFY` serializes the commits that send one,
+/// so while the relay is awake, no commit sends one. A writer that took it shared holds it
+/// to its commit, so the relay cannot go to sleep before that commit is visible to it.
+pub const SLEEP_LOCK: (i32, i32) = (0x6a6f_6266, 1);
+/// While writers hold [`SLEEP_LOCK`] and the relay cannot sleep, it looks again after this
+/// long, doubling up to [`BUSY_POLL_MAX`] while it finds nothing new.
+const BUSY_POLL_MIN: Duration = Duration::from_millis(2);
+const BUSY_POLL_MAX: Duration = Duration::from_millis(50);
 
 /// How often the backlog gauges are refreshed.
 const GAUGE_INTERVAL: Duration = Duration::from_secs(2);
@@ -135,6 +145,11 @@ async fn relay(
     let mut prune_at = Instant::now();
     let mut horizon = horizon::Watch::default();
     let mut active = Active { config, conn, producer, shutdown, max_bytes };
+    // Whether this connection holds SLEEP_LOCK (writers notify), the busy poll interval, and
+    // where the cursor stood after the last pass.
+    let mut asleep = false;
+    let mut busy_poll = BUSY_POLL_MIN;
+    let mut last_position = None;
     loop {
         // Parked events an operator released, then the log, then due delayed rows the log
         // cursor has passed. A document with a parked event has its later events parked
@@ -168,13 +183,64 @@ async fn relay(
         if let Some(due) = outbox::seconds_to_next_due(conn).await? {
             wait = wait.min(Duration::from_secs_f64(due.max(0.0)));
         }
+        if !asleep {
+            if try_sleep(conn).await? {
+                // Every writer that saw the relay awake has committed: one more pass reads
+                // what they wrote, and from now on writers notify.
+                asleep = true;
+                continue;
+            }
+            // Writers are in flight and will not notify: look again shortly, sooner while
+            // the passes find work.
+            let position = log::cursor(&mut *conn).await?;
+            busy_poll = if last_position == Some(position) {
+                (busy_poll * 2).min(BUSY_POLL_MAX)
+            } else {
+                BUSY_POLL_MIN
+            };
+            last_position = Some(position);
+            tokio::select! {
+                biased;
+                _ = shutdown.cancelled() => return Ok(()),
+                _ = tokio::time::sleep(wait.min(busy_poll)) => {}
+            }
+            continue;
+        }
         tokio::select! {
             biased;
             _ = shutdown.cancelled() => return Ok(()),
-            notification = listener.recv() => { notification?; }
+            notification = listener.recv() => {
+                notification?;
+                // Awake: writers stop notifying. Notifications already here are spent.
+                while listener.next_buffered().is_some() {}
+                wake(conn).await?;
+                asleep = false;
+                busy_poll = BUSY_POLL_MIN;
+            }
             _ = tokio::time::sleep(wait) => {}
         }
     }
+}
+
+/// Takes [`SLEEP_LOCK`] if no writer holds it: true if the relay may now sleep until notified.
+async fn try_sleep(conn: &mut PgConnection) -> Result<bool, sqlx::Error> {
+    // language=PostgreSQL
+    sqlx::query_scalar("SELECT pg_try_advisory_lock($1, $2)")
+        .bind(SLEEP_LOCK.0)
+        .bind(SLEEP_LOCK.1)
+        .fetch_one(conn)
+        .await
+}
+
+/// Releases [`SLEEP_LOCK`]: writers stop notifying.
+async fn wake(conn: &mut PgConnection) -> Result<(), sqlx::Error> {
+    // language=PostgreSQL
+    sqlx::query("SELECT pg_advisory_unlock($1, $2)")
+        .bind(SLEEP_LOCK.0)
+        .bind(SLEEP_LOCK.1)
+        .execute(conn)
+        .await?;
+    Ok(())
 }
 
 /// The active relay: the connection holding the lock, the producer, and the largest event

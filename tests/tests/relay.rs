@@ -802,3 +802,123 @@ async fn a_transaction_open_in_another_database_is_named_and_waited_for() {
     other.cleanup().await;
     it.cleanup().await;
 }
+
+/// The first notification `listener` receives: `NOTIFY`s are delivered in commit order, so a
+/// marker sent after a commit arrives first exactly when that commit sent none.
+async fn first_notification_after(
+    it: &Installation,
+    listener: &mut sqlx::postgres::PgListener,
+) -> String {
+    sqlx::query("SELECT pg_notify($1, 'marker')")
+        .bind(jobfold_relay::NOTIFY_CHANNEL)
+        .execute(&it.pool)
+        .await
+        .unwrap();
+    let first = tokio::time::timeout(Duration::from_secs(30), listener.recv()).await;
+    let first = first.expect("no notification at all").unwrap().payload().to_owned();
+    // Whatever came before the marker is read, so the next call starts clean.
+    if first != "marker" {
+        while listener.recv().await.unwrap().payload() != "marker" {}
+    }
+    first
+}
+
+/// Takes the relay's sleep lock on `conn`, as a sleeping relay holds it.
+async fn try_sleep_lock(conn: &mut sqlx::PgConnection) -> bool {
+    let (k1, k2) = jobfold_relay::SLEEP_LOCK;
+    sqlx::query_scalar("SELECT pg_try_advisory_lock($1, $2)")
+        .bind(k1)
+        .bind(k2)
+        .fetch_one(conn)
+        .await
+        .unwrap()
+}
+
+/// A commit that writes events notifies only while the relay sleeps (holds the sleep lock):
+/// a `NOTIFY` serializes the commits that send one, so an awake relay is not sent any.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commit_notifies_only_while_the_relay_sleeps() {
+    let it = Installation::new("relaynotify").await;
+    let acceptor = it.acceptor().await;
+    let mut listener = sqlx::postgres::PgListener::connect_with(&it.pool).await.unwrap();
+    listener.listen(jobfold_relay::NOTIFY_CHANNEL).await.unwrap();
+
+    // No one sleeps: the accept's commit sends nothing, the marker arrives first.
+    acceptor.accept(&it.pool, &job("doc-awake", 1)).await.unwrap();
+    assert_eq!(first_notification_after(&it, &mut listener).await, "marker");
+
+    // A session sleeping as the relay does: the accept's commit notifies.
+    let mut sleeper = it.pool.acquire().await.unwrap();
+    let (k1, k2) = jobfold_relay::SLEEP_LOCK;
+    assert!(try_sleep_lock(&mut sleeper).await);
+    acceptor.accept(&it.pool, &job("doc-asleep", 1)).await.unwrap();
+    assert_eq!(first_notification_after(&it, &mut listener).await, "");
+
+    // A writer that saw the relay awake holds the lock shared until it commits: the relay
+    // cannot go to sleep past a commit it has not read.
+    sqlx::query("SELECT pg_advisory_unlock($1, $2)")
+        .bind(k1)
+        .bind(k2)
+        .execute(&mut *sleeper)
+        .await
+        .unwrap();
+    let mut writer = it.pool.begin().await.unwrap();
+    acceptor.accept_in(&mut writer, &job("doc-open", 1)).await.unwrap();
+    assert!(
+        !try_sleep_lock(&mut sleeper).await,
+        "the sleep lock was taken while a writer was open"
+    );
+    writer.commit().await.unwrap();
+    drop(sleeper);
+    it.cleanup().await;
+}
+
+/// With a poll interval far longer than the test, events still reach Kafka at once: awake
+/// among writers (one is open as the relay starts, so it cannot go to sleep), the relay
+/// polls; asleep, it is notified.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_relay_awake_finds_every_commit_and_asleep_is_woken() {
+    let mut it = Installation::new("relaywake").await;
+    it.config.relay.poll_interval = Duration::from_secs(3600);
+    it.create_topics().await;
+    let acceptor = it.acceptor().await;
+    // A writer open before the relay starts holds the sleep lock shared: its commit, and
+    // the one made meanwhile, send no notification.
+    let mut open = it.pool.begin().await.unwrap();
+    acceptor.accept_in(&mut open, &job("doc-open", 1)).await.unwrap();
+    let shutdown = CancellationToken::new();
+    let relay = tokio::spawn(jobfold_relay::run(it.config.clone(), shutdown.clone()));
+    acceptor.accept(&it.pool, &job("doc-meanwhile", 1)).await.unwrap();
+    open.commit().await.unwrap();
+    let mut expected = 2;
+    eventually(Duration::from_secs(30), "the awake relay to publish", || async {
+        events_on_topic(&it) == expected
+    })
+    .await;
+
+    let asleep = || async {
+        let held: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND mode = 'ExclusiveLock' \
+             AND classid = $1::int::oid AND objid = $2::int::oid AND granted \
+             AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
+        )
+        .bind(jobfold_relay::SLEEP_LOCK.0)
+        .bind(jobfold_relay::SLEEP_LOCK.1)
+        .fetch_one(&it.pool)
+        .await
+        .unwrap();
+        held == 1
+    };
+    for round in 0..3 {
+        eventually(Duration::from_secs(30), "the relay to sleep", asleep).await;
+        acceptor.accept(&it.pool, &job(&format!("doc-{round}"), 1)).await.unwrap();
+        expected += 1;
+        eventually(Duration::from_secs(30), "the notified relay to publish", || async {
+            events_on_topic(&it) == expected
+        })
+        .await;
+    }
+    shutdown.cancel();
+    relay.await.unwrap().unwrap();
+    it.cleanup().await;
+}
