@@ -9,9 +9,10 @@
 //! queue and one task draining it). A slot is held only while a job is leased, running and
 //! completing: a message waiting behind its document's running job, for its kind's
 //! `concurrency`, or for a retry holds none, so a document with a thousand versions queued
-//! takes one slot and the other documents take the rest. What each partition holds in
-//! memory is bounded: past `processor.max_buffered` messages or `max_buffered_bytes` it is
-//! paused, and resumed when half is left ([`crate::buffer`]).
+//! takes one slot and the other documents take the rest. What the process holds in memory
+//! is bounded: each partition gets an equal share of `processor.max_buffered` messages and
+//! `max_buffered_bytes`; past its share it is paused, and resumed when half is left
+//! ([`crate::buffer`]).
 //!
 //! Per dispatch event (`JobRequested`, `RetryDue`, `ReplayRequested`):
 //! 1. lease transaction: skip if its dedupe row exists; end the job without running it if
@@ -117,6 +118,7 @@ impl ConsumerContext for WorkerContext {
         if let Rebalance::Revoke(list) = rebalance {
             let partitions: Vec<i32> = list.elements().iter().map(|e| e.partition()).collect();
             self.tracker.lock().expect("tracker").revoke(&partitions);
+            self.buffer.lock().expect("buffer").revoked(&partitions);
             // Running jobs of these partitions may finish (bounded), so their offsets count.
             let deadline = std::time::Instant::now() + self.revoke_timeout;
             while self.tracker.lock().expect("tracker").in_flight(&partitions) > 0
