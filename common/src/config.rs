@@ -213,11 +213,10 @@ pub struct Processor {
     /// slot: a job waiting behind its document's running one, or for its kind's
     /// `concurrency`, holds none.
     pub max_in_flight: usize,
-    /// Messages the process may hold in memory (waiting behind their document, for a slot,
-    /// or running). Each assigned partition gets an equal share; past its share a partition
-    /// is paused until it holds half.
+    /// Messages one partition may hold in memory (waiting behind their document, or
+    /// running); past it the partition is paused until it holds half.
     pub max_buffered: usize,
-    /// Bytes of messages the process may hold in memory; shared as `max_buffered`.
+    /// Bytes of messages one partition may hold in memory; as `max_buffered`.
     pub max_buffered_bytes: usize,
     /// Largest result a handler may return, as JSON, in bytes. A larger one ends the attempt
     /// as a permanent failure (the job is quarantined with the reason): its `JobSucceeded`

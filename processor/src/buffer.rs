@@ -1,22 +1,20 @@
-//! How much the process holds in memory, and when to pause and resume fetching a partition.
+//! How much each partition holds in memory, and when to pause and resume fetching it.
 //!
 //! A message is held from the moment it is received until its document's task is done with
-//! it: waiting behind its document's running job, waiting for a slot, or running. The
-//! bounds are the process's (`processor.max_buffered` messages, `processor.max_buffered_bytes`
-//! bytes); each assigned partition may hold an equal share of each. A partition holding more
-//! than its share is paused (no more is fetched from it); it resumes once it holds at most
-//! half of each. So the process's memory is bounded whatever the burst and however many
-//! partitions it is given, one busy document can fill only its own partition's share, and
-//! the other partitions go on being read — as Confluent's Parallel Consumer bounds the
-//! records it holds.
+//! it: waiting behind its document's running job, waiting for a slot, or running. A
+//! partition holding more than `processor.max_buffered` messages or
+//! `processor.max_buffered_bytes` bytes is paused (no more is fetched from it); it resumes
+//! once it holds at most half of each. So one busy document can fill its own partition's
+//! share, never the process's memory, and the other partitions go on being read — as
+//! Confluent's Parallel Consumer bounds the records it holds per partition.
 //!
 //! A message is always taken in, whatever its size: pausing comes after it, so a single
-//! message larger than the byte share still runs (it was fetched under the topic's own
+//! message larger than the byte bound still runs (it was fetched under the topic's own
 //! size limit).
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::HashMap;
 
-/// The bounds: the process's, or one partition's share of them.
+/// The bounds, per partition.
 #[derive(Debug, Clone, Copy)]
 pub struct Bounds {
     pub messages: usize,
@@ -35,23 +33,11 @@ struct Held {
 pub struct Buffer {
     bounds: Bounds,
     partitions: HashMap<i32, Held>,
-    assigned: BTreeSet<i32>,
 }
 
 impl Buffer {
-    /// `bounds` are the process's.
     pub fn new(bounds: Bounds) -> Self {
-        Self { bounds, partitions: HashMap::new(), assigned: BTreeSet::new() }
-    }
-
-    /// What one partition may hold: an equal share of the process's bounds among the
-    /// partitions assigned (all of them before the first assignment is known).
-    pub fn share(&self) -> Bounds {
-        let n = self.assigned.len().max(1);
-        Bounds {
-            messages: (self.bounds.messages / n).max(1),
-            bytes: (self.bounds.bytes / n).max(1),
-        }
+        Self { bounds, partitions: HashMap::new() }
     }
 
     /// A message of `bytes` from `partition` is held; true if the partition must be paused
@@ -60,10 +46,7 @@ impl Buffer {
         let held = self.partitions.entry(partition).or_default();
         held.messages += 1;
         held.bytes += bytes;
-        let (messages, held_bytes) = (held.messages, held.bytes);
-        let share = self.share();
-        let held = self.partitions.get_mut(&partition).expect("inserted above");
-        let over = messages > share.messages || held_bytes > share.bytes;
+        let over = held.messages > self.bounds.messages || held.bytes > self.bounds.bytes;
         if over && !held.paused {
             held.paused = true;
             return true;
@@ -74,11 +57,11 @@ impl Buffer {
     /// A message of `bytes` from `partition` is let go; true if the partition must be resumed
     /// now (it was paused and holds at most half of each bound).
     pub fn remove(&mut self, partition: i32, bytes: usize) -> bool {
-        let share = self.share();
         let Some(held) = self.partitions.get_mut(&partition) else { return false };
         held.messages = held.messages.saturating_sub(1);
         held.bytes = held.bytes.saturating_sub(bytes);
-        let drained = held.messages <= share.messages / 2 && held.bytes <= share.bytes / 2;
+        let drained =
+            held.messages <= self.bounds.messages / 2 && held.bytes <= self.bounds.bytes / 2;
         if held.paused && drained {
             held.paused = false;
             return true;
@@ -90,17 +73,9 @@ impl Buffer {
     /// assignment still holds is counted until it is let go).
     pub fn assigned(&mut self, partitions: &[i32]) {
         for p in partitions {
-            self.assigned.insert(*p);
             if let Some(held) = self.partitions.get_mut(p) {
                 held.paused = false;
             }
-        }
-    }
-
-    /// `partitions` were revoked: the others' shares grow.
-    pub fn revoked(&mut self, partitions: &[i32]) {
-        for p in partitions {
-            self.assigned.remove(p);
         }
     }
 
@@ -145,26 +120,6 @@ mod tests {
         assert!(b.add(0, 600));
         assert!(!b.remove(0, 600), "600 bytes is above half of 1000");
         assert!(b.remove(0, 600));
-    }
-
-    #[test]
-    fn each_assigned_partition_gets_an_equal_share_of_the_process_bounds() {
-        let mut b = Buffer::new(Bounds { messages: 12, bytes: 12_000 });
-        b.assigned(&[0, 1, 2]);
-        assert_eq!((b.share().messages, b.share().bytes), (4, 4000));
-        for _ in 0..4 {
-            assert!(!b.add(0, 10));
-        }
-        assert!(b.add(0, 10), "over its share of 4, not the process's 12");
-        for _ in 0..4 {
-            assert!(!b.add(1, 10), "the other partitions keep their own share");
-        }
-        // Fewer partitions, larger shares: partition 1 may now hold 6.
-        b.revoked(&[2]);
-        assert_eq!(b.share().messages, 6);
-        assert!(!b.add(1, 10));
-        assert!(!b.add(1, 10));
-        assert!(b.add(1, 10));
     }
 
     #[test]

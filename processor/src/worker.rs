@@ -9,10 +9,9 @@
 //! queue and one task draining it). A slot is held only while a job is leased, running and
 //! completing: a message waiting behind its document's running job, for its kind's
 //! `concurrency`, or for a retry holds none, so a document with a thousand versions queued
-//! takes one slot and the other documents take the rest. What the process holds in memory
-//! is bounded: each partition gets an equal share of `processor.max_buffered` messages and
-//! `max_buffered_bytes`; past its share it is paused, and resumed when half is left
-//! ([`crate::buffer`]).
+//! takes one slot and the other documents take the rest. What each partition holds in
+//! memory is bounded: past `processor.max_buffered` messages or `max_buffered_bytes` it is
+//! paused, and resumed when half is left ([`crate::buffer`]).
 //!
 //! Per dispatch event (`JobRequested`, `RetryDue`, `ReplayRequested`):
 //! 1. lease transaction: skip if its dedupe row exists; end the job without running it if
@@ -118,7 +117,6 @@ impl ConsumerContext for WorkerContext {
         if let Rebalance::Revoke(list) = rebalance {
             let partitions: Vec<i32> = list.elements().iter().map(|e| e.partition()).collect();
             self.tracker.lock().expect("tracker").revoke(&partitions);
-            self.buffer.lock().expect("buffer").revoked(&partitions);
             // Running jobs of these partitions may finish (bounded), so their offsets count.
             let deadline = std::time::Instant::now() + self.revoke_timeout;
             while self.tracker.lock().expect("tracker").in_flight(&partitions) > 0
@@ -286,14 +284,14 @@ pub async fn run(
         let key =
             message.key().map(|k| String::from_utf8_lossy(k).into_owned()).unwrap_or_default();
         let bytes = message.payload().map_or(0, <[u8]>::len) + key.len();
-        let pause = {
+        {
+            // Decided and done under the lock: a resume decided meanwhile by a finishing
+            // task cannot come before this pause and leave the partition paused for good.
             let mut buffer = shared.buffer.lock().expect("buffer");
-            let pause = buffer.add(ticket.partition, bytes);
+            if buffer.add(ticket.partition, bytes) {
+                pause_or_resume(&shared, &buffer, &message, true);
+            }
             metrics::gauge!(pm::BUFFERED_MESSAGES).set(buffer.messages() as f64);
-            pause
-        };
-        if pause {
-            pause_or_resume(&shared, &message, true);
         }
         let queued = Queued { message, ticket, bytes };
         let start_task = {
@@ -331,8 +329,9 @@ pub async fn run(
     Ok(())
 }
 
-/// Pauses (or resumes) fetching `message`'s partition, and counts it.
-fn pause_or_resume(shared: &Shared, message: &OwnedMessage, pause: bool) {
+/// Pauses (or resumes) fetching `message`'s partition, and counts it. Called with the
+/// buffer locked, as it decided.
+fn pause_or_resume(shared: &Shared, buffer: &Buffer, message: &OwnedMessage, pause: bool) {
     let mut list = TopicPartitionList::new();
     list.add_partition(message.topic(), message.partition());
     let done = if pause { shared.consumer.pause(&list) } else { shared.consumer.resume(&list) };
@@ -350,8 +349,7 @@ fn pause_or_resume(shared: &Shared, message: &OwnedMessage, pause: bool) {
             tracing::debug!(error = %e, partition = message.partition(), pause, "Pause or resume failed.")
         }
     }
-    let paused = shared.buffer.lock().expect("buffer").paused();
-    metrics::gauge!(pm::PAUSED_PARTITIONS).set(paused as f64);
+    metrics::gauge!(pm::PAUSED_PARTITIONS).set(buffer.paused() as f64);
 }
 
 /// A running job's slot: the in-flight gauge follows it.
@@ -429,14 +427,12 @@ async fn drain_key(shared: Arc<Shared>, key: String, first: Queued) {
                 "Offset not stored (the partition moved)."
             );
         }
-        let resume = {
+        {
             let mut buffer = shared.buffer.lock().expect("buffer");
-            let resume = buffer.remove(ticket.partition, queued.bytes);
+            if buffer.remove(ticket.partition, queued.bytes) {
+                pause_or_resume(&shared, &buffer, &queued.message, false);
+            }
             metrics::gauge!(pm::BUFFERED_MESSAGES).set(buffer.messages() as f64);
-            resume
-        };
-        if resume {
-            pause_or_resume(&shared, &queued.message, false);
         }
         drop(queued);
         let mut queues = shared.queues.lock().expect("queues");
@@ -595,6 +591,19 @@ async fn try_handle(
     let Some(_slot) = Slot::acquire(shared, &event.job_kind, &revoked).await else {
         return Ok(Step::Interrupted);
     };
+    // The attempt's state (lease, run, completion) is allocated once it runs: a document's
+    // task waiting for a slot or behind another job stays small, so what the buffer holds
+    // costs little memory each.
+    Box::pin(attempt(shared, message, event, handler)).await
+}
+
+/// Leases, runs and completes the dispatch `event` (its slot held by the caller).
+async fn attempt(
+    shared: &Shared,
+    message: &OwnedMessage,
+    event: JobEvent,
+    handler: std::sync::Arc<dyn crate::handler::ErasedHandler>,
+) -> anyhow::Result<Step> {
     let consumed = Consumed {
         group: shared.config.processor.group.clone(),
         event_id: event.event_id,

@@ -1405,8 +1405,8 @@ async fn one_busy_document_does_not_starve_the_others() {
     it.cleanup().await;
 }
 
-/// A partition holding more than its share of `processor.max_buffered` messages is paused
-/// and resumed when half is left: with a bound of 20 and 300 versions of one document, the processor
+/// A partition holding more than `processor.max_buffered` messages is paused and resumed
+/// when half is left: with a bound of 20 and 300 versions of one document, the processor
 /// pauses (and counts it), and every job still finishes, the partition's other documents
 /// too.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
