@@ -38,6 +38,11 @@ pub struct NewJob {
     /// Retries of the same request carry the same key.
     #[serde(default)]
     pub idempotency_key: Option<String>,
+    /// Not to be dispatched before this instant (a scheduled job); at once if absent or
+    /// no later than now. More than `accept.schedule_tolerance` in the past, or more than
+    /// `accept.max_schedule_ahead` ahead, is refused.
+    #[serde(default)]
+    pub run_at: Option<DateTime<Utc>>,
     /// W3C trace context to continue.
     #[serde(skip)]
     pub trace: Option<TraceContext>,
@@ -209,7 +214,42 @@ impl Acceptor {
                 problem: format!("`input{path}` contains U+0000 (NUL), which cannot be stored"),
             });
         }
+        if let Some(run_at) = job.run_at {
+            let now = Utc::now();
+            let span = |d: std::time::Duration| humantime::format_duration(d).to_string();
+            let late = (now - run_at).to_std().unwrap_or_default();
+            if late > self.policy.schedule_tolerance {
+                return invalid(
+                    "run_at",
+                    format!(
+                        "{} is {} in the past, more than accept.schedule_tolerance ({})",
+                        run_at.to_rfc3339_opts(chrono::SecondsFormat::Millis, true),
+                        span(std::time::Duration::from_secs(late.as_secs())),
+                        span(self.policy.schedule_tolerance)
+                    ),
+                );
+            }
+            let ahead = (run_at - now).to_std().unwrap_or_default();
+            if ahead > self.policy.max_schedule_ahead {
+                return invalid(
+                    "run_at",
+                    format!(
+                        "{} is more than accept.max_schedule_ahead ({}) ahead",
+                        run_at.to_rfc3339_opts(chrono::SecondsFormat::Millis, true),
+                        span(self.policy.max_schedule_ahead)
+                    ),
+                );
+            }
+        }
         Ok(())
+    }
+
+    /// When a job accepted at `now` may first run: its `run_at` if that is later (to the
+    /// millisecond, as events carry time), else at once (`None`).
+    fn due(job: &NewJob, now: DateTime<Utc>) -> Option<DateTime<Utc>> {
+        job.run_at
+            .and_then(|t| DateTime::from_timestamp_millis(t.timestamp_millis()))
+            .filter(|t| *t > now)
     }
 
     /// Accepts `job` inside the caller's transaction: it is accepted if and only if the
@@ -230,13 +270,14 @@ impl Acceptor {
         let job_id = Uuid::now_v7();
         let event = self.requested_event(job_id, job, now);
         let body = self.codec.encode(&event)?;
-        let (max_attempts, deadline) = match &event.payload {
-            Payload::JobRequested(r) => (r.max_attempts, r.deadline),
+        let (max_attempts, deadline, run_at) = match &event.payload {
+            Payload::JobRequested(r) => (r.max_attempts, r.deadline, r.run_at),
             _ => unreachable!("requested_event builds a JobRequested"),
         };
+        // A scheduled job's JobRequested goes through the outbox, due at run_at: the relay
+        // publishes it then (delayed events' one path), and nothing dispatches it before.
         // language=PostgreSQL
-        let inserted: Option<Uuid> = sqlx::query_scalar(
-            r#"
+        const AT_ONCE: &str = r#"
             WITH job AS (
                 INSERT INTO jobs (job_id, document_id, kind, payload, input_version,
                                   idempotency_key, accepted_at, stream_version,
@@ -250,23 +291,46 @@ impl Acceptor {
                 SELECT $8, job_id, 1, 'JobRequested', $9, $7, $2, $12, $13 FROM job
             )
             SELECT job_id FROM job
-            "#,
-        )
-        .bind(job_id)
-        .bind(&job.document_id)
-        .bind(&job.kind)
-        .bind(&job.input)
-        .bind(job.input_version)
-        .bind(&job.idempotency_key)
-        .bind(now)
-        .bind(event.event_id)
-        .bind(&body)
-        .bind(max_attempts)
-        .bind(deadline)
-        .bind(job.trace.as_ref().map(|t| &t.traceparent))
-        .bind(job.trace.as_ref().and_then(|t| t.tracestate.as_ref()))
-        .fetch_optional(&mut *tx)
-        .await?;
+        "#;
+        // language=PostgreSQL
+        const SCHEDULED: &str = r#"
+            WITH job AS (
+                INSERT INTO jobs (job_id, document_id, kind, payload, input_version,
+                                  idempotency_key, accepted_at, stream_version,
+                                  max_attempts, deadline, run_at)
+                VALUES ($1, $2, $3, $4, $5, $6, $7, 1, $10, $11, $14)
+                ON CONFLICT (idempotency_key) DO NOTHING
+                RETURNING job_id
+            ), event AS (
+                INSERT INTO job_events (event_id, job_id, stream_version, kind, body, occurred_at,
+                                        key, traceparent, tracestate, delayed)
+                SELECT $8, job_id, 1, 'JobRequested', $9, $7, $2, $12, $13, true FROM job
+                RETURNING seq
+            ), delayed AS (
+                INSERT INTO outbox (seq, topic, key, available_at, traceparent, tracestate)
+                SELECT seq, $15, $2, $14, $12, $13 FROM event
+            )
+            SELECT job_id FROM job
+        "#;
+        let query = sqlx::query_scalar(if run_at.is_some() { SCHEDULED } else { AT_ONCE })
+            .bind(job_id)
+            .bind(&job.document_id)
+            .bind(&job.kind)
+            .bind(&job.input)
+            .bind(job.input_version)
+            .bind(&job.idempotency_key)
+            .bind(now)
+            .bind(event.event_id)
+            .bind(&body)
+            .bind(max_attempts)
+            .bind(deadline)
+            .bind(job.trace.as_ref().map(|t| &t.traceparent))
+            .bind(job.trace.as_ref().and_then(|t| t.tracestate.as_ref()));
+        let query = match run_at {
+            Some(run_at) => query.bind(run_at).bind(self.codec.topic()),
+            None => query,
+        };
+        let inserted: Option<Uuid> = query.fetch_optional(&mut *tx).await?;
         if let Some(job_id) = inserted {
             metrics::counter!(crate::metrics::ACCEPTED_TOTAL).increment(1);
             return Ok(Accepted { job_id, created: true });
@@ -323,6 +387,7 @@ impl Acceptor {
         let (mut job_ids, mut event_ids, mut bodies) =
             (Vec::with_capacity(n), Vec::with_capacity(n), Vec::with_capacity(n));
         let (mut budgets, mut deadlines) = (Vec::with_capacity(n), Vec::with_capacity(n));
+        let mut run_ats = Vec::with_capacity(n);
         for job in jobs {
             let job_id = Uuid::now_v7();
             let event = self.requested_event(job_id, job, now);
@@ -330,6 +395,7 @@ impl Acceptor {
             if let Payload::JobRequested(r) = &event.payload {
                 budgets.push(r.max_attempts);
                 deadlines.push(r.deadline);
+                run_ats.push(r.run_at);
             }
             event_ids.push(event.event_id);
             job_ids.push(job_id);
@@ -342,51 +408,62 @@ impl Acceptor {
             jobs.iter().map(|j| j.trace.as_ref().map(|t| t.traceparent.as_str())).collect();
         let tracestates: Vec<Option<&str>> =
             jobs.iter().map(|j| j.trace.as_ref().and_then(|t| t.tracestate.as_deref())).collect();
+        // As in accept_in: scheduled jobs' events go through the outbox, due at run_at. The
+        // outbox statement is left out when no job of the batch is scheduled.
         // language=PostgreSQL
-        let inserted: Vec<Uuid> = sqlx::query_scalar(
-            r#"
+        const BATCH: &str = r#"
             WITH input AS (
                 SELECT * FROM unnest($1::uuid[], $2::text[], $3::text[], $4::jsonb[],
                                      $5::bigint[], $6::text[], $7::uuid[], $8::bytea[],
-                                     $10::int[], $11::timestamptz[], $12::text[], $13::text[])
+                                     $10::int[], $11::timestamptz[], $12::text[], $13::text[],
+                                     $14::timestamptz[])
                     WITH ORDINALITY
                     AS t(job_id, document_id, kind, payload, input_version, idempotency_key,
-                         event_id, body, max_attempts, deadline, traceparent, tracestate, n)
+                         event_id, body, max_attempts, deadline, traceparent, tracestate, run_at,
+                         n)
             ), job AS (
                 INSERT INTO jobs (job_id, document_id, kind, payload, input_version,
                                   idempotency_key, accepted_at, stream_version,
-                                  max_attempts, deadline)
+                                  max_attempts, deadline, run_at)
                 SELECT job_id, document_id, kind, payload, input_version, idempotency_key, $9, 1,
-                       max_attempts, deadline
+                       max_attempts, deadline, run_at
                 FROM input ORDER BY n
                 ON CONFLICT (idempotency_key) DO NOTHING
                 RETURNING job_id
             ), event AS (
                 INSERT INTO job_events (event_id, job_id, stream_version, kind, body, occurred_at,
-                                        key, traceparent, tracestate)
+                                        key, traceparent, tracestate, delayed)
                 SELECT i.event_id, i.job_id, 1, 'JobRequested', i.body, $9,
-                       i.document_id, i.traceparent, i.tracestate
+                       i.document_id, i.traceparent, i.tracestate, i.run_at IS NOT NULL
                 FROM input i JOIN job USING (job_id)
                 ORDER BY i.n
-            )
-            SELECT job_id FROM job
-            "#,
-        )
-        .bind(&job_ids)
-        .bind(&documents)
-        .bind(&kinds)
-        .bind(&inputs)
-        .bind(&versions)
-        .bind(&keys)
-        .bind(&event_ids)
-        .bind(&bodies)
-        .bind(now)
-        .bind(&budgets)
-        .bind(&deadlines)
-        .bind(&traceparents)
-        .bind(&tracestates)
-        .fetch_all(&mut *tx)
-        .await?;
+                RETURNING seq, job_id, delayed
+            )"#;
+        // language=PostgreSQL
+        const DELAYED: &str = r#", delayed AS (
+                INSERT INTO outbox (seq, topic, key, available_at, traceparent, tracestate)
+                SELECT e.seq, $15, i.document_id, i.run_at, i.traceparent, i.tracestate
+                FROM event e JOIN input i USING (job_id) WHERE e.delayed
+            )"#;
+        let scheduled = run_ats.iter().any(Option::is_some);
+        let sql = format!("{BATCH}{} SELECT job_id FROM job", if scheduled { DELAYED } else { "" });
+        let query = sqlx::query_scalar(&sql)
+            .bind(&job_ids)
+            .bind(&documents)
+            .bind(&kinds)
+            .bind(&inputs)
+            .bind(&versions)
+            .bind(&keys)
+            .bind(&event_ids)
+            .bind(&bodies)
+            .bind(now)
+            .bind(&budgets)
+            .bind(&deadlines)
+            .bind(&traceparents)
+            .bind(&tracestates)
+            .bind(&run_ats);
+        let query = if scheduled { query.bind(self.codec.topic()) } else { query };
+        let inserted: Vec<Uuid> = query.fetch_all(&mut *tx).await?;
         metrics::counter!(crate::metrics::ACCEPTED_TOTAL).increment(inserted.len() as u64);
         if inserted.len() == n {
             return Ok(job_ids
@@ -418,6 +495,8 @@ impl Acceptor {
         .bind(&key)
         .fetch_one(&mut *tx)
         .await?;
+        // The due time is not compared: a retry sent later with the same relative delay
+        // names a later instant, and is the same request.
         let same = existing.document_id == job.document_id
             && existing.kind == job.kind
             && existing.input_version == job.input_version
@@ -447,6 +526,7 @@ impl Acceptor {
                 idempotency_key: job.idempotency_key.clone(),
                 max_attempts,
                 deadline,
+                run_at: Self::due(job, now),
             }),
         }
     }

@@ -320,6 +320,12 @@ pub struct Accept {
     /// for it) is refused, `unknown_kind`.
     #[serde(default)]
     pub any_kind: bool,
+    /// How far in the past a scheduled job's `run_at` may be (it then runs at once).
+    #[serde(with = "humantime_serde")]
+    pub schedule_tolerance: Duration,
+    /// How far ahead a job may be scheduled.
+    #[serde(with = "humantime_serde")]
+    pub max_schedule_ahead: Duration,
 }
 
 /// The settings of one job kind, `[kinds.<kind>]`: each one absent falls back to the global
@@ -389,6 +395,10 @@ pub struct AcceptPolicy {
     pub any_kind: bool,
     pub default_max_attempts: i32,
     pub default_deadline: Option<Duration>,
+    /// `accept.schedule_tolerance`.
+    pub schedule_tolerance: Duration,
+    /// `accept.max_schedule_ahead`.
+    pub max_schedule_ahead: Duration,
     pub kinds: BTreeMap<String, Kind>,
 }
 
@@ -434,6 +444,8 @@ impl Config {
             any_kind: self.accept.any_kind,
             default_max_attempts: self.accept.default_max_attempts,
             default_deadline: self.accept.default_deadline,
+            schedule_tolerance: self.accept.schedule_tolerance,
+            max_schedule_ahead: self.accept.max_schedule_ahead,
             kinds: self.kinds.clone(),
         }
     }
@@ -640,6 +652,9 @@ impl Config {
                 "processor.retry_base",
                 "must be above zero and at most processor.retry_cap",
             );
+        }
+        if self.accept.max_schedule_ahead.is_zero() {
+            return invalid("accept.max_schedule_ahead", "must be above zero");
         }
         if self.accept.max_input_bytes < 2 {
             return invalid("accept.max_input_bytes", "must be at least 2");

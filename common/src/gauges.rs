@@ -24,8 +24,11 @@ pub const UNFINISHED_STATES: [&str; 3] = ["queued", "leased", "retry_wait"];
 pub struct Snapshot {
     /// Unfinished jobs per state (`queued`, `leased`, `retry_wait`), every state present.
     pub jobs: BTreeMap<&'static str, i64>,
-    /// Seconds since the oldest queued job was accepted (0 with none).
+    /// Seconds since the oldest queued job became due: accepted, or, scheduled, reached its
+    /// `run_at` (0 with none).
     pub oldest_queued_age_seconds: f64,
+    /// Queued jobs scheduled for later (`run_at` ahead): waiting by design, not stuck.
+    pub scheduled: i64,
     /// Leased jobs whose lease ran out (their worker died or stalled); the reaper
     /// dispatches them again after `processor.reaper_grace`.
     pub expired_leases: i64,
@@ -60,11 +63,14 @@ impl Snapshot {
 pub async fn read(pool: &PgPool) -> Result<Snapshot, sqlx::Error> {
     let mut snapshot = Snapshot::default();
     // language=PostgreSQL
-    let states: Vec<(String, i64, Option<f64>, i64)> = sqlx::query_as(
+    let states: Vec<(String, i64, Option<f64>, i64, i64)> = sqlx::query_as(
         r#"
         SELECT state::text, count(*),
-               EXTRACT(EPOCH FROM now() - min(accepted_at))::float8,
-               count(*) FILTER (WHERE lease_until < now())
+               EXTRACT(EPOCH FROM now() - min(coalesce(run_at, accepted_at))
+                                          FILTER (WHERE coalesce(run_at, accepted_at) <= now())
+                      )::float8,
+               count(*) FILTER (WHERE lease_until < now()),
+               count(*) FILTER (WHERE run_at > now())
         FROM jobs
         WHERE finished_at IS NULL
         GROUP BY state
@@ -73,12 +79,15 @@ pub async fn read(pool: &PgPool) -> Result<Snapshot, sqlx::Error> {
     .fetch_all(pool)
     .await?;
     snapshot.jobs = UNFINISHED_STATES.iter().map(|s| (*s, 0)).collect();
-    for (state, count, oldest, expired) in states {
+    for (state, count, oldest, expired, scheduled) in states {
         if let Some(slot) = snapshot.jobs.iter_mut().find(|(s, _)| **s == state) {
             *slot.1 = count;
         }
         match state.as_str() {
-            "queued" => snapshot.oldest_queued_age_seconds = oldest.unwrap_or(0.0).max(0.0),
+            "queued" => {
+                snapshot.oldest_queued_age_seconds = oldest.unwrap_or(0.0).max(0.0);
+                snapshot.scheduled = scheduled;
+            }
             "leased" => snapshot.expired_leases = expired,
             _ => {}
         }
@@ -193,6 +202,7 @@ impl Publisher {
         }
         metrics::gauge!(m::UNFINISHED_JOBS).set(snapshot.unfinished() as f64);
         metrics::gauge!(m::OLDEST_QUEUED_AGE_SECONDS).set(snapshot.oldest_queued_age_seconds);
+        metrics::gauge!(m::SCHEDULED_JOBS).set(snapshot.scheduled as f64);
         metrics::gauge!(m::EXPIRED_LEASES).set(snapshot.expired_leases as f64);
         for owner in &self.owners {
             if !snapshot.quarantined.contains_key(owner) {

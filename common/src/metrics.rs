@@ -72,8 +72,16 @@ pub const REAPER_DISPATCHED_TOTAL: &str = "jobfold_reaper_dispatched_total";
 pub const JOBS: &str = "jobfold_jobs";
 /// Accepted jobs not yet ended: accepted − (succeeded + quarantined + superseded).
 pub const UNFINISHED_JOBS: &str = "jobfold_unfinished_jobs";
-/// Seconds since the oldest queued job was accepted.
+/// Seconds since the oldest queued job became due.
 pub const OLDEST_QUEUED_AGE_SECONDS: &str = "jobfold_oldest_queued_age_seconds";
+/// Queued jobs scheduled for later (their `run_at` ahead).
+pub const SCHEDULED_JOBS: &str = "jobfold_scheduled_jobs";
+/// Jobs cancelled, by the state they were in.
+pub const CANCELLED_TOTAL: &str = "jobfold_cancelled_total";
+/// Quarantined jobs replayed, by how (`one`, `bulk`).
+pub const REPLAYED_TOTAL: &str = "jobfold_replayed_total";
+/// Dead letters acted on, by action (`reinjected`, `deleted`).
+pub const DEAD_LETTER_ACTIONS_TOTAL: &str = "jobfold_dead_letter_actions_total";
 /// Leased jobs whose lease ran out.
 pub const EXPIRED_LEASES: &str = "jobfold_expired_leases";
 /// Quarantined jobs waiting for an operator, by owner.
@@ -188,9 +196,21 @@ pub fn describe() {
     describe_gauge!(
         OLDEST_QUEUED_AGE_SECONDS,
         Unit::Seconds,
-        "Seconds since the oldest queued job was accepted."
+        "Seconds since the oldest queued job became due (accepted, or its run_at passed)."
     );
     describe_gauge!(EXPIRED_LEASES, Unit::Count, "Leased jobs whose lease ran out.");
+    describe_gauge!(SCHEDULED_JOBS, Unit::Count, "Queued jobs scheduled for later (run_at ahead).");
+    describe_counter!(CANCELLED_TOTAL, Unit::Count, "Jobs cancelled, by the state they were in.");
+    describe_counter!(
+        REPLAYED_TOTAL,
+        Unit::Count,
+        "Quarantined jobs replayed, one at a time or in bulk."
+    );
+    describe_counter!(
+        DEAD_LETTER_ACTIONS_TOTAL,
+        Unit::Count,
+        "Dead letters re-injected to the intake topic or deleted."
+    );
     describe_gauge!(QUARANTINED, Unit::Count, "Quarantined jobs by owner.");
     describe_gauge!(DEAD_LETTERS, Unit::Count, "Rows in dead_letters.");
     describe_gauge!(

@@ -1165,6 +1165,7 @@ mod tests {
                 idempotency_key: None,
                 max_attempts: 3,
                 deadline: None,
+                run_at: None,
             }),
             2 => Payload::JobLeased(JobLeased {
                 generation: 1,

@@ -48,3 +48,218 @@ pub async fn store(
     metrics::counter!(m::DEAD_LETTERS_TOTAL, "topic" => message.topic().to_owned()).increment(1);
     Ok(())
 }
+
+/// A dead letter as operators list it (`GET /v1/dead-letters`, `jobfold dead-letters list`).
+#[derive(Debug, Clone, serde::Serialize, sqlx::FromRow)]
+pub struct DeadLetter {
+    pub id: i64,
+    pub consumer_group: String,
+    pub topic: String,
+    pub kafka_partition: i32,
+    pub kafka_offset: i64,
+    pub error: String,
+    pub received_at: chrono::DateTime<chrono::Utc>,
+    /// Bytes of the raw key and value.
+    pub key_bytes: Option<i32>,
+    pub value_bytes: Option<i32>,
+    /// When it was last sent back to the intake topic, and how often it was.
+    pub reinjected_at: Option<chrono::DateTime<chrono::Utc>>,
+    pub reinjected_count: i32,
+}
+
+/// One dead letter with its raw bytes, as hex and as text.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct DeadLetterDetail {
+    #[serde(flatten)]
+    pub letter: DeadLetter,
+    pub key_hex: Option<String>,
+    pub key_text: Option<String>,
+    pub value_hex: Option<String>,
+    pub value_text: Option<String>,
+}
+
+/// Which dead letters to list: a topic's, a page after an id.
+#[derive(Debug, Clone, Default, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DeadLetterFilter {
+    pub topic: Option<String>,
+    pub consumer_group: Option<String>,
+    /// The page after this id (the previous page's `next`).
+    pub after: Option<i64>,
+    /// At most this many, oldest first (default 50, at most 1000).
+    pub limit: Option<i64>,
+}
+
+/// A page of dead letters.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct DeadLetterPage {
+    pub dead_letters: Vec<DeadLetter>,
+    pub next: Option<i64>,
+}
+
+// language=PostgreSQL
+const COLUMNS: &str = "id, consumer_group, topic, kafka_partition, kafka_offset, error, \
+    received_at, length(raw_key) AS key_bytes, length(raw_value) AS value_bytes, \
+    reinjected_at, reinjected_count";
+
+/// Dead letters matching `filter`, oldest first, keyset-paged by id.
+///
+/// # Errors
+/// The database failed.
+pub async fn list(pool: &PgPool, filter: &DeadLetterFilter) -> Result<DeadLetterPage, sqlx::Error> {
+    let limit = filter.limit.unwrap_or(50).clamp(1, 1000);
+    // language=PostgreSQL
+    let dead_letters: Vec<DeadLetter> = sqlx::query_as(&format!(
+        "SELECT {COLUMNS} FROM dead_letters \
+         WHERE ($1::text IS NULL OR topic = $1) AND ($2::text IS NULL OR consumer_group = $2) \
+           AND id > $3 \
+         ORDER BY id LIMIT $4"
+    ))
+    .bind(&filter.topic)
+    .bind(&filter.consumer_group)
+    .bind(filter.after.unwrap_or(0))
+    .bind(limit)
+    .fetch_all(pool)
+    .await?;
+    let next =
+        (dead_letters.len() as i64 == limit).then(|| dead_letters.last().map(|d| d.id)).flatten();
+    Ok(DeadLetterPage { dead_letters, next })
+}
+
+/// One dead letter with its bytes, if it exists.
+///
+/// # Errors
+/// The database failed.
+pub async fn show(pool: &PgPool, id: i64) -> Result<Option<DeadLetterDetail>, sqlx::Error> {
+    let Some(Stored { letter, raw_key: key, raw_value: value }) = stored(pool, id).await? else {
+        return Ok(None);
+    };
+    Ok(Some(DeadLetterDetail {
+        letter,
+        key_hex: key.as_deref().map(hex::encode),
+        key_text: key.as_deref().map(printable),
+        value_hex: value.as_deref().map(hex::encode),
+        value_text: value.as_deref().map(printable),
+    }))
+}
+
+/// A dead letter's row, raw bytes included.
+#[derive(sqlx::FromRow)]
+struct Stored {
+    #[sqlx(flatten)]
+    letter: DeadLetter,
+    raw_key: Option<Vec<u8>>,
+    raw_value: Option<Vec<u8>>,
+}
+
+async fn stored(pool: &PgPool, id: i64) -> Result<Option<Stored>, sqlx::Error> {
+    // language=PostgreSQL
+    sqlx::query_as(&format!("SELECT {COLUMNS}, raw_key, raw_value FROM dead_letters WHERE id = $1"))
+        .bind(id)
+        .fetch_optional(pool)
+        .await
+}
+
+/// The bytes as text: UTF-8 where they are, each other byte and each control character
+/// but newline and tab as `.` (as a hex dump's text column shows them).
+pub fn printable(bytes: &[u8]) -> String {
+    let mut text = String::with_capacity(bytes.len());
+    for chunk in bytes.utf8_chunks() {
+        for c in chunk.valid().chars() {
+            text.push(if c.is_control() && c != '\n' && c != '\t' { '.' } else { c });
+        }
+        text.extend(std::iter::repeat_n('.', chunk.invalid().len()));
+    }
+    text
+}
+
+/// Deletes a dead letter; false if there was none.
+///
+/// # Errors
+/// The database failed.
+pub async fn delete(pool: &PgPool, id: i64) -> Result<bool, sqlx::Error> {
+    let gone = sqlx::query("DELETE FROM dead_letters WHERE id = $1").bind(id).execute(pool).await?;
+    if gone.rows_affected() == 1 {
+        metrics::counter!(m::DEAD_LETTER_ACTIONS_TOTAL, "action" => "deleted").increment(1);
+    }
+    Ok(gone.rows_affected() == 1)
+}
+
+/// Why a re-inject was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum ReinjectError {
+    #[error("no dead letter {0}")]
+    NotFound(i64),
+    /// Only the intake's dead letters go back: an events-topic message is the relay's copy
+    /// of the log, not a producer's request.
+    #[error("dead letter {id} came from topic {topic}, not the intake topic {intake}")]
+    NotIntake { id: i64, topic: String, intake: String },
+    #[error("dead letter {0} has no value to send")]
+    NoValue(i64),
+    #[error("producing to Kafka: {0}")]
+    Kafka(String),
+    #[error(transparent)]
+    Database(#[from] sqlx::Error),
+}
+
+/// Where a re-injected message went.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Reinjected {
+    pub id: i64,
+    pub topic: String,
+    pub partition: i32,
+    pub offset: i64,
+}
+
+/// Sends a dead letter's raw key and value back to the intake topic (after its cause was
+/// fixed: the kind registered, the producer's schema in this registry), with
+/// `acks=all`, idempotent, and records when. The intake accepts it like any request; its
+/// request id keeps a second re-inject, or one of a request accepted meanwhile, from
+/// making a second job.
+///
+/// # Errors
+/// [`ReinjectError`].
+pub async fn reinject(
+    pool: &PgPool,
+    config: &jobfold_common::config::Config,
+    id: i64,
+) -> Result<Reinjected, ReinjectError> {
+    use rdkafka::producer::{FutureProducer, FutureRecord};
+    let Stored { letter, raw_key: key, raw_value: value } =
+        stored(pool, id).await?.ok_or(ReinjectError::NotFound(id))?;
+    let topic = letter.topic;
+    let intake = &config.topics.requests;
+    if &topic != intake {
+        return Err(ReinjectError::NotIntake { id, topic, intake: intake.clone() });
+    }
+    let value = value.ok_or(ReinjectError::NoValue(id))?;
+    let producer: FutureProducer = config
+        .kafka_client()
+        .set("enable.idempotence", "true")
+        .set("acks", "all")
+        .create()
+        .map_err(|e| ReinjectError::Kafka(e.to_string()))?;
+    let mut record = FutureRecord::<[u8], [u8]>::to(intake).payload(&value);
+    if let Some(key) = key.as_deref() {
+        record = record.key(key);
+    }
+    let delivered = producer
+        .send(record, std::time::Duration::from_secs(30))
+        .await
+        .map_err(|(e, _)| ReinjectError::Kafka(e.to_string()))?;
+    // language=PostgreSQL
+    sqlx::query(
+        "UPDATE dead_letters SET reinjected_at = now(), reinjected_count = reinjected_count + 1 \
+         WHERE id = $1",
+    )
+    .bind(id)
+    .execute(pool)
+    .await?;
+    metrics::counter!(m::DEAD_LETTER_ACTIONS_TOTAL, "action" => "reinjected").increment(1);
+    Ok(Reinjected {
+        id,
+        topic: intake.clone(),
+        partition: delivered.partition,
+        offset: delivered.offset,
+    })
+}

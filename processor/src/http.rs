@@ -10,10 +10,21 @@
 //! - `GET /v1/quarantine?owner=&kind=&reason=&limit=`: quarantined jobs, newest first.
 //! - `POST /v1/jobs/{id}/replay`: runs a quarantined job again with a fresh budget, optionally
 //!   with `{"new_input_version": n, "new_input": {...}}`; 202, or 409 if it is not quarantined.
+//! - `GET /v1/jobs?state=&kind=&document_id=&since=&limit=&after=&order=`: jobs in job id
+//!   (acceptance) order, keyset-paged: `{"jobs": [...], "next": id}`; pass `next` as `after`.
+//! - `POST /v1/jobs/{id}/cancel` (`{"reason": "...", "requested_by": "..."}`, optional): an
+//!   open job ends `cancelled` (a running one's handler is cancelled within a heartbeat and
+//!   its completion fenced); 200, or 409 with the state if it already ended.
+//! - `POST /v1/quarantine/replay`: replays the quarantined jobs a filter selects (`owner`,
+//!   `kind`, `reason`, `since`, `until`), `batch_size` to a transaction, at most `limit`;
+//!   `"dry_run": true` only counts them.
+//! - `GET /v1/dead-letters?topic=&consumer_group=&after=&limit=`, `GET /v1/dead-letters/{id}`
+//!   (raw key and value as hex and text), `POST /v1/dead-letters/{id}/reinject` (back to the
+//!   intake topic), `DELETE /v1/dead-letters/{id}`.
 //! - `GET /metrics` (Prometheus), `GET /healthz` (the process runs), `GET /readyz`
 //!   (Postgres answers).
 //!
-//! With `api_token` set, every mutating request (`POST`) must carry
+//! With `api_token` set, every mutating request (`POST`, `DELETE`) must carry
 //! `Authorization: Bearer <token>`, else 401. Reads stay open.
 //!
 //! Errors are JSON: `{"error": {"code": "...", "message": "..."}}`.
@@ -49,16 +60,23 @@ pub struct ApiState {
     pub policy: jobfold_common::config::AcceptPolicy,
     /// Required on mutating requests when set.
     pub api_token: Option<Sensitive<String>>,
+    /// Kafka settings and topics (re-injecting dead letters).
+    pub config: std::sync::Arc<jobfold_common::config::Config>,
 }
 
 /// The API's routes; request bodies are limited to `max_body` bytes.
 pub fn router(state: ApiState, max_body: usize) -> Router {
     Router::new()
-        .route("/v1/jobs", post(submit))
+        .route("/v1/jobs", post(submit).get(list_jobs))
         .route("/v1/jobs/{id}", get(job))
         .route("/v1/jobs/{id}/events", get(job_events))
         .route("/v1/jobs/{id}/replay", post(replay))
+        .route("/v1/jobs/{id}/cancel", post(cancel))
         .route("/v1/quarantine", get(quarantine))
+        .route("/v1/quarantine/replay", post(replay_matching))
+        .route("/v1/dead-letters", get(dead_letters))
+        .route("/v1/dead-letters/{id}", get(dead_letter).delete(delete_dead_letter))
+        .route("/v1/dead-letters/{id}/reinject", post(reinject_dead_letter))
         .route("/metrics", get(metrics))
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(ready))
@@ -127,19 +145,53 @@ pub struct ApiError {
     status: StatusCode,
     code: &'static str,
     message: String,
+    /// More fields of the error object, e.g. the `state` of a job that already ended.
+    details: serde_json::Map<String, serde_json::Value>,
 }
 
 impl ApiError {
     fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> Self {
-        Self { status, code, message: message.into() }
+        Self { status, code, message: message.into(), details: Default::default() }
+    }
+
+    fn with(mut self, field: &str, value: impl Into<serde_json::Value>) -> Self {
+        self.details.insert(field.to_owned(), value.into());
+        self
     }
 }
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let body = json!({ "error": { "code": self.code, "message": self.message } });
-        (self.status, axum::Json(body)).into_response()
+        let mut error = self.details;
+        error.insert("code".into(), self.code.into());
+        error.insert("message".into(), self.message.into());
+        (self.status, axum::Json(json!({ "error": error }))).into_response()
     }
+}
+
+/// A body that does not parse: 422 naming the field.
+fn invalid_body(e: serde_path_to_error::Error<serde_json::Error>) -> ApiError {
+    let path = e.path().to_string();
+    let message = if path == "." {
+        format!("invalid body: {}", e.inner())
+    } else {
+        format!("invalid field `{path}`: {}", e.inner())
+    };
+    ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "invalid_field", message)
+}
+
+/// An optional JSON body: the type's default when empty.
+fn optional_body<T: serde::de::DeserializeOwned + Default>(body: &[u8]) -> Result<T, ApiError> {
+    if body.iter().all(u8::is_ascii_whitespace) {
+        return Ok(T::default());
+    }
+    let deserializer = &mut serde_json::Deserializer::from_slice(body);
+    serde_path_to_error::deserialize(deserializer).map_err(invalid_body)
+}
+
+/// A query string that does not parse: 400 naming the parameter.
+fn bad_query(e: QueryRejection) -> ApiError {
+    ApiError::new(StatusCode::BAD_REQUEST, "bad_query", e.body_text())
 }
 
 impl From<AcceptError> for ApiError {
@@ -195,6 +247,12 @@ struct SubmitBody {
     kind: String,
     input_version: i64,
     input: serde_json::Value,
+    /// Not before this instant (RFC 3339).
+    #[serde(default)]
+    run_at: Option<chrono::DateTime<chrono::Utc>>,
+    /// Not before this long from now (`90s`, `15m`, `2h`): `run_at` relative to the accept.
+    #[serde(default)]
+    delay: Option<String>,
 }
 
 #[derive(Debug, Serialize)]
@@ -233,15 +291,23 @@ async fn submit(
         ));
     }
     let deserializer = &mut serde_json::Deserializer::from_slice(&body);
-    let parsed: SubmitBody = serde_path_to_error::deserialize(deserializer).map_err(|e| {
-        let path = e.path().to_string();
-        let message = if path == "." {
-            format!("invalid body: {}", e.inner())
-        } else {
-            format!("invalid field `{path}`: {}", e.inner())
-        };
-        ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "invalid_field", message)
-    })?;
+    let parsed: SubmitBody =
+        serde_path_to_error::deserialize(deserializer).map_err(invalid_body)?;
+    let invalid =
+        |message: String| ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "invalid_field", message);
+    let run_at = match (parsed.run_at, parsed.delay) {
+        (Some(_), Some(_)) => {
+            return Err(invalid("invalid field `delay`: give run_at or delay, not both".into()));
+        }
+        (run_at, None) => run_at,
+        (None, Some(delay)) => {
+            let delay = humantime::parse_duration(&delay)
+                .map_err(|e| invalid(format!("invalid field `delay`: {e} (e.g. 90s, 15m, 2h)")))?;
+            let delay = chrono::Duration::from_std(delay)
+                .map_err(|_| invalid("invalid field `delay`: too long".into()))?;
+            chrono::Utc::now().checked_add_signed(delay)
+        }
+    };
     let idempotency_key = match headers.get("idempotency-key") {
         None => None,
         Some(v) => Some(v.to_str().map(str::to_owned).map_err(|_| {
@@ -259,6 +325,7 @@ async fn submit(
         input: parsed.input,
         idempotency_key,
         trace: trace_context(&headers),
+        run_at,
     };
     let accepted = state.acceptor.accept(&state.pool, &job).await?;
     let status = if accepted.created { StatusCode::CREATED } else { StatusCode::OK };
@@ -324,9 +391,120 @@ async fn quarantine(
     State(state): State<ApiState>,
     filter: Result<Query<status::QuarantineFilter>, QueryRejection>,
 ) -> Result<axum::Json<Vec<status::Quarantined>>, ApiError> {
-    let Query(filter) =
-        filter.map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, "bad_query", e.body_text()))?;
+    let Query(filter) = filter.map_err(bad_query)?;
     Ok(axum::Json(status::quarantined(&state.pool, &filter).await?))
+}
+
+async fn list_jobs(
+    State(state): State<ApiState>,
+    filter: Result<Query<status::JobFilter>, QueryRejection>,
+) -> Result<axum::Json<status::JobPage>, ApiError> {
+    let Query(filter) = filter.map_err(bad_query)?;
+    Ok(axum::Json(status::jobs(&state.pool, &filter).await?))
+}
+
+async fn cancel(
+    State(state): State<ApiState>,
+    Path(id): Path<String>,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    use crate::store::CancelError;
+    let job_id = Uuid::parse_str(&id).map_err(|_| not_found(&id))?;
+    let request: crate::store::Cancel = optional_body(&body)?;
+    let mut tx = state.pool.begin().await?;
+    let (job, was) = match crate::store::cancel(&mut tx, &state.events, job_id, request).await {
+        Ok(cancelled) => cancelled,
+        Err(CancelError::NotFound(_)) => return Err(not_found(&id)),
+        Err(e @ CancelError::Ended { state, .. }) => {
+            return Err(ApiError::new(StatusCode::CONFLICT, "job_ended", e.to_string())
+                .with("state", state.as_str()));
+        }
+        Err(CancelError::Database(e)) => return Err(e.into()),
+        Err(CancelError::Other(e)) => {
+            tracing::error!(error = %format!("{e:#}"), %job_id, "Cancel failed.");
+            return Err(ApiError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "internal",
+                "cancel failed",
+            ));
+        }
+    };
+    tx.commit().await?;
+    metrics::counter!(jobfold_common::metrics::CANCELLED_TOTAL, "was" => was.as_str()).increment(1);
+    let body = json!({ "job_id": job.job_id, "state": job.state.as_str(), "was": was.as_str() });
+    Ok((StatusCode::OK, axum::Json(body)).into_response())
+}
+
+async fn replay_matching(
+    State(state): State<ApiState>,
+    body: Bytes,
+) -> Result<axum::Json<crate::store::BulkReplayed>, ApiError> {
+    let request: crate::store::BulkReplay = optional_body(&body)?;
+    match crate::store::replay_matching(&state.pool, &state.events, &state.policy, request).await {
+        Ok(done) => Ok(axum::Json(done)),
+        Err(e) => {
+            tracing::warn!(error = %format!("{e:#}"), "Bulk replay failed.");
+            Err(ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "unavailable",
+                format!("bulk replay stopped: {e:#} (batches committed before stay replayed)"),
+            ))
+        }
+    }
+}
+
+fn no_dead_letter(id: &str) -> ApiError {
+    ApiError::new(StatusCode::NOT_FOUND, "not_found", format!("no dead letter {id}"))
+}
+
+async fn dead_letters(
+    State(state): State<ApiState>,
+    filter: Result<Query<crate::dead_letter::DeadLetterFilter>, QueryRejection>,
+) -> Result<axum::Json<crate::dead_letter::DeadLetterPage>, ApiError> {
+    let Query(filter) = filter.map_err(bad_query)?;
+    Ok(axum::Json(crate::dead_letter::list(&state.pool, &filter).await?))
+}
+
+async fn dead_letter(
+    State(state): State<ApiState>,
+    Path(id): Path<String>,
+) -> Result<axum::Json<crate::dead_letter::DeadLetterDetail>, ApiError> {
+    let n: i64 = id.parse().map_err(|_| no_dead_letter(&id))?;
+    crate::dead_letter::show(&state.pool, n)
+        .await?
+        .map(axum::Json)
+        .ok_or_else(|| no_dead_letter(&id))
+}
+
+async fn delete_dead_letter(
+    State(state): State<ApiState>,
+    Path(id): Path<String>,
+) -> Result<StatusCode, ApiError> {
+    let n: i64 = id.parse().map_err(|_| no_dead_letter(&id))?;
+    if crate::dead_letter::delete(&state.pool, n).await? {
+        Ok(StatusCode::NO_CONTENT)
+    } else {
+        Err(no_dead_letter(&id))
+    }
+}
+
+async fn reinject_dead_letter(
+    State(state): State<ApiState>,
+    Path(id): Path<String>,
+) -> Result<Response, ApiError> {
+    use crate::dead_letter::ReinjectError;
+    let n: i64 = id.parse().map_err(|_| no_dead_letter(&id))?;
+    match crate::dead_letter::reinject(&state.pool, &state.config, n).await {
+        Ok(sent) => Ok((StatusCode::ACCEPTED, axum::Json(sent)).into_response()),
+        Err(ReinjectError::NotFound(_)) => Err(no_dead_letter(&id)),
+        Err(e @ (ReinjectError::NotIntake { .. } | ReinjectError::NoValue(_))) => {
+            Err(ApiError::new(StatusCode::CONFLICT, "not_reinjectable", e.to_string()))
+        }
+        Err(ReinjectError::Database(e)) => Err(e.into()),
+        Err(e @ ReinjectError::Kafka(_)) => {
+            Err(ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "unavailable", e.to_string()))
+        }
+    }
 }
 
 async fn metrics() -> Result<String, ApiError> {
@@ -342,18 +520,7 @@ async fn replay(
 ) -> Result<Response, ApiError> {
     use crate::store::ReplayError;
     let job_id = Uuid::parse_str(&id).map_err(|_| not_found(&id))?;
-    let request: crate::store::Replay = if body.is_empty() {
-        crate::store::Replay::default()
-    } else {
-        let deserializer = &mut serde_json::Deserializer::from_slice(&body);
-        serde_path_to_error::deserialize(deserializer).map_err(|e| {
-            ApiError::new(
-                StatusCode::UNPROCESSABLE_ENTITY,
-                "invalid_field",
-                format!("invalid field `{}`: {}", e.path(), e.inner()),
-            )
-        })?
-    };
+    let request: crate::store::Replay = optional_body(&body)?;
     let mut tx = state.pool.begin().await?;
     let replayed =
         crate::store::replay(&mut tx, &state.events, &state.policy, job_id, request).await;
@@ -381,6 +548,7 @@ async fn replay(
         }
     };
     tx.commit().await?;
+    metrics::counter!(jobfold_common::metrics::REPLAYED_TOTAL, "how" => "one").increment(1);
     let body =
         json!({ "job_id": job.job_id, "state": "queued", "input_version": job.input_version });
     Ok((StatusCode::ACCEPTED, axum::Json(body)).into_response())

@@ -186,6 +186,7 @@ async fn serve(
             events: events.clone(),
             policy: config.accept_policy(),
             api_token: config.api_token.clone(),
+            config: std::sync::Arc::new(config.clone()),
         },
         config.accept.max_input_bytes + BODY_OVERHEAD_BYTES,
     );

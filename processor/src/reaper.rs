@@ -1,6 +1,7 @@
 //! The reaper: jobs whose lease expired more than `processor.reaper_grace` ago (the worker
 //! died or hangs) and jobs still queued `processor.stall_after` after acceptance are
-//! dispatched again, with a `RetryDue` event.
+//! dispatched again, with a `RetryDue` event (a scheduled job: `stall_after` past its due
+//! time).
 //!
 //! Every processor runs it; `FOR UPDATE SKIP LOCKED` and `next_attempt_at` (set to the next
 //! look, re-checked under the lock) keep them from dispatching the same job twice in one round. A second dispatch would
@@ -68,7 +69,7 @@ pub async fn reap(config: &Config, pool: &PgPool, events: &Events) -> anyhow::Re
 const DUE: &str = r#"
     finished_at IS NULL
     AND ((state = 'leased' AND lease_until < now() - make_interval(secs => $1))
-      OR (state = 'queued' AND accepted_at < now() - make_interval(secs => $2)))
+      OR (state = 'queued' AND coalesce(run_at, accepted_at) < now() - make_interval(secs => $2)))
     AND coalesce(next_attempt_at, '-infinity') < now()
 "#;
 

@@ -3,6 +3,7 @@
 //! these queries.
 
 use chrono::{DateTime, Utc};
+use jobfold_schemas::fold::Status;
 use jobfold_schemas::{Decoder, JobEvent};
 use serde::{Deserialize, Serialize};
 use sqlx::PgPool;
@@ -24,6 +25,8 @@ pub struct JobStatus {
     pub next_attempt_at: Option<DateTime<Utc>>,
     pub deadline: Option<DateTime<Utc>>,
     pub accepted_at: DateTime<Utc>,
+    /// A scheduled job's due time: not dispatched before it.
+    pub run_at: Option<DateTime<Utc>>,
     pub finished_at: Option<DateTime<Utc>>,
     pub last_error: Option<String>,
     pub stream_version: i32,
@@ -38,21 +41,157 @@ pub struct JobStatus {
 /// # Errors
 /// The database failed.
 pub async fn job(pool: &PgPool, job_id: Uuid) -> Result<Option<JobStatus>, sqlx::Error> {
-    // language=PostgreSQL
-    sqlx::query_as(
-        r#"
-        SELECT j.job_id, j.document_id, j.kind, j.input_version, j.state::text AS state,
-               j.attempt, j.max_attempts, j.generation, j.lease_until, j.lease_owner,
-               j.next_attempt_at, j.deadline, j.accepted_at, j.finished_at, j.last_error,
-               j.stream_version, j.idempotency_key,
-               q.reason AS quarantine_reason, q.owner AS quarantine_owner
-        FROM jobs j LEFT JOIN quarantine q USING (job_id)
-        WHERE j.job_id = $1
-        "#,
-    )
+    sqlx::query_as(&format!(
+        "{JOB_STATUS} LEFT JOIN quarantine q USING (job_id) WHERE j.job_id = $1"
+    ))
     .bind(job_id)
     .fetch_optional(pool)
     .await
+}
+
+/// What a [`JobStatus`] is read with, before its join with `quarantine q`.
+// language=PostgreSQL
+const JOB_STATUS: &str = r#"
+    SELECT j.job_id, j.document_id, j.kind, j.input_version, j.state::text AS state,
+           j.attempt, j.max_attempts, j.generation, j.lease_until, j.lease_owner,
+           j.next_attempt_at, j.deadline, j.accepted_at, j.run_at, j.finished_at, j.last_error,
+           j.stream_version, j.idempotency_key,
+           q.reason AS quarantine_reason, q.owner AS quarantine_owner
+    FROM jobs j
+"#;
+
+/// Which jobs to list, and which page: `GET /v1/jobs` and `jobfold jobs`.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct JobFilter {
+    /// Only jobs in this state.
+    #[serde(default, deserialize_with = "state_label")]
+    pub state: Option<Status>,
+    /// Only this kind.
+    pub kind: Option<String>,
+    /// Only this document's.
+    pub document_id: Option<String>,
+    /// Only jobs accepted at or after this time.
+    pub since: Option<DateTime<Utc>>,
+    /// At most this many (default 50, at most [`JOBS_LIMIT_MAX`]).
+    pub limit: Option<i64>,
+    /// The page after this job: the previous page's `next`.
+    pub after: Option<Uuid>,
+    /// `asc`: oldest first (acceptance order), the default; `desc`: newest first.
+    pub order: Option<Order>,
+}
+
+/// A `job_state` label, refused with the list of states if it names none.
+fn state_label<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Status>, D::Error> {
+    let label = String::deserialize(d)?;
+    label.parse().map(Some).map_err(|_| {
+        let states: Vec<&str> = Status::ALL.iter().map(|s| s.as_str()).collect();
+        serde::de::Error::custom(format!(
+            "`{label}` is not a job state (one of {})",
+            states.join(", ")
+        ))
+    })
+}
+
+/// The order of a listing.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Order {
+    #[default]
+    Asc,
+    Desc,
+}
+
+/// One page of jobs.
+#[derive(Debug, Clone, Serialize)]
+pub struct JobPage {
+    pub jobs: Vec<JobStatus>,
+    /// Pass as `after` for the next page; `None` on the last one.
+    pub next: Option<Uuid>,
+}
+
+/// Most jobs one page holds.
+pub const JOBS_LIMIT_MAX: i64 = 1000;
+
+/// The smallest UUIDv7 of millisecond `at`: below every job id minted at or after `at`.
+///
+/// Job ids are UUIDv7 minted right after the accept reads its clock for `accepted_at`, so a
+/// job accepted at or after `at` has an id at or above this, and `since` becomes a range of
+/// the primary key.
+fn first_id_at(at: DateTime<Utc>) -> Uuid {
+    let millis = u128::try_from(at.timestamp_millis()).unwrap_or(0);
+    Uuid::from_u128(millis << 80)
+}
+
+/// A page of jobs matching `filter`, in job id order — acceptance order, as job ids are
+/// UUIDv7. Keyset pagination (`after` the last id seen): pages do not shift while jobs are
+/// accepted, so every job that existed when the listing began is returned exactly once.
+///
+/// Each filter is served by an index (docs/operations.md shows the plans): `document_id` by
+/// `jobs_document_id_idx`, `kind` by `jobs_kind_idx`, the unfinished states by
+/// `jobs_unfinished_idx`, `quarantined` by the quarantine table, `since` and the page by the
+/// primary key. `state` is not indexed (an index on it would make every lease a full
+/// update); an ended state other than quarantined, alone, walks the primary key.
+///
+/// # Errors
+/// The database failed.
+pub async fn jobs(pool: &PgPool, filter: &JobFilter) -> Result<JobPage, sqlx::Error> {
+    let limit = filter.limit.unwrap_or(50).clamp(1, JOBS_LIMIT_MAX);
+    let jobs: Vec<JobStatus> = jobs_query(filter, "").build_query_as().fetch_all(pool).await?;
+    let next = (jobs.len() as i64 == limit).then(|| jobs.last().map(|j| j.job_id)).flatten();
+    Ok(JobPage { jobs, next })
+}
+
+/// How Postgres runs [`jobs`] for `filter` (`EXPLAIN`): which index serves it
+/// (`jobfold jobs --explain`).
+///
+/// # Errors
+/// The database failed.
+pub async fn jobs_plan(pool: &PgPool, filter: &JobFilter) -> Result<String, sqlx::Error> {
+    let lines: Vec<String> =
+        jobs_query(filter, "EXPLAIN ").build_query_scalar().fetch_all(pool).await?;
+    Ok(lines.join("\n"))
+}
+
+/// The statement behind [`jobs`], after `prefix`.
+fn jobs_query<'a>(filter: &'a JobFilter, prefix: &str) -> sqlx::QueryBuilder<'a, sqlx::Postgres> {
+    let limit = filter.limit.unwrap_or(50).clamp(1, JOBS_LIMIT_MAX);
+    let order = filter.order.unwrap_or_default();
+    // A quarantined job has its quarantine row: joined, not left-joined, so the page can be
+    // read in the quarantine table's job id order.
+    let join = if filter.state == Some(Status::Quarantined) { "JOIN" } else { "LEFT JOIN" };
+    let mut query = sqlx::QueryBuilder::new(format!(
+        "{prefix}{JOB_STATUS} {join} quarantine q USING (job_id) WHERE true"
+    ));
+    // (The join alone selects the quarantined: a job has a quarantine row exactly while it
+    // is quarantined. Its state tested too, the planner would take the two for independent,
+    // expect a handful of rows, and read them all.)
+    if let Some(state) = filter.state.filter(|s| *s != Status::Quarantined) {
+        query.push(" AND j.state = ").push_bind(state.as_str()).push("::job_state");
+        if matches!(state, Status::Queued | Status::Leased | Status::RetryWait) {
+            query.push(" AND j.finished_at IS NULL");
+        }
+    }
+    if let Some(kind) = &filter.kind {
+        query.push(" AND j.kind = ").push_bind(kind);
+    }
+    if let Some(document) = &filter.document_id {
+        query.push(" AND j.document_id = ").push_bind(document);
+    }
+    // To the millisecond, as acceptance times are kept.
+    if let Some(since) =
+        filter.since.and_then(|t| DateTime::from_timestamp_millis(t.timestamp_millis()))
+    {
+        query.push(" AND j.job_id >= ").push_bind(first_id_at(since));
+        query.push(" AND j.accepted_at >= ").push_bind(since);
+    }
+    if let Some(after) = filter.after {
+        query.push(if order == Order::Asc { " AND j.job_id > " } else { " AND j.job_id < " });
+        query.push_bind(after);
+    }
+    query.push(if order == Order::Asc { " ORDER BY j.job_id" } else { " ORDER BY j.job_id DESC" });
+    query.push(" LIMIT ").push_bind(limit);
+    query
 }
 
 /// One event of a job's history.
@@ -130,9 +269,24 @@ pub struct QuarantineFilter {
     pub kind: Option<String>,
     /// Only reasons containing this text (case-insensitive).
     pub reason: Option<String>,
+    /// Only jobs quarantined at or after this time.
+    pub since: Option<DateTime<Utc>>,
+    /// Only jobs quarantined before this time.
+    pub until: Option<DateTime<Utc>>,
     /// At most this many, newest first (default 50, at most 1000).
     pub limit: Option<i64>,
 }
+
+/// The quarantine rows (`q`, joined to `j`) a [`QuarantineFilter`] selects: `$1` owner, `$2`
+/// kind, `$3` reason text, `$4` since, `$5` until. Listing and bulk replay share it.
+// language=PostgreSQL
+pub const QUARANTINE_MATCH: &str = r#"
+    ($1::text IS NULL OR q.owner = $1)
+    AND ($2::text IS NULL OR j.kind = $2)
+    AND ($3::text IS NULL OR q.reason ILIKE '%' || $3 || '%')
+    AND ($4::timestamptz IS NULL OR q.quarantined_at >= $4)
+    AND ($5::timestamptz IS NULL OR q.quarantined_at < $5)
+"#;
 
 /// A quarantined job, waiting for its owner.
 #[derive(Debug, Clone, Serialize, sqlx::FromRow)]
@@ -161,21 +315,21 @@ pub async fn quarantined(
 ) -> Result<Vec<Quarantined>, sqlx::Error> {
     let limit = filter.limit.unwrap_or(50).clamp(1, QUARANTINE_LIMIT_MAX);
     // language=PostgreSQL
-    sqlx::query_as(
+    sqlx::query_as(&format!(
         r#"
         SELECT q.job_id, j.kind, j.document_id, q.input_version, q.error_class, q.owner,
                q.attempts, q.reason, q.quarantined_at
         FROM quarantine q JOIN jobs j USING (job_id)
-        WHERE ($1::text IS NULL OR q.owner = $1)
-          AND ($2::text IS NULL OR j.kind = $2)
-          AND ($3::text IS NULL OR q.reason ILIKE '%' || $3 || '%')
+        WHERE {QUARANTINE_MATCH}
         ORDER BY q.quarantined_at DESC
-        LIMIT $4
-        "#,
-    )
+        LIMIT $6
+        "#
+    ))
     .bind(&filter.owner)
     .bind(&filter.kind)
     .bind(&filter.reason)
+    .bind(filter.since)
+    .bind(filter.until)
     .bind(limit)
     .fetch_all(pool)
     .await

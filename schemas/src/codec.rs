@@ -376,6 +376,11 @@ impl<T: Record> Codec<T> {
         &self.subject
     }
 
+    /// The topic this codec was connected for (its subject is `<topic>-value`).
+    pub fn topic(&self) -> &str {
+        self.subject.strip_suffix("-value").unwrap_or(&self.subject)
+    }
+
     /// The registry id of this build's schema: the id in every frame this codec encodes.
     pub fn schema_id(&self) -> u32 {
         self.id

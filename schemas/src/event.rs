@@ -126,6 +126,8 @@ pub struct JobRequested {
     pub idempotency_key: Option<String>,
     pub max_attempts: i32,
     pub deadline: Option<DateTime<Utc>>,
+    /// A scheduled job: not dispatched before this instant.
+    pub run_at: Option<DateTime<Utc>>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -343,6 +345,7 @@ impl From<&Payload> for Value {
                     ("idempotency_key", nullable(p.idempotency_key.clone().map(Value::String))),
                     ("max_attempts", Value::Int(p.max_attempts)),
                     ("deadline", nullable(p.deadline.map(millis))),
+                    ("run_at", nullable(p.run_at.map(millis))),
                 ]),
             ),
             Payload::JobLeased(p) => (
@@ -650,6 +653,7 @@ impl Payload {
                 idempotency_key: f.nullable("idempotency_key", as_string)?,
                 max_attempts: f.int("max_attempts")?,
                 deadline: f.nullable("deadline", as_timestamp)?,
+                run_at: f.nullable("run_at", as_timestamp)?,
             }),
             1 => Self::JobLeased(JobLeased {
                 generation: f.long("generation")?,

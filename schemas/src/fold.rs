@@ -176,6 +176,8 @@ pub struct JobState {
     pub attempt: i32,
     pub max_attempts: i32,
     pub deadline: Option<DateTime<Utc>>,
+    /// A scheduled job's first due time: no lease before it.
+    pub run_at: Option<DateTime<Utc>>,
     /// Lease generation: raised by every lease, never lowered.
     pub generation: i64,
     /// Present exactly while `status` is `Leased`.
@@ -263,6 +265,7 @@ impl JobState {
             attempt: 0,
             max_attempts: requested.max_attempts,
             deadline: requested.deadline,
+            run_at: requested.run_at,
             generation: 0,
             lease: None,
             next_attempt_at: None,

@@ -306,6 +306,7 @@ impl Producer {
                     input,
                     idempotency_key: Some(format!("bad-{n}")),
                     trace: None,
+                    run_at: None,
                 };
                 if let Some(job_id) = self.accept(&job).await {
                     self.record(kind, document, job_id, expect);
@@ -406,6 +407,7 @@ impl Producer {
                 input: json!({ "text": format!("hot version {v}"), "simulate": { "sleep_ms": 150 } }),
                 idempotency_key: Some(format!("hot-{n}-{v}")),
                 trace: None,
+                run_at: None,
             })
             .collect();
         loop {

@@ -887,6 +887,7 @@ async fn api_producer(
             input: input(&mut rng, n),
             idempotency_key: Some(format!("api-{n}")),
             trace: None,
+            run_at: None,
         };
         // A commit lost with its connection is ambiguous: the retry with the same key
         // finds the job or makes it, and only an answer counts as acknowledged.

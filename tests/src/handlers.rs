@@ -6,7 +6,8 @@
 //! retryably, `{"permanent": true}` fails permanently, `{"sleep_ms": 200}` makes each attempt
 //! take that long (ended early by the cancellation token), `{"hang_ms": 60000}` takes that
 //! long ignoring the token, `{"panic": true}` panics, `{"output_bytes": 20000}` returns a
-//! result of about that size.
+//! result of about that size, `{"permanent_until_replayed": true}` fails permanently until an
+//! operator replays the job (its generation then runs ahead of its attempt).
 
 use std::time::Duration;
 
@@ -84,6 +85,12 @@ impl Handler for Simulated {
         }
         if simulate.get("permanent").and_then(Value::as_bool) == Some(true) {
             return Err(HandlerError::permanent("simulated permanent failure"));
+        }
+        let replayed = job.generation > i64::from(job.attempt);
+        if simulate.get("permanent_until_replayed").and_then(Value::as_bool) == Some(true)
+            && !replayed
+        {
+            return Err(HandlerError::permanent("the upstream refused it (until replayed)"));
         }
         let fail_attempts = simulate.get("fail_attempts").and_then(Value::as_i64).unwrap_or(0);
         if i64::from(job.attempt) <= fail_attempts {

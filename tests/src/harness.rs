@@ -101,6 +101,7 @@ impl Installation {
             events: self.events().await,
             policy: self.config.accept_policy(),
             api_token: self.config.api_token.clone(),
+            config: std::sync::Arc::new(self.config.clone()),
         }
     }
 
@@ -211,6 +212,7 @@ pub fn index_job(document: &str, version: i64, input: serde_json::Value) -> NewJ
         input,
         idempotency_key: None,
         trace: None,
+        run_at: None,
     }
 }
 

@@ -2,16 +2,18 @@
 //! lost job and no duplicate effect, whatever happened during the run.
 //!
 //! - every acknowledged job exists (HTTP and Rust API: by job id; intake: by request id);
-//! - every job ended succeeded, quarantined (with a reason) or superseded: none is stuck;
+//! - every job ended succeeded, quarantined (with a reason), superseded or cancelled: none is
+//!   stuck;
 //! - exactly one business write per succeeded (job, input_version), and none for a job that
 //!   did not succeed at that version — counted in `index_writes`, which has no unique
 //!   constraint, so a duplicate effect would show;
 //! - `document_index` holds the highest succeeded input version of every document;
-//! - accepted = succeeded + quarantined + superseded;
+//! - accepted = succeeded + quarantined + superseded + cancelled;
 //! - the event log, folded by the schemas crate's fold, from Postgres and from Kafka, gives
 //!   exactly the `jobs` projection;
 //! - every bad job ended as documented (refused, dead-lettered, quarantined with its reason,
-//!   or all its versions ended), and cost only itself: no well-behaved job took longer from
+//!   all its versions ended, cancelled while it ran with nothing committed, or scheduled and
+//!   not leased before its time), and cost only itself: no well-behaved job took longer from
 //!   accept to end, no acknowledged intake request waited longer to be accepted, and the
 //!   relay's cursor never stood still longer while events waited, than the run's delay
 //!   bound; no event is on the topic more often than the relay's crashes explain.
@@ -259,7 +261,7 @@ pub async fn check(
     // Stuck, and quarantined without a reason.
     let stuck = ids(
         pool,
-        "SELECT job_id::text || ' (' || state || ')' FROM jobs WHERE state NOT IN ('succeeded', 'quarantined', 'superseded')",
+        "SELECT job_id::text || ' (' || state || ')' FROM jobs WHERE state NOT IN ('succeeded', 'quarantined', 'superseded', 'cancelled')",
     )
     .await;
     finding(stuck.is_empty(), format!("{} jobs never ended: {}", stuck.len(), shown(&stuck)));
@@ -323,16 +325,19 @@ pub async fn check(
         ),
     );
 
-    // accepted = succeeded + quarantined + superseded.
+    // accepted = succeeded + quarantined + superseded + cancelled.
     h.states = jobfold_common::gauges::totals(pool).await?.into_iter().collect();
     h.accepted = h.states.values().sum();
-    let ended: i64 = ["succeeded", "quarantined", "superseded"]
+    let ended: i64 = ["succeeded", "quarantined", "superseded", "cancelled"]
         .iter()
         .map(|s| h.states.get(*s).copied().unwrap_or(0))
         .sum();
     finding(
         h.accepted == ended,
-        format!("accepted {} != succeeded + quarantined + superseded {ended}", h.accepted),
+        format!(
+            "accepted {} != succeeded + quarantined + superseded + cancelled {ended}",
+            h.accepted
+        ),
     );
     // language=PostgreSQL
     h.business_writes =

@@ -19,6 +19,7 @@ fn job(document: &str, version: i64, key: Option<&str>) -> NewJob {
         input: json!({ "text": format!("{document} v{version}") }),
         idempotency_key: key.map(str::to_owned),
         trace: None,
+        run_at: None,
     }
 }
 

@@ -43,6 +43,7 @@ fn requested() -> JobEvent {
         idempotency_key: Some("k".into()),
         max_attempts: 5,
         deadline: None,
+        run_at: None,
     }))
 }
 

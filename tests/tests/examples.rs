@@ -117,6 +117,7 @@ fn new_job(document: String, kind: &str, version: i64, input: Value) -> NewJob {
         input,
         idempotency_key: None,
         trace: None,
+        run_at: None,
     }
 }
 

@@ -22,6 +22,7 @@ fn job(document: &str, version: i64) -> NewJob {
         input: json!({ "text": "some words" }),
         idempotency_key: None,
         trace: None,
+        run_at: None,
     }
 }
 

@@ -38,13 +38,20 @@ pub fn error_class() -> impl Strategy<Value = ErrorClass> {
 
 pub fn payload() -> impl Strategy<Value = Payload> {
     prop_oneof![
-        (text(), proptest::option::of(text()), any::<i32>(), proptest::option::of(timestamp()))
-            .prop_map(|(input, idempotency_key, max_attempts, deadline)| {
+        (
+            text(),
+            proptest::option::of(text()),
+            any::<i32>(),
+            proptest::option::of(timestamp()),
+            proptest::option::of(timestamp())
+        )
+            .prop_map(|(input, idempotency_key, max_attempts, deadline, run_at)| {
                 Payload::JobRequested(JobRequested {
                     input,
                     idempotency_key,
                     max_attempts,
                     deadline,
+                    run_at,
                 })
             }),
         (any::<i64>(), any::<i32>(), text(), timestamp(), uuid()).prop_map(
@@ -176,6 +183,7 @@ impl StreamBuilder {
                 idempotency_key: Some("key-1".into()),
                 max_attempts: MAX_ATTEMPTS,
                 deadline: None,
+                run_at: None,
             }),
         };
         let state = JobState::start(&requested).expect("JobRequested starts a stream");

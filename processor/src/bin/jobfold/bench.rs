@@ -169,6 +169,7 @@ fn job(i: usize) -> NewJob {
         input: json!({ "text": "the quick brown fox jumps over the lazy dog" }),
         idempotency_key: Some(format!("bench-{i}")),
         trace: None,
+        run_at: None,
     }
 }
 
@@ -1307,6 +1308,7 @@ fn sample_event(i: usize) -> JobEvent {
             idempotency_key: job.idempotency_key,
             max_attempts: 5,
             deadline: None,
+            run_at: None,
         }),
     }
 }

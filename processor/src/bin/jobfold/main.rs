@@ -51,6 +51,57 @@ enum Command {
         /// Idempotency key: submitting again with it returns the same job.
         #[arg(long)]
         key: Option<String>,
+        /// Not before this time (RFC 3339: 2026-12-24T18:00:00Z).
+        #[arg(long, conflicts_with = "delay")]
+        run_at: Option<chrono::DateTime<chrono::Utc>>,
+        /// Not before this long from now (90s, 15m, 2h).
+        #[arg(long, value_parser = humantime::parse_duration)]
+        delay: Option<std::time::Duration>,
+    },
+    /// Cancel an open job: queued, scheduled, waiting to retry and quarantined jobs end at
+    /// once; a running one's handler is cancelled within a heartbeat and commits nothing.
+    Cancel {
+        job_id: uuid::Uuid,
+        /// Why, recorded in the JobCancelled event.
+        #[arg(long)]
+        reason: Option<String>,
+        /// Who asks, recorded in the JobCancelled event.
+        #[arg(long, env = "USER", default_value = "operator")]
+        by: String,
+    },
+    /// List jobs in acceptance order, filtered, a page at a time (keyset: `--after` the last
+    /// id shown).
+    Jobs {
+        /// queued, leased, retry_wait, succeeded, quarantined, superseded or cancelled.
+        #[arg(long)]
+        state: Option<jobfold_schemas::fold::Status>,
+        #[arg(long)]
+        kind: Option<String>,
+        #[arg(long)]
+        document: Option<String>,
+        /// Accepted at or after this time (RFC 3339).
+        #[arg(long)]
+        since: Option<chrono::DateTime<chrono::Utc>>,
+        /// The page after this job id.
+        #[arg(long)]
+        after: Option<uuid::Uuid>,
+        #[arg(long, default_value_t = 50)]
+        limit: i64,
+        /// Newest first.
+        #[arg(long)]
+        desc: bool,
+        /// Print JSON lines instead of a table.
+        #[arg(long)]
+        json: bool,
+        /// Print how Postgres runs the listing (its plan) instead of the jobs.
+        #[arg(long)]
+        explain: bool,
+    },
+    /// Dead letters (messages the intake or the processor could not decode or accept):
+    /// list, show, send back to the intake topic, delete.
+    DeadLetters {
+        #[command(subcommand)]
+        command: DeadLetterCommand,
     },
     /// A job as Postgres holds it: state, attempts, lease, last error, quarantine.
     Status {
@@ -187,22 +238,76 @@ enum QuarantineCommand {
         /// Only reasons containing this text.
         #[arg(long)]
         reason: Option<String>,
+        /// Quarantined at or after this time (RFC 3339).
+        #[arg(long)]
+        since: Option<chrono::DateTime<chrono::Utc>>,
+        /// Quarantined before this time.
+        #[arg(long)]
+        until: Option<chrono::DateTime<chrono::Utc>>,
         #[arg(long, default_value_t = 50)]
         limit: i64,
     },
-    /// Run a quarantined job again with a fresh budget.
+    /// Run a quarantined job again with a fresh budget — one by id, or every one a filter
+    /// selects (`--dry-run` first to count them).
     Replay {
-        job_id: uuid::Uuid,
-        /// Run with this new, higher input version.
-        #[arg(long)]
+        /// The job; or select by --owner, --kind, --reason, --since, --until.
+        #[arg(required_unless_present_any = ["owner", "kind", "reason", "since", "until"])]
+        job_id: Option<uuid::Uuid>,
+        /// Run with this new, higher input version (one job only).
+        #[arg(long, requires = "job_id")]
         new_input_version: Option<i64>,
         /// The new input (JSON) that goes with the new input version.
         #[arg(long, requires = "new_input_version")]
         input: Option<String>,
+        #[arg(long, conflicts_with = "job_id")]
+        owner: Option<String>,
+        #[arg(long, conflicts_with = "job_id")]
+        kind: Option<String>,
+        /// Reasons containing this text.
+        #[arg(long, conflicts_with = "job_id")]
+        reason: Option<String>,
+        #[arg(long, conflicts_with = "job_id")]
+        since: Option<chrono::DateTime<chrono::Utc>>,
+        #[arg(long, conflicts_with = "job_id")]
+        until: Option<chrono::DateTime<chrono::Utc>>,
+        /// Count what the filter selects; replay nothing.
+        #[arg(long, conflicts_with = "job_id")]
+        dry_run: bool,
+        /// Jobs replayed per transaction.
+        #[arg(long, default_value_t = 100)]
+        batch_size: usize,
+        /// Jobs replayed by this command at most.
+        #[arg(long, default_value_t = jobfold_processor::store::BULK_LIMIT_MAX)]
+        limit: usize,
         /// Who asks, recorded in the ReplayRequested event.
         #[arg(long, env = "USER", default_value = "operator")]
         by: String,
     },
+}
+
+#[derive(Debug, Subcommand)]
+enum DeadLetterCommand {
+    /// List dead letters, oldest first.
+    List {
+        #[arg(long)]
+        topic: Option<String>,
+        /// The page after this id.
+        #[arg(long)]
+        after: Option<i64>,
+        #[arg(long, default_value_t = 50)]
+        limit: i64,
+    },
+    /// One dead letter: coordinates, error, raw key and value as hex and text.
+    Show {
+        id: i64,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Send an intake dead letter back to the intake topic, after fixing its cause (the
+    /// request id keeps it from becoming a second job).
+    Reinject { id: i64 },
+    /// Delete a dead letter.
+    Delete { id: i64 },
 }
 
 #[derive(Debug, Subcommand)]
@@ -285,7 +390,11 @@ async fn run(config: Config, command: Command) -> anyhow::Result<()> {
             let after: i64 = applied(&pool).await;
             println!("migrations: {} applied now, {after} in total", after - before);
         }
-        Command::Submit { document, kind, input_version, input, key } => {
+        Command::Submit { document, kind, input_version, input, key, run_at, delay } => {
+            let run_at = match delay {
+                Some(delay) => Some(chrono::Utc::now() + chrono::Duration::from_std(delay)?),
+                None => run_at,
+            };
             let input = serde_json::from_str(&input).context("--input is not JSON")?;
             let pool = db::connect_and_migrate(&config, 1).await?;
             let settings = registry_settings(&config.schema_registry_url)?;
@@ -298,12 +407,42 @@ async fn run(config: Config, command: Command) -> anyhow::Result<()> {
                 input,
                 idempotency_key: key,
                 trace: None,
+                run_at,
             };
             let accepted = acceptor.accept(&pool, &job).await?;
             let what = if accepted.created { "accepted" } else { "already accepted" };
             println!("{} {what}", accepted.job_id);
         }
         Command::Status { job_id, json } => status(config, job_id, json).await?,
+        Command::Cancel { job_id, reason, by } => {
+            let pool = db::connect_and_migrate(&config, 1).await?;
+            let events = cli_events(&config).await?;
+            let request = jobfold_processor::store::Cancel { requested_by: Some(by), reason };
+            let mut tx = pool.begin().await?;
+            let (_, was) =
+                jobfold_processor::store::cancel(&mut tx, &events, job_id, request).await?;
+            tx.commit().await?;
+            println!("{job_id} cancelled (was {was})");
+        }
+        Command::Jobs { state, kind, document, since, after, limit, desc, json, explain } => {
+            let pool = db::connect(&config, 1).await?;
+            let filter = status::JobFilter {
+                state,
+                kind,
+                document_id: document,
+                since,
+                limit: Some(limit),
+                after,
+                order: Some(if desc { status::Order::Desc } else { status::Order::Asc }),
+            };
+            if explain {
+                println!("{}", status::jobs_plan(&pool, &filter).await?);
+                return Ok(());
+            }
+            let page = status::jobs(&pool, &filter).await?;
+            print_jobs(&page, json)?;
+        }
+        Command::DeadLetters { command } => dead_letters(config, command).await?,
         Command::Events { job_id, json } => events(config, job_id, json).await?,
         Command::Stats { totals } => stats(config, totals).await?,
         Command::Quarantine { command } => quarantine(config, command).await?,
@@ -430,11 +569,135 @@ async fn parked(config: Config, command: ParkedCommand) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Appends events as the command line (`producer` jobfold-cli).
+async fn cli_events(config: &Config) -> anyhow::Result<jobfold_processor::store::Events> {
+    let settings = registry_settings(&config.schema_registry_url)?;
+    let codec = Codec::<JobEvent>::connect(settings, &config.topics.events).await?;
+    Ok(jobfold_processor::store::Events {
+        codec,
+        topic: config.topics.events.clone(),
+        producer: "jobfold-cli".into(),
+    })
+}
+
+fn print_jobs(page: &status::JobPage, json: bool) -> anyhow::Result<()> {
+    if json {
+        for job in &page.jobs {
+            println!("{}", serde_json::to_string(job)?);
+        }
+        return Ok(());
+    }
+    println!(
+        "{:<36}  {:<11}  {:<20}  {:<20}  {:>7}  {:>7}  {:<19}  due / last error",
+        "job", "state", "kind", "document", "version", "attempt", "accepted"
+    );
+    for j in &page.jobs {
+        let note = match (&j.run_at, &j.last_error) {
+            (Some(at), _) if j.state == "queued" => {
+                format!("due {}", at.format("%Y-%m-%d %H:%M:%S"))
+            }
+            (_, Some(error)) => error.chars().take(60).collect(),
+            _ => String::new(),
+        };
+        println!(
+            "{:<36}  {:<11}  {:<20.20}  {:<20.20}  {:>7}  {:>7}  {:<19}  {note}",
+            j.job_id,
+            j.state,
+            j.kind,
+            j.document_id,
+            j.input_version,
+            format!("{}/{}", j.attempt, j.max_attempts),
+            j.accepted_at.format("%Y-%m-%d %H:%M:%S"),
+        );
+    }
+    match page.next {
+        Some(next) => println!("{} job(s); next page: --after {next}", page.jobs.len()),
+        None => println!("{} job(s); last page", page.jobs.len()),
+    }
+    Ok(())
+}
+
+async fn dead_letters(config: Config, command: DeadLetterCommand) -> anyhow::Result<()> {
+    use jobfold_processor::dead_letter;
+    let pool = db::connect_and_migrate(&config, 1).await?;
+    match command {
+        DeadLetterCommand::List { topic, after, limit } => {
+            let filter = dead_letter::DeadLetterFilter {
+                topic,
+                consumer_group: None,
+                after,
+                limit: Some(limit),
+            };
+            let page = dead_letter::list(&pool, &filter).await?;
+            println!(
+                "{:>7}  {:<24}  {:>9}  {:>10}  {:<19}  {:>10}  error",
+                "id", "topic", "partition", "offset", "received", "reinjected"
+            );
+            for d in &page.dead_letters {
+                println!(
+                    "{:>7}  {:<24.24}  {:>9}  {:>10}  {:<19}  {:>10}  {}",
+                    d.id,
+                    d.topic,
+                    d.kafka_partition,
+                    d.kafka_offset,
+                    d.received_at.format("%Y-%m-%d %H:%M:%S"),
+                    d.reinjected_count,
+                    d.error
+                );
+            }
+            match page.next {
+                Some(next) => println!("next page: --after {next}"),
+                None => println!("{} dead letter(s) shown", page.dead_letters.len()),
+            }
+        }
+        DeadLetterCommand::Show { id, json } => {
+            let Some(d) = dead_letter::show(&pool, id).await? else {
+                anyhow::bail!("no dead letter {id}");
+            };
+            if json {
+                println!("{}", serde_json::to_string_pretty(&d)?);
+                return Ok(());
+            }
+            let l = &d.letter;
+            let dash = |v: &Option<String>| v.clone().unwrap_or_else(|| "-".into());
+            for (name, value) in [
+                ("id", l.id.to_string()),
+                (
+                    "coordinates",
+                    format!("{} [{}] @ {}", l.topic, l.kafka_partition, l.kafka_offset),
+                ),
+                ("group", l.consumer_group.clone()),
+                ("received", l.received_at.to_rfc3339()),
+                ("error", l.error.clone()),
+                ("reinjected", format!("{} time(s)", l.reinjected_count)),
+                ("key (hex)", dash(&d.key_hex)),
+                ("key (text)", dash(&d.key_text)),
+                ("value (hex)", dash(&d.value_hex)),
+                ("value (text)", dash(&d.value_text)),
+            ] {
+                println!("{name:<13} {value}");
+            }
+        }
+        DeadLetterCommand::Reinject { id } => {
+            let sent = dead_letter::reinject(&pool, &config, id).await?;
+            println!(
+                "dead letter {id} sent to {} [{}] @ {}",
+                sent.topic, sent.partition, sent.offset
+            );
+        }
+        DeadLetterCommand::Delete { id } => {
+            anyhow::ensure!(dead_letter::delete(&pool, id).await?, "no dead letter {id}");
+            println!("dead letter {id} deleted");
+        }
+    }
+    Ok(())
+}
+
 async fn quarantine(config: Config, command: QuarantineCommand) -> anyhow::Result<()> {
     let pool = db::connect_and_migrate(&config, 2).await?;
     match command {
-        QuarantineCommand::List { owner, kind, reason, limit } => {
-            let filter = QuarantineFilter { owner, kind, reason, limit: Some(limit) };
+        QuarantineCommand::List { owner, kind, reason, since, until, limit } => {
+            let filter = QuarantineFilter { owner, kind, reason, since, until, limit: Some(limit) };
             let rows = status::quarantined(&pool, &filter).await?;
             println!(
                 "{:<36}  {:<16}  {:<20}  {:>7}  {:<13}  {:<18}  {:>8}  {:<20}  reason",
@@ -456,18 +719,51 @@ async fn quarantine(config: Config, command: QuarantineCommand) -> anyhow::Resul
             }
             println!("{} quarantined job(s) shown", rows.len());
         }
-        QuarantineCommand::Replay { job_id, new_input_version, input, by } => {
+        QuarantineCommand::Replay {
+            job_id: None,
+            owner,
+            kind,
+            reason,
+            since,
+            until,
+            dry_run,
+            batch_size,
+            limit,
+            by,
+            ..
+        } => {
+            let events = cli_events(&config).await?;
+            let request = jobfold_processor::store::BulkReplay {
+                filter: jobfold_processor::store::BulkFilter { owner, kind, reason, since, until },
+                dry_run,
+                batch_size: Some(batch_size),
+                limit: Some(limit),
+                requested_by: Some(by),
+            };
+            let done = jobfold_processor::store::replay_matching(
+                &pool,
+                &events,
+                &config.accept_policy(),
+                request,
+            )
+            .await?;
+            if done.dry_run {
+                println!("{} quarantined job(s) match; nothing replayed (--dry-run)", done.matched);
+            } else {
+                println!(
+                    "{} of {} matching job(s) replayed in {} transaction(s); {} still quarantined",
+                    done.replayed, done.matched, done.batches, done.remaining
+                );
+            }
+        }
+        QuarantineCommand::Replay {
+            job_id: Some(job_id), new_input_version, input, by, ..
+        } => {
             let new_input = input
                 .map(|i| serde_json::from_str(&i))
                 .transpose()
                 .context("--input is not JSON")?;
-            let settings = registry_settings(&config.schema_registry_url)?;
-            let codec = Codec::<JobEvent>::connect(settings, &config.topics.events).await?;
-            let events = jobfold_processor::store::Events {
-                codec,
-                topic: config.topics.events.clone(),
-                producer: "jobfold-cli".into(),
-            };
+            let events = cli_events(&config).await?;
             let request = jobfold_processor::store::Replay {
                 requested_by: Some(by),
                 new_input_version,
@@ -519,6 +815,7 @@ async fn status(config: Config, job_id: uuid::Uuid, json: bool) -> anyhow::Resul
         ("next attempt", time(job.next_attempt_at)),
         ("deadline", time(job.deadline)),
         ("accepted", time(Some(job.accepted_at))),
+        ("due", time(job.run_at)),
         ("finished", time(job.finished_at)),
         ("last error", job.last_error.clone().unwrap_or_else(|| "-".into())),
         (

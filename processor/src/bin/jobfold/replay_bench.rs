@@ -135,6 +135,7 @@ fn synthetic(job_id: Uuid, document: &str, step: i32) -> JobEvent {
             idempotency_key: None,
             max_attempts: 5,
             deadline: None,
+            run_at: None,
         }),
         2 => Payload::JobLeased(JobLeased {
             generation: 1,

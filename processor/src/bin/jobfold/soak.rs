@@ -79,6 +79,7 @@ fn job(i: usize, documents: usize) -> NewJob {
         },
         idempotency_key: Some(format!("soak-{i}")),
         trace: None,
+        run_at: None,
     }
 }
 

@@ -1,0 +1,677 @@
+//! What operators do to jobs, against the real services: cancel in every state (a running
+//! handler stopped and nothing committed), scheduled jobs (not leased before their time,
+//! across a processor restart), finding jobs page by page while more are accepted (and the
+//! indexes behind each filter), replaying a thousand quarantined jobs in bulk, and fixing a
+//! dead letter by sending it back to the intake.
+
+use std::collections::{HashMap, HashSet};
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use jobfold_common::accept::{Acceptor, NewJob};
+use jobfold_processor::store;
+use jobfold_schemas::event::ErrorClass;
+use jobfold_tests::harness::{Installation, Service, eventually, free_port, metric_value};
+use serde_json::{Value, json};
+use uuid::Uuid;
+
+const TOKEN: &str = "operations-test-token-0123456789";
+
+/// An installation with short leases and heartbeats (1 s), its topics, and an acceptor.
+async fn installation(name: &str) -> (Installation, Acceptor) {
+    let mut it = Installation::new(name).await;
+    let p = &mut it.config.processor;
+    p.lease_ttl = Duration::from_secs(3);
+    p.heartbeat = Duration::from_secs(1);
+    p.group = jobfold_tests::kafka::unique_name("processors");
+    it.create_topics().await;
+    let acceptor = it.acceptor().await;
+    (it, acceptor)
+}
+
+/// A relay and a test processor (HTTP API on its own port, behind the API token).
+struct Running {
+    _relay: Service,
+    processor: Service,
+    env: HashMap<String, String>,
+    http: u16,
+}
+
+impl Running {
+    fn start(it: &Installation, extra: &[(&str, &str)]) -> Self {
+        let mut env = it.fast_env(&it.config.processor.group);
+        env.insert("JOBFOLD_API_TOKEN".into(), TOKEN.into());
+        for (k, v) in extra {
+            env.insert((*k).into(), (*v).into());
+        }
+        let http = free_port();
+        env.insert("JOBFOLD_HTTP_ADDR".into(), format!("127.0.0.1:{http}"));
+        let relay = Service::start("jobfold-relay", &env);
+        let processor = Service::start("jobfold-test-processor", &env);
+        Self { _relay: relay, processor, env, http }
+    }
+
+    /// Kills the processor with SIGKILL and starts another on the same port.
+    fn restart_processor(&mut self) {
+        self.processor.kill9();
+        self.processor = Service::start("jobfold-test-processor", &self.env);
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("http://127.0.0.1:{}{path}", self.http)
+    }
+
+    /// POSTs `body` with the token; the status and the JSON answer.
+    async fn post(&self, path: &str, body: Value) -> (u16, Value) {
+        let answer = client()
+            .post(self.url(path))
+            .bearer_auth(TOKEN)
+            .header("content-type", "application/json")
+            .body(body.to_string())
+            .send()
+            .await
+            .unwrap();
+        let status = answer.status().as_u16();
+        (status, answer.json().await.unwrap_or(Value::Null))
+    }
+
+    async fn get(&self, path: &str) -> (u16, Value) {
+        let answer = client().get(self.url(path)).send().await.unwrap();
+        let status = answer.status().as_u16();
+        (status, answer.json().await.unwrap_or(Value::Null))
+    }
+
+    async fn ready(&self) {
+        eventually(Duration::from_secs(60), "the HTTP API to answer", || async {
+            client().get(self.url("/readyz")).send().await.is_ok_and(|a| a.status().is_success())
+        })
+        .await;
+    }
+}
+
+/// Runs the `jobfold` command line against this installation; its standard output.
+fn cli(it: &Installation, args: &[&str]) -> String {
+    let output = jobfold_tests::harness::jobfold_cli().envs(it.env()).args(args).output().unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    assert!(
+        output.status.success(),
+        "jobfold {args:?}: {stdout}{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    stdout
+}
+
+fn client() -> reqwest::Client {
+    reqwest::Client::builder().timeout(Duration::from_secs(30)).build().unwrap()
+}
+
+fn job(document: &str, input: Value) -> NewJob {
+    jobfold_tests::harness::index_job(document, 1, input)
+}
+
+async fn state(it: &Installation, job_id: Uuid) -> String {
+    it.state_and_attempt(job_id).await.0
+}
+
+/// The kinds of a job's events, in stream order.
+async fn event_kinds(it: &Installation, job_id: Uuid) -> Vec<String> {
+    sqlx::query_scalar("SELECT kind FROM job_events WHERE job_id = $1 ORDER BY stream_version")
+        .bind(job_id)
+        .fetch_all(&it.pool)
+        .await
+        .unwrap()
+}
+
+async fn count(it: &Installation, sql: &str, job_id: Uuid) -> i64 {
+    sqlx::query_scalar(sql).bind(job_id).fetch_one(&it.pool).await.unwrap()
+}
+
+/// Puts `job_id` (of a kind no processor runs) into `retry_wait` with its retry an hour
+/// away, through the processor's own transactions: leased, then failed retryably.
+async fn into_retry_wait(it: &Installation, job_id: Uuid) {
+    let events = it.events().await;
+    let mut tx = it.pool.begin().await.unwrap();
+    let mut jobs = store::lock_jobs(&mut tx, &[job_id]).await.unwrap();
+    let job = &mut jobs[0];
+    store::take_leases(&mut tx, &events, vec![(&mut *job, Uuid::now_v7(), None)], "test/1", |_| {
+        Duration::from_secs(30)
+    })
+    .await
+    .unwrap();
+    let failed = store::Outcome::Failed {
+        class: ErrorClass::Retryable,
+        message: "the upstream is down".into(),
+    };
+    let later = Utc::now() + chrono::Duration::hours(1);
+    store::complete(&mut tx, &events, job, failed, later, "test", None).await.unwrap();
+    tx.commit().await.unwrap();
+}
+
+/// Cancelling ends a job in each open state at once: queued (behind its document's running
+/// job), scheduled, waiting to retry, quarantined; and a running 10-minute handler is
+/// cancelled by its next heartbeat — its completion is fenced, so neither a result nor a
+/// business write nor a success event exists, and the log folds to `cancelled`. An ended
+/// job answers 409 with its state; a cancel without the token, 401.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn cancelling_ends_each_open_state_and_a_running_handler_commits_nothing() {
+    let (it, acceptor) = installation("ops-cancel").await;
+    sqlx::query("INSERT INTO job_kinds (kind, registered_by) VALUES ('no-handler', 'test')")
+        .execute(&it.pool)
+        .await
+        .unwrap();
+    let running = Running::start(&it, &[]);
+    running.ready().await;
+
+    let long = json!({ "text": "long", "simulate": { "sleep_ms": 600_000 } });
+    let runs = acceptor.accept(&it.pool, &job("doc-long", long)).await.unwrap().job_id;
+    let mut behind = job("doc-long", json!({ "text": "behind" }));
+    behind.input_version = 2;
+    let behind = acceptor.accept(&it.pool, &behind).await.unwrap().job_id;
+    let mut scheduled = job("doc-later", json!({ "text": "later" }));
+    scheduled.run_at = Some(Utc::now() + chrono::Duration::hours(2));
+    let scheduled = acceptor.accept(&it.pool, &scheduled).await.unwrap().job_id;
+    let quarantined = json!({ "text": "bad", "simulate": { "permanent": true } });
+    let quarantined = acceptor.accept(&it.pool, &job("doc-bad", quarantined)).await.unwrap().job_id;
+    let mut waiting = job("doc-retry", json!({ "text": "retry" }));
+    waiting.kind = "no-handler".into();
+    let waiting = acceptor.accept(&it.pool, &waiting).await.unwrap().job_id;
+    into_retry_wait(&it, waiting).await;
+
+    eventually(Duration::from_secs(60), "the long job to run", || async {
+        state(&it, runs).await == "leased"
+    })
+    .await;
+    eventually(Duration::from_secs(60), "the bad job to be quarantined", || async {
+        state(&it, quarantined).await == "quarantined"
+    })
+    .await;
+    assert_eq!(state(&it, behind).await, "queued");
+    assert_eq!(state(&it, scheduled).await, "queued");
+    assert_eq!(state(&it, waiting).await, "retry_wait");
+
+    let unauthorized =
+        client().post(running.url(&format!("/v1/jobs/{runs}/cancel"))).send().await.unwrap();
+    assert_eq!(unauthorized.status().as_u16(), 401);
+
+    for (job_id, was) in [
+        (behind, "queued"),
+        (scheduled, "queued"),
+        (waiting, "retry_wait"),
+        (quarantined, "quarantined"),
+        (runs, "leased"),
+    ] {
+        let (status, body) = running
+            .post(
+                &format!("/v1/jobs/{job_id}/cancel"),
+                json!({ "reason": "no longer needed", "requested_by": "ops test" }),
+            )
+            .await;
+        assert_eq!(status, 200, "{body}");
+        assert_eq!(body["state"], "cancelled", "{body}");
+        assert_eq!(body["was"], was, "{body}");
+        assert_eq!(state(&it, job_id).await, "cancelled");
+    }
+    // Its quarantine row goes with the quarantine.
+    assert_eq!(
+        count(&it, "SELECT count(*) FROM quarantine WHERE job_id = $1", quarantined).await,
+        0
+    );
+
+    // The running handler is cancelled by its heartbeat (1 s) and its completion fenced:
+    // without the cancel it would sleep for ten minutes.
+    eventually(Duration::from_secs(30), "the running handler to stop, fenced", || async {
+        let text = running.processor.scrape().await.unwrap_or_default();
+        metric_value(&text, "jobfold_fenced_completions_total", &[]).unwrap_or(0.0) >= 1.0
+    })
+    .await;
+    for table in ["job_results", "index_writes"] {
+        let sql = format!("SELECT count(*) FROM {table} WHERE job_id = $1");
+        assert_eq!(count(&it, &sql, runs).await, 0, "the cancelled job committed to {table}");
+    }
+    assert_eq!(event_kinds(&it, runs).await, ["JobRequested", "JobLeased", "JobCancelled"]);
+    let text = running.processor.scrape().await.unwrap_or_default();
+    assert_eq!(metric_value(&text, "jobfold_cancelled_total", &[("was", "leased")]), Some(1.0));
+
+    // Ended jobs answer 409 with their state; nothing is appended.
+    let (status, body) = running.post(&format!("/v1/jobs/{runs}/cancel"), json!({})).await;
+    assert_eq!(status, 409, "{body}");
+    assert_eq!(body["error"]["state"], "cancelled", "{body}");
+    let done = acceptor.accept(&it.pool, &job("doc-done", json!({ "text": "quick" }))).await;
+    let done = done.unwrap().job_id;
+    eventually(Duration::from_secs(60), "the quick job to succeed", || async {
+        state(&it, done).await == "succeeded"
+    })
+    .await;
+    let (status, body) = running.post(&format!("/v1/jobs/{done}/cancel"), json!({})).await;
+    assert_eq!((status, body["error"]["state"].as_str()), (409, Some("succeeded")), "{body}");
+    let (status, _) = running.post(&format!("/v1/jobs/{}/cancel", Uuid::now_v7()), json!({})).await;
+    assert_eq!(status, 404);
+
+    // The same from the command line.
+    let mut later = job("doc-cli", json!({ "text": "later" }));
+    later.run_at = Some(Utc::now() + chrono::Duration::hours(1));
+    let later = acceptor.accept(&it.pool, &later).await.unwrap().job_id.to_string();
+    let listed = cli(&it, &["jobs", "--state", "queued"]);
+    assert!(listed.contains(&later) && listed.contains("due "), "{listed}");
+    let said = cli(&it, &["cancel", &later, "--reason", "not needed"]);
+    assert!(said.contains("cancelled (was queued)"), "{said}");
+    let cancelled = cli(&it, &["jobs", "--state", "cancelled", "--json"]);
+    assert_eq!(cancelled.lines().count(), 6, "{cancelled}");
+
+    // Every delayed dispatch of the cancelled jobs reaches the processor and is skipped;
+    // the log folds to the projection, cancelled jobs included.
+    eventually(Duration::from_secs(60), "the log on Kafka", || async {
+        it.unpublished().await <= 1 // the retry an hour away
+    })
+    .await;
+    let mismatches = jobfold_tests::harness::fold_mismatches(&it).await;
+    assert!(mismatches.is_empty(), "{mismatches:?}");
+    it.cleanup().await;
+}
+
+/// A job accepted with `run_at` stays queued, shown with its due time and counted as
+/// scheduled (not stuck), and is not leased before that time — not by the reaper (stalled
+/// after 1 s here), not by a processor started meanwhile after another was killed — and
+/// runs once after it. Times too far back or ahead are refused, 422 naming the field.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_scheduled_job_is_not_leased_before_its_time_across_a_restart() {
+    let (it, _) = installation("ops-schedule").await;
+    let mut running = Running::start(&it, &[("JOBFOLD_PROCESSOR__STALL_AFTER", "1s")]);
+    running.ready().await;
+    let submit = |body: Value| running.post("/v1/jobs", body);
+    let base = json!({ "document_id": "doc-s", "kind": "index-document", "input_version": 1,
+                       "input": { "text": "on time" } });
+    let with = |field: &str, value: Value| {
+        let mut body = base.clone();
+        body[field] = value;
+        body
+    };
+
+    let long_ago = (Utc::now() - chrono::Duration::days(1)).to_rfc3339();
+    let far = (Utc::now() + chrono::Duration::days(800)).to_rfc3339();
+    for (body, field) in [
+        (with("run_at", json!(long_ago)), "run_at"),
+        (with("run_at", json!(far)), "run_at"),
+        (with("delay", json!("soon")), "delay"),
+        (with("delay", json!("1000days")), "run_at"),
+    ] {
+        let (status, answer) = submit(body).await;
+        assert_eq!(status, 422, "{answer}");
+        let message = answer["error"]["message"].as_str().unwrap_or_default();
+        assert!(message.contains(&format!("`{field}`")), "{message}");
+    }
+    let mut both = with("delay", json!("10s"));
+    both["run_at"] = json!(Utc::now().to_rfc3339());
+    assert_eq!(submit(both).await.0, 422);
+
+    let run_at = DateTime::from_timestamp_millis(
+        (Utc::now() + chrono::Duration::seconds(15)).timestamp_millis(),
+    )
+    .unwrap();
+    let (status, answer) = submit(with("run_at", json!(run_at.to_rfc3339()))).await;
+    assert_eq!(status, 201, "{answer}");
+    let job_id: Uuid = answer["job_id"].as_str().unwrap().parse().unwrap();
+    let (_, shown) = running.get(&format!("/v1/jobs/{job_id}")).await;
+    assert_eq!(shown["state"], "queued");
+    assert_eq!(shown["run_at"].as_str().map(|t| t.parse::<DateTime<Utc>>().unwrap()), Some(run_at));
+    let gauges = jobfold_common::gauges::read(&it.pool).await.unwrap();
+    assert_eq!(gauges.scheduled, 1);
+    assert!(gauges.oldest_queued_age_seconds < 1.0, "a scheduled job is not stuck: {gauges:?}");
+
+    // A processor dies and another takes its place while the job waits.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    running.restart_processor();
+    eventually(Duration::from_secs(60), "the scheduled job to run", || async {
+        state(&it, job_id).await == "succeeded"
+    })
+    .await;
+    let leased: Vec<DateTime<Utc>> = sqlx::query_scalar(
+        "SELECT occurred_at FROM job_events WHERE job_id = $1 AND kind = 'JobLeased'",
+    )
+    .bind(job_id)
+    .fetch_all(&it.pool)
+    .await
+    .unwrap();
+    assert_eq!(leased.len(), 1, "leased once");
+    assert!(leased[0] >= run_at, "leased at {} before its time {run_at}", leased[0]);
+    println!("leased {} ms after its run_at", (leased[0] - run_at).num_milliseconds());
+    // No stalled re-dispatch came before its time.
+    assert_eq!(event_kinds(&it, job_id).await, ["JobRequested", "JobLeased", "JobSucceeded"]);
+    assert_eq!(jobfold_common::gauges::read(&it.pool).await.unwrap().scheduled, 0);
+    it.cleanup().await;
+}
+
+/// Paging through `GET /v1/jobs` returns every job that existed when it began exactly once,
+/// in job id order, while jobs are being accepted; filters select what they name; and each
+/// filter is served by an index on a table of 50,000 jobs (no sequential scan of `jobs`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn pages_return_every_job_once_while_jobs_are_accepted_and_each_filter_uses_an_index() {
+    use jobfold_processor::status::{self, JobFilter, Order};
+    let (it, acceptor) = installation("ops-find").await;
+    let jobs: Vec<NewJob> = (0..600)
+        .map(|i| {
+            let mut j = job(&format!("doc-{}", i % 50), json!({ "text": "x" }));
+            j.input_version = 1 + i64::from(i / 50);
+            j
+        })
+        .collect();
+    let mut before = HashSet::new();
+    for chunk in jobs.chunks(100) {
+        for accepted in acceptor.accept_batch(&it.pool, chunk).await.unwrap() {
+            before.insert(accepted.job_id);
+        }
+    }
+    // Only the HTTP API runs (no relay, no processor): every job stays queued.
+    let api = jobfold_processor::http::router(it.api_state().await, 1 << 20);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    tokio::spawn(async move { axum::serve(listener, api).await });
+
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let writer = {
+        let (pool, acceptor) = (it.pool.clone(), acceptor.clone());
+        let stop = std::sync::Arc::clone(&stop);
+        tokio::spawn(async move {
+            let mut n = 0;
+            while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                let more: Vec<NewJob> =
+                    (0..5).map(|i| job(&format!("late-{n}-{i}"), json!({}))).collect();
+                acceptor.accept_batch(&pool, &more).await.unwrap();
+                n += 1;
+                // 250 jobs a second: paging in acceptance order catches up with them.
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            n * 5
+        })
+    };
+    let page_through = |query: String| async move {
+        let mut seen = Vec::new();
+        let mut after: Option<String> = None;
+        loop {
+            let mut url = format!("http://127.0.0.1:{port}/v1/jobs?limit=37{query}");
+            if let Some(after) = &after {
+                url.push_str(&format!("&after={after}"));
+            }
+            let page: Value = client().get(url).send().await.unwrap().json().await.unwrap();
+            for j in page["jobs"].as_array().unwrap() {
+                seen.push(j["job_id"].as_str().unwrap().parse::<Uuid>().unwrap());
+            }
+            match page["next"].as_str() {
+                Some(next) => after = Some(next.to_owned()),
+                None => return seen,
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    };
+    for query in ["", "&order=desc", "&state=queued&kind=index-document"] {
+        let seen = page_through(query.to_owned()).await;
+        let distinct: HashSet<Uuid> = seen.iter().copied().collect();
+        assert_eq!(distinct.len(), seen.len(), "a job came twice ({query})");
+        assert!(before.is_subset(&distinct), "a job was missed ({query})");
+        let mut sorted = seen.clone();
+        sorted.sort();
+        if query.contains("desc") {
+            sorted.reverse();
+        }
+        assert_eq!(seen, sorted, "pages out of order ({query})");
+    }
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    let added = writer.await.unwrap();
+    assert!(added > 0, "no job was accepted while paging");
+
+    let one_document = page_through("&document_id=doc-7".into()).await;
+    assert_eq!(one_document.len(), 12);
+    let since = Utc::now();
+    let late = acceptor.accept(&it.pool, &job("after-since", json!({}))).await.unwrap().job_id;
+    let since_query = format!("&since={}", since.to_rfc3339().replace('+', "%2B"));
+    assert_eq!(page_through(since_query).await, [late]);
+    let (status, body): (u16, Value) = {
+        let a = client()
+            .get(format!("http://127.0.0.1:{port}/v1/jobs?state=lost"))
+            .send()
+            .await
+            .unwrap();
+        (a.status().as_u16(), a.json().await.unwrap())
+    };
+    assert_eq!(status, 400, "{body}");
+
+    // 50,000 more jobs, most of them ended, then the plans.
+    sqlx::query(
+        r#"
+        INSERT INTO jobs (job_id, document_id, kind, payload, input_version, state, max_attempts,
+                          stream_version, accepted_at, finished_at)
+        SELECT id, 'bulk-' || (n % 5000), CASE WHEN n % 500 = 0 THEN 'rare-kind' ELSE 'index-document' END,
+               '{}', 1 + n / 5000, CASE WHEN n % 100 = 0 THEN 'queued' ELSE 'succeeded' END::job_state,
+               5, 1, now(), CASE WHEN n % 100 = 0 THEN NULL ELSE now() END
+        FROM unnest($1::uuid[]) WITH ORDINALITY AS t(id, n)
+        "#,
+    )
+    .bind((0..50_000).map(|_| Uuid::now_v7()).collect::<Vec<_>>())
+    .execute(&it.pool)
+    .await
+    .unwrap();
+    // Some of the queued ones quarantined, as the quarantine table holds them.
+    sqlx::query(
+        r#"
+        WITH q AS (
+            UPDATE jobs SET state = 'quarantined', finished_at = now()
+            WHERE job_id IN (SELECT job_id FROM jobs WHERE state = 'queued' AND document_id LIKE 'bulk-%'
+                             AND (input_version % 2) = 0)
+            RETURNING job_id, input_version
+        )
+        INSERT INTO quarantine (job_id, reason, error_class, input_version, attempts, owner)
+        SELECT job_id, 'permanent failure: x', 'PERMANENT', input_version, 1, 'team' FROM q
+        "#,
+    )
+    .execute(&it.pool)
+    .await
+    .unwrap();
+    sqlx::query("ANALYZE jobs, quarantine").execute(&it.pool).await.unwrap();
+    let filters = [
+        JobFilter::default(),
+        JobFilter { order: Some(Order::Desc), ..Default::default() },
+        JobFilter { kind: Some("rare-kind".into()), ..Default::default() },
+        JobFilter { document_id: Some("bulk-42".into()), ..Default::default() },
+        JobFilter { state: Some("queued".parse().unwrap()), ..Default::default() },
+        JobFilter { state: Some("quarantined".parse().unwrap()), ..Default::default() },
+        JobFilter { since: Some(since), ..Default::default() },
+        JobFilter { after: Some(late), ..Default::default() },
+    ];
+    for filter in &filters {
+        let plan = status::jobs_plan(&it.pool, filter).await.unwrap();
+        assert!(!plan.contains("Seq Scan on jobs"), "{filter:?} scans jobs:\n{plan}");
+        if filter.kind.is_some() {
+            assert!(plan.contains("jobs_kind_idx"), "a rare kind is found by its index:\n{plan}");
+        }
+        println!("{filter:?}\n{plan}\n");
+    }
+    it.cleanup().await;
+}
+
+/// A thousand jobs quarantined for one reason are replayed in bulk by that reason — counted
+/// first by a dry run that changes nothing, then by two operators at once — and each runs
+/// exactly once more and succeeds; jobs quarantined for another reason stay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_bulk_replay_of_a_thousand_quarantined_jobs_runs_each_once() {
+    let (it, acceptor) = installation("ops-bulk").await;
+    let mut jobs: Vec<NewJob> = (0..1000)
+        .map(|i| {
+            job(
+                &format!("doc-{i}"),
+                json!({ "text": "x", "simulate": { "permanent_until_replayed": true } }),
+            )
+        })
+        .collect();
+    jobs.extend((0..50).map(|i| {
+        job(&format!("other-{i}"), json!({ "text": "x", "simulate": { "permanent": true } }))
+    }));
+    for chunk in jobs.chunks(200) {
+        acceptor.accept_batch(&it.pool, chunk).await.unwrap();
+    }
+    let running = Running::start(&it, &[]);
+    running.ready().await;
+    let quarantined = || async {
+        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM quarantine")
+            .fetch_one(&it.pool)
+            .await
+            .unwrap()
+    };
+    eventually(Duration::from_secs(180), "every job to be quarantined", || async {
+        quarantined().await == 1050
+    })
+    .await;
+
+    let filter = json!({ "reason": "until replayed", "requested_by": "ops test" });
+    let mut dry = filter.clone();
+    dry["dry_run"] = json!(true);
+    let (status, counted) = running.post("/v1/quarantine/replay", dry).await;
+    assert_eq!(status, 200, "{counted}");
+    assert_eq!((counted["matched"].as_i64(), counted["replayed"].as_i64()), (Some(1000), Some(0)));
+    let said = cli(&it, &["quarantine", "replay", "--reason", "until replayed", "--dry-run"]);
+    assert!(said.contains("1000 quarantined job(s) match"), "{said}");
+    assert_eq!(quarantined().await, 1050, "a dry run replays nothing");
+
+    let mut request = filter.clone();
+    request["batch_size"] = json!(100);
+    let (a, b) = tokio::join!(
+        running.post("/v1/quarantine/replay", request.clone()),
+        running.post("/v1/quarantine/replay", request)
+    );
+    assert_eq!((a.0, b.0), (200, 200), "{} {}", a.1, b.1);
+    let replayed = a.1["replayed"].as_i64().unwrap() + b.1["replayed"].as_i64().unwrap();
+    assert_eq!(replayed, 1000, "two bulk replays at once replay each job once: {} {}", a.1, b.1);
+    assert!(a.1["batches"].as_i64().unwrap() + b.1["batches"].as_i64().unwrap() >= 10);
+
+    eventually(Duration::from_secs(240), "every replayed job to succeed", || async {
+        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM jobs WHERE state = 'succeeded'")
+            .fetch_one(&it.pool)
+            .await
+            .unwrap()
+            == 1000
+    })
+    .await;
+    let per_job: Vec<(i64, i64, i64)> = sqlx::query_as(
+        r#"
+        SELECT count(*) FILTER (WHERE e.kind = 'ReplayRequested'),
+               count(*) FILTER (WHERE e.kind = 'JobLeased'),
+               (SELECT count(*) FROM index_writes w WHERE w.job_id = j.job_id)
+        FROM jobs j JOIN job_events e USING (job_id)
+        WHERE j.document_id LIKE 'doc-%'
+        GROUP BY j.job_id
+        "#,
+    )
+    .fetch_all(&it.pool)
+    .await
+    .unwrap();
+    assert_eq!(per_job.len(), 1000);
+    assert!(per_job.iter().all(|c| *c == (1, 2, 1)), "not once each: {:?}", &per_job[..5]);
+    assert_eq!(quarantined().await, 50, "the other reason's jobs stay quarantined");
+    it.cleanup().await;
+}
+
+/// An intake request of a kind no processor ran yet is dead-lettered; an operator lists it,
+/// reads its bytes, deploys the kind, and re-injects it: it is accepted, once — re-injected
+/// again, the intake's request id dedupes it. Then it is deleted. Only the intake's dead
+/// letters go back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_dead_letter_reinjected_after_its_cause_is_fixed_is_accepted_once() {
+    use jobfold_schemas::{Codec, JobRequest};
+    use rdkafka::producer::{FutureProducer, FutureRecord};
+    let (it, _) = installation("ops-dead").await;
+    let running = Running::start(&it, &[]);
+    running.ready().await;
+    let codec: Codec<JobRequest> =
+        Codec::connect(it.registry(), &it.config.topics.requests).await.unwrap();
+    let request_id = Uuid::now_v7();
+    let request = JobRequest {
+        request_id,
+        document_id: "doc-late".into(),
+        job_kind: "late-kind".into(),
+        input_version: 1,
+        input: r#"{"text":"early"}"#.into(),
+        requested_at: Utc::now(),
+        producer: "upstream".into(),
+        trace: None,
+    };
+    let producer: FutureProducer = it.config.kafka_client().create().unwrap();
+    let frame = codec.encode(&request).unwrap();
+    let record = FutureRecord::to(&it.config.topics.requests).key("doc-late").payload(&frame);
+    producer.send(record, Duration::from_secs(30)).await.unwrap();
+
+    let id = jobfold_tests::harness::eventually_some(
+        Duration::from_secs(60),
+        "the request to be dead-lettered",
+        || async {
+            let (_, page) = running.get("/v1/dead-letters").await;
+            page["dead_letters"].as_array()?.first()?["id"].as_i64()
+        },
+    )
+    .await;
+    let (status, letter) = running.get(&format!("/v1/dead-letters/{id}")).await;
+    assert_eq!(status, 200);
+    assert!(letter["error"].as_str().unwrap().contains("late-kind"), "{letter}");
+    assert_eq!(letter["key_text"], "doc-late");
+    assert_eq!(letter["value_hex"].as_str().unwrap(), hex::encode(&frame));
+    assert!(letter["value_text"].as_str().unwrap().contains("doc-late"), "{letter}");
+    let listed = cli(&it, &["dead-letters", "list"]);
+    assert!(listed.contains("late-kind"), "{listed}");
+    let shown = cli(&it, &["dead-letters", "show", &id.to_string()]);
+    assert!(shown.contains(&hex::encode(&frame)), "{shown}");
+
+    // The fix: the kind's handler is deployed (it registers the kind).
+    sqlx::query("INSERT INTO job_kinds (kind, registered_by) VALUES ('late-kind', 'deploy')")
+        .execute(&it.pool)
+        .await
+        .unwrap();
+    let key = format!("request:{request_id}");
+    let jobs_of_it = || async {
+        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM jobs WHERE idempotency_key = $1")
+            .bind(&key)
+            .fetch_one(&it.pool)
+            .await
+            .unwrap()
+    };
+    for _ in 0..2 {
+        let (status, sent) =
+            running.post(&format!("/v1/dead-letters/{id}/reinject"), json!({})).await;
+        assert_eq!(status, 202, "{sent}");
+        assert_eq!(sent["topic"], it.config.topics.requests.as_str());
+    }
+    eventually(Duration::from_secs(60), "the re-injected request to be accepted", || async {
+        jobs_of_it().await == 1
+    })
+    .await;
+    eventually(Duration::from_secs(60), "the second copy to be recognised", || async {
+        let text = running.processor.scrape().await.unwrap_or_default();
+        metric_value(&text, "jobfold_intake_duplicates_total", &[]).unwrap_or(0.0) >= 1.0
+    })
+    .await;
+    assert_eq!(jobs_of_it().await, 1, "accepted once");
+    let (_, letter) = running.get(&format!("/v1/dead-letters/{id}")).await;
+    assert_eq!(letter["reinjected_count"], 2);
+    assert_eq!(it.count("dead_letters").await, 1, "no new dead letter");
+
+    // An events-topic dead letter is not a request: refused.
+    let other: i64 = sqlx::query_scalar(
+        "INSERT INTO dead_letters (consumer_group, topic, kafka_partition, kafka_offset, raw_value, error) \
+         VALUES ('g', $1, 0, 7, '\\x00'::bytea, 'undecodable') RETURNING id",
+    )
+    .bind(&it.config.topics.events)
+    .fetch_one(&it.pool)
+    .await
+    .unwrap();
+    let (status, _) = running.post(&format!("/v1/dead-letters/{other}/reinject"), json!({})).await;
+    assert_eq!(status, 409);
+
+    let unauthorized = client().delete(running.url(&format!("/v1/dead-letters/{id}"))).send().await;
+    assert_eq!(unauthorized.unwrap().status().as_u16(), 401);
+    let deleted = client()
+        .delete(running.url(&format!("/v1/dead-letters/{id}")))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(deleted.status().as_u16(), 204);
+    assert_eq!(running.get(&format!("/v1/dead-letters/{id}")).await.0, 404);
+    it.cleanup().await;
+}
