@@ -191,7 +191,7 @@ pub fn describe() {
     describe_gauge!(
         UNFINISHED_JOBS,
         Unit::Count,
-        "Accepted jobs not yet succeeded, quarantined or superseded."
+        "Accepted jobs not yet succeeded, quarantined, superseded or cancelled."
     );
     describe_gauge!(
         OLDEST_QUEUED_AGE_SECONDS,

@@ -161,7 +161,7 @@ impl Intake {
                 .trace
                 .and_then(|t| TraceContext::from_headers(&t.traceparent, t.tracestate.as_deref()))
                 .or_else(|| header_trace(message)),
-            run_at: None,
+            run_at: request.run_at,
         };
         match self.acceptor.accept(&self.pool, &job).await {
             Ok(accepted) if accepted.created => Ok(Handled::Accepted),

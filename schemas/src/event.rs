@@ -227,6 +227,8 @@ pub struct JobRequest {
     pub requested_at: DateTime<Utc>,
     pub producer: String,
     pub trace: Option<TraceContext>,
+    /// Not to be run before this instant (a scheduled job).
+    pub run_at: Option<DateTime<Utc>>,
 }
 
 /// A decoded value does not have the shape this build's types expect.
@@ -487,6 +489,7 @@ impl From<&JobRequest> for Value {
             ("requested_at", millis(r.requested_at)),
             ("producer", Value::String(r.producer.clone())),
             ("trace", trace(r.trace.as_ref())),
+            ("run_at", nullable(r.run_at.map(millis))),
         ])
     }
 }
@@ -744,6 +747,7 @@ impl TryFrom<Value> for JobRequest {
             requested_at: f.timestamp("requested_at")?,
             producer: f.string("producer")?,
             trace: f.trace()?,
+            run_at: f.nullable("run_at", as_timestamp)?,
         })
     }
 }

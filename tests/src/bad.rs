@@ -46,11 +46,15 @@ pub enum BadKind {
     UnknownKindIntake,
     /// One document with hundreds of versions accepted at once.
     HotDocument,
+    /// A slow job an operator cancels while it runs.
+    CancelledRunning,
+    /// A job scheduled a few seconds ahead.
+    Scheduled,
 }
 
 impl BadKind {
     /// Every kind the producer draws from (the hot document comes once, on its own).
-    pub const DRAWN: [BadKind; 15] = [
+    pub const DRAWN: [BadKind; 17] = [
         Self::OversizedResult,
         Self::NulHttp,
         Self::NulApi,
@@ -66,6 +70,8 @@ impl BadKind {
         Self::UnknownKindHttp,
         Self::UnknownKindApi,
         Self::UnknownKindIntake,
+        Self::CancelledRunning,
+        Self::Scheduled,
     ];
 
     pub fn name(self) -> &'static str {
@@ -86,6 +92,8 @@ impl BadKind {
             Self::UnknownKindApi => "unregistered kind, Rust API",
             Self::UnknownKindIntake => "unregistered kind, intake",
             Self::HotDocument => "one document, hundreds of versions at once",
+            Self::CancelledRunning => "cancelled by an operator while it runs",
+            Self::Scheduled => "scheduled a few seconds ahead",
         }
     }
 }
@@ -103,6 +111,15 @@ pub enum Expect {
     AllEnded { versions: i64 },
     /// Replayed by an operator with a valid input: succeeded at `version`.
     Replayed { version: i64 },
+    /// Cancelled while it ran (answered 200): `cancelled`, nothing committed for it.
+    Cancelled,
+    /// A cancel whose answer never came: cancelled with nothing committed, or ended as if
+    /// no cancel had been sent.
+    CancelUnanswered,
+    /// The cancel came too late (answered 409): the job ended otherwise, not cancelled.
+    EndedBeforeCancel,
+    /// Succeeded, and no lease of it began before this time.
+    RanAt(chrono::DateTime<chrono::Utc>),
 }
 
 /// One bad job, as submitted.
@@ -210,9 +227,74 @@ impl Producer {
         Ok(())
     }
 
-    fn record(&self, kind: BadKind, document: String, job_id: Option<Uuid>, expect: Expect) {
+    /// Adds a bad job to the ledger; its index there.
+    fn record(
+        &self,
+        kind: BadKind,
+        document: String,
+        job_id: Option<Uuid>,
+        expect: Expect,
+    ) -> usize {
         let bad = Bad { kind, document, job_id, expect, submitted_at: chrono::Utc::now() };
-        self.ledger.lock().expect("ledger").bad.push(bad);
+        let mut ledger = self.ledger.lock().expect("ledger");
+        ledger.bad.push(bad);
+        ledger.bad.len() - 1
+    }
+
+    /// Once the job runs, an operator cancels it over HTTP (retrying until a processor
+    /// answers); the answer decides what the ledger expects of it.
+    fn cancel_when_running(
+        &self,
+        index: usize,
+        job_id: Uuid,
+        client: reqwest::Client,
+    ) -> impl std::future::Future<Output = ()> + Send + 'static {
+        let (pool, ports, ledger, stop) = (
+            self.pool.clone(),
+            Arc::clone(&self.ports),
+            Arc::clone(&self.ledger),
+            Arc::clone(&self.stop),
+        );
+        async move {
+            let since = std::time::Instant::now();
+            // Until it runs (a fault may delay it), or it ended.
+            while !stop.load(Ordering::SeqCst) && since.elapsed() < GIVE_UP_AFTER {
+                let state: Option<String> =
+                    sqlx::query_scalar("SELECT state::text FROM jobs WHERE job_id = $1")
+                        .bind(job_id)
+                        .fetch_optional(&pool)
+                        .await
+                        .ok()
+                        .flatten();
+                if matches!(state.as_deref(), Some("leased" | "succeeded" | "quarantined")) {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            while !stop.load(Ordering::SeqCst) && since.elapsed() < GIVE_UP_AFTER {
+                let Some(port) = ports.lock().expect("ports").first().copied() else {
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                    continue;
+                };
+                let answer = client
+                    .post(format!("http://127.0.0.1:{port}/v1/jobs/{job_id}/cancel"))
+                    .header("content-type", "application/json")
+                    .body(json!({ "requested_by": "campaign operator" }).to_string())
+                    .send()
+                    .await;
+                let expect = match answer.map(|a| a.status().as_u16()) {
+                    Ok(200) => Expect::Cancelled,
+                    Ok(409) => Expect::EndedBeforeCancel,
+                    // No answer (a processor down, Postgres restarting): try again.
+                    _ => {
+                        tokio::time::sleep(Duration::from_millis(200)).await;
+                        continue;
+                    }
+                };
+                ledger.lock().expect("ledger").bad[index].expect = expect;
+                return;
+            }
+        }
     }
 
     async fn submit(&self, kind: BadKind, n: u64, client: &reqwest::Client) -> anyhow::Result<()> {
@@ -251,6 +333,12 @@ impl Producer {
                 (json!({ "text": text }), Expect::Refused)
             }
             BadKind::MalformedFrame | BadKind::UnknownSchema => (Value::Null, Expect::DeadLettered),
+            // Well under the kind's run_timeout: without the cancel it succeeds.
+            BadKind::CancelledRunning => (
+                json!({ "text": text, "simulate": { "sleep_ms": 4_000 } }),
+                Expect::CancelUnanswered,
+            ),
+            BadKind::Scheduled => (json!({ "text": text }), Expect::Refused),
             BadKind::HotDocument => unreachable!("sent by hot_document"),
         };
         let job_kind = match kind {
@@ -278,6 +366,7 @@ impl Producer {
                     requested_at: chrono::Utc::now(),
                     producer: "campaign-bad".into(),
                     trace: None,
+                    run_at: None,
                 };
                 let frame = self.requests.encode(&request)?;
                 if self.send_raw(&document, &frame).await {
@@ -299,6 +388,10 @@ impl Producer {
                 }
             }
             _ => {
+                let run_at = (kind == BadKind::Scheduled).then(|| {
+                    let at = chrono::Utc::now() + chrono::Duration::seconds(5);
+                    chrono::DateTime::from_timestamp_millis(at.timestamp_millis()).unwrap_or(at)
+                });
                 let job = NewJob {
                     document_id: document.clone(),
                     kind: job_kind.into(),
@@ -306,10 +399,14 @@ impl Producer {
                     input,
                     idempotency_key: Some(format!("bad-{n}")),
                     trace: None,
-                    run_at: None,
+                    run_at,
                 };
+                let expect = run_at.map_or(expect, Expect::RanAt);
                 if let Some(job_id) = self.accept(&job).await {
-                    self.record(kind, document, job_id, expect);
+                    let index = self.record(kind, document, job_id, expect);
+                    if let (BadKind::CancelledRunning, Some(job_id)) = (kind, job_id) {
+                        tokio::spawn(self.cancel_when_running(index, job_id, client.clone()));
+                    }
                 }
             }
         }

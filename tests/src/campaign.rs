@@ -935,6 +935,7 @@ async fn intake_producer(
             requested_at: chrono::Utc::now(),
             producer: "campaign".into(),
             trace: None,
+            run_at: None,
         };
         let body = codec.encode(&request)?;
         let record = FutureRecord::to(&config.topics.requests).key(&document).payload(&body);

@@ -411,6 +411,37 @@ async fn check_bad(
             Expect::Replayed { version } => {
                 matches!(jobs.as_slice(), [(state, v, None)] if state == "succeeded" && v == version)
             }
+            Expect::Cancelled | Expect::CancelUnanswered | Expect::EndedBeforeCancel => {
+                let (cancelled, other) = match jobs.as_slice() {
+                    [(state, 1, _)] => (state == "cancelled", state != "cancelled"),
+                    _ => (false, false),
+                };
+                // Nothing committed for a cancelled job: no result, no business write.
+                // language=PostgreSQL
+                let committed: i64 = sqlx::query_scalar(
+                    "SELECT (SELECT count(*) FROM job_results WHERE job_id = $1) \
+                          + (SELECT count(*) FROM index_writes WHERE job_id = $1)",
+                )
+                .bind(bad.job_id)
+                .fetch_one(pool)
+                .await?;
+                match bad.expect {
+                    Expect::Cancelled => cancelled && committed == 0,
+                    Expect::EndedBeforeCancel => other,
+                    _ => (cancelled && committed == 0) || other,
+                }
+            }
+            Expect::RanAt(run_at) => {
+                // language=PostgreSQL
+                let first_lease: Option<chrono::DateTime<chrono::Utc>> = sqlx::query_scalar(
+                    "SELECT min(occurred_at) FROM job_events WHERE job_id = $1 AND kind = 'JobLeased'",
+                )
+                .bind(bad.job_id)
+                .fetch_one(pool)
+                .await?;
+                matches!(jobs.as_slice(), [(state, 1, None)] if state == "succeeded")
+                    && first_lease.is_some_and(|t| t >= *run_at)
+            }
             Expect::AllEnded { versions } => {
                 // language=PostgreSQL
                 let indexed: Option<i64> =

@@ -92,6 +92,7 @@ async fn job_requests_round_trip_through_the_registry() {
         requested_at: Utc.timestamp_millis_opt(1_764_000_000_000).unwrap(),
         producer: "upstream".into(),
         trace: None,
+        run_at: None,
     };
     let framed = codec.encode(&request).unwrap();
     assert_eq!(Decoder::<JobRequest>::new(settings()).decode(&framed).await.unwrap(), request);

@@ -24,6 +24,7 @@ fn request(document: &str, version: i64) -> JobRequest {
         requested_at: Utc::now(),
         producer: "upstream-test".into(),
         trace: None,
+        run_at: None,
     }
 }
 

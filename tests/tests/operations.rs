@@ -318,27 +318,86 @@ async fn a_scheduled_job_is_not_leased_before_its_time_across_a_restart() {
     assert_eq!(gauges.scheduled, 1);
     assert!(gauges.oldest_queued_age_seconds < 1.0, "a scheduled job is not stuck: {gauges:?}");
 
-    // A processor dies and another takes its place while the job waits.
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    running.restart_processor();
-    eventually(Duration::from_secs(60), "the scheduled job to run", || async {
-        state(&it, job_id).await == "succeeded"
+    // The intake topic takes run_at too; one too far back is dead-lettered.
+    let intake_id = Uuid::now_v7();
+    let intake_run_at = run_at + chrono::Duration::seconds(2);
+    send_request(&it, intake_id, "doc-i", Some(intake_run_at)).await;
+    send_request(&it, Uuid::now_v7(), "doc-old", Some(Utc::now() - chrono::Duration::days(2)))
+        .await;
+    let intake_job = jobfold_tests::harness::eventually_some(
+        Duration::from_secs(60),
+        "the scheduled intake request to be accepted",
+        || async {
+            sqlx::query_scalar::<_, Uuid>("SELECT job_id FROM jobs WHERE idempotency_key = $1")
+                .bind(format!("request:{intake_id}"))
+                .fetch_optional(&it.pool)
+                .await
+                .unwrap()
+        },
+    )
+    .await;
+    eventually(Duration::from_secs(60), "the stale request to be dead-lettered", || async {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT count(*) FROM dead_letters WHERE raw_key = 'doc-old' AND error LIKE '%run_at%'",
+        )
+        .fetch_one(&it.pool)
+        .await
+        .unwrap()
+            == 1
     })
     .await;
-    let leased: Vec<DateTime<Utc>> = sqlx::query_scalar(
-        "SELECT occurred_at FROM job_events WHERE job_id = $1 AND kind = 'JobLeased'",
-    )
-    .bind(job_id)
-    .fetch_all(&it.pool)
-    .await
-    .unwrap();
-    assert_eq!(leased.len(), 1, "leased once");
-    assert!(leased[0] >= run_at, "leased at {} before its time {run_at}", leased[0]);
-    println!("leased {} ms after its run_at", (leased[0] - run_at).num_milliseconds());
-    // No stalled re-dispatch came before its time.
-    assert_eq!(event_kinds(&it, job_id).await, ["JobRequested", "JobLeased", "JobSucceeded"]);
+
+    // A processor dies and another takes its place while the jobs wait.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    running.restart_processor();
+    for (job_id, run_at) in [(job_id, run_at), (intake_job, intake_run_at)] {
+        eventually(Duration::from_secs(60), "the scheduled job to run", || async {
+            state(&it, job_id).await == "succeeded"
+        })
+        .await;
+        let leased: Vec<DateTime<Utc>> = sqlx::query_scalar(
+            "SELECT occurred_at FROM job_events WHERE job_id = $1 AND kind = 'JobLeased'",
+        )
+        .bind(job_id)
+        .fetch_all(&it.pool)
+        .await
+        .unwrap();
+        assert_eq!(leased.len(), 1, "leased once");
+        assert!(leased[0] >= run_at, "leased at {} before its time {run_at}", leased[0]);
+        println!("leased {} ms after its run_at", (leased[0] - run_at).num_milliseconds());
+        // No stalled re-dispatch came before its time.
+        assert_eq!(event_kinds(&it, job_id).await, ["JobRequested", "JobLeased", "JobSucceeded"]);
+    }
     assert_eq!(jobfold_common::gauges::read(&it.pool).await.unwrap().scheduled, 0);
     it.cleanup().await;
+}
+
+/// Sends an intake request for an `index-document` job of `document`.
+async fn send_request(
+    it: &Installation,
+    request_id: Uuid,
+    document: &str,
+    run_at: Option<DateTime<Utc>>,
+) {
+    use jobfold_schemas::{Codec, JobRequest};
+    use rdkafka::producer::{FutureProducer, FutureRecord};
+    let codec: Codec<JobRequest> =
+        Codec::connect(it.registry(), &it.config.topics.requests).await.unwrap();
+    let request = JobRequest {
+        request_id,
+        document_id: document.into(),
+        job_kind: "index-document".into(),
+        input_version: 1,
+        input: r#"{"text":"from upstream"}"#.into(),
+        requested_at: Utc::now(),
+        producer: "upstream".into(),
+        trace: None,
+        run_at,
+    };
+    let producer: FutureProducer = it.config.kafka_client().create().unwrap();
+    let frame = codec.encode(&request).unwrap();
+    let record = FutureRecord::to(&it.config.topics.requests).key(document).payload(&frame);
+    producer.send(record, Duration::from_secs(30)).await.unwrap();
 }
 
 /// Paging through `GET /v1/jobs` returns every job that existed when it began exactly once,
@@ -592,6 +651,7 @@ async fn a_dead_letter_reinjected_after_its_cause_is_fixed_is_accepted_once() {
         requested_at: Utc::now(),
         producer: "upstream".into(),
         trace: None,
+        run_at: None,
     };
     let producer: FutureProducer = it.config.kafka_client().create().unwrap();
     let frame = codec.encode(&request).unwrap();

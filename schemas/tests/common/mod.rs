@@ -147,9 +147,11 @@ prop_compose! {
         requested_at in timestamp(),
         producer in text(),
         trace in trace(),
+        run_at in proptest::option::of(timestamp()),
     ) -> JobRequest {
         JobRequest {
             request_id, document_id, job_kind, input_version, input, requested_at, producer, trace,
+            run_at,
         }
     }
 }

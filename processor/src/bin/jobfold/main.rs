@@ -885,7 +885,11 @@ async fn stats(config: Config, totals: bool) -> anyhow::Result<()> {
         rows.push((format!("  {state}"), count.to_string()));
     }
     rows.extend([
-        ("oldest queued age".into(), format!("{:.1} s", snapshot.oldest_queued_age_seconds)),
+        ("  of them scheduled for later".into(), snapshot.scheduled.to_string()),
+        (
+            "oldest queued age (since due)".into(),
+            format!("{:.1} s", snapshot.oldest_queued_age_seconds),
+        ),
         ("expired leases".into(), snapshot.expired_leases.to_string()),
         ("quarantined".into(), snapshot.quarantined_total().to_string()),
     ]);
