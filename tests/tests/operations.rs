@@ -275,7 +275,7 @@ async fn cancelling_ends_each_open_state_and_a_running_handler_commits_nothing()
 /// runs once after it. Times too far back or ahead are refused, 422 naming the field.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_scheduled_job_is_not_leased_before_its_time_across_a_restart() {
-    let (it, _) = installation("ops-schedule").await;
+    let (it, acceptor) = installation("ops-schedule").await;
     let mut running = Running::start(&it, &[("JOBFOLD_PROCESSOR__STALL_AFTER", "1s")]);
     running.ready().await;
     let submit = |body: Value| running.post("/v1/jobs", body);
@@ -347,10 +347,25 @@ async fn a_scheduled_job_is_not_leased_before_its_time_across_a_restart() {
     })
     .await;
 
+    // A batch with one scheduled job among others (the Rust API, one statement).
+    let batch_run_at = run_at + chrono::Duration::seconds(1);
+    let mut scheduled = job("doc-b1", json!({ "text": "batch, later" }));
+    scheduled.run_at = Some(batch_run_at);
+    let batch = [job("doc-b0", json!({ "text": "batch, now" })), scheduled];
+    let accepted = acceptor.accept_batch(&it.pool, &batch).await.unwrap();
+    let (now_job, batch_job) = (accepted[0].job_id, accepted[1].job_id);
+    eventually(Duration::from_secs(60), "the batch's immediate job to run", || async {
+        state(&it, now_job).await == "succeeded"
+    })
+    .await;
+    assert_eq!(state(&it, batch_job).await, "queued", "its scheduled neighbour waits");
+
     // A processor dies and another takes its place while the jobs wait.
     tokio::time::sleep(Duration::from_secs(2)).await;
     running.restart_processor();
-    for (job_id, run_at) in [(job_id, run_at), (intake_job, intake_run_at)] {
+    for (job_id, run_at) in
+        [(job_id, run_at), (intake_job, intake_run_at), (batch_job, batch_run_at)]
+    {
         eventually(Duration::from_secs(60), "the scheduled job to run", || async {
             state(&it, job_id).await == "succeeded"
         })
