@@ -42,8 +42,9 @@ start() {
     # Release: the whole workspace's binaries, as `cargo build --release` builds them — the
     # same features, so nothing that build compiled is compiled again (building the one
     # package alone would resolve its dependencies' features anew and rebuild them).
-    local what=(-p jobfold-tests --bin jobfold-registry-standin)
-    [[ "$profile" == release ]] && flag=(--release) && what=(--workspace --bins)
+    # Debug: the same, as the tests' harness and docker/test.sh build the binaries.
+    local what=(--workspace --bins)
+    [[ "$profile" == release ]] && flag=(--release)
     say "registry: building jobfold-registry-standin ($profile)"
     (cd "$JOBFOLD_ROOT" && cargo build --quiet "${flag[@]}" "${what[@]}") \
         || die "registry: building the stand-in failed"

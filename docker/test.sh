@@ -90,6 +90,11 @@ cargo nextest run --workspace --locked --no-fail-fast "$@"
 # nothing was lost or done twice and every figure levelled off. Only on a whole run.
 if [ $# -eq 0 ]; then
     step "soak (150 s)"
-    cargo build --locked -p jobfold-relay -p jobfold-processor -p jobfold-examples --bins
-    cargo run --locked -q -p jobfold-processor --bin jobfold -- soak --duration 150s --interval 10s
+    # The workspace's binaries, as the tests built them: one package set resolves the
+    # dependencies' features once, so nothing is compiled again (a subset, or `cargo run -p`,
+    # would resolve them anew and rebuild them).
+    cargo build --locked --workspace --bins
+    target="$(cargo metadata --format-version 1 --no-deps \
+        | sed -n 's/.*"target_directory":"\([^"]*\)".*/\1/p')"
+    "$target/debug/jobfold" soak --duration 150s --interval 10s
 fi

@@ -245,10 +245,10 @@ pub fn binary(name: &str) -> PathBuf {
     static BUILT: OnceLock<()> = OnceLock::new();
     BUILT.get_or_init(|| {
         let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+        // The whole workspace, as docker/test.sh and the registry stand-in build it: the same
+        // package set resolves the same features, so this finds everything built.
         let status = Command::new(cargo)
-            .args(["build", "--quiet", "--bins"])
-            .args(["-p", "jobfold-relay", "-p", "jobfold-processor", "-p", "jobfold-examples"])
-            .args(["-p", "jobfold-tests"])
+            .args(["build", "--quiet", "--workspace", "--bins"])
             .current_dir(Path::new(env!("CARGO_MANIFEST_DIR")).join(".."))
             .status()
             .expect("running cargo build");
