@@ -4,7 +4,8 @@
 #   docker/test.sh [nextest arguments...]
 #
 # 1. installs cargo-nextest when it is missing (from crates.io), the OpenSSL headers, sox and
-#    python3 (for the example jobs);
+#    python3 (for the example jobs), and Chromium with its chromedriver (the console's tests
+#    drive a real headless browser);
 # 2. starts PostgreSQL, Kafka and the schema registry natively (reusing running ones);
 # 3. runs cargo fmt --check, cargo clippy -D warnings, and every test with cargo nextest;
 # 4. with no arguments, the shortened soak (`jobfold soak --duration 150s`);
@@ -26,16 +27,23 @@ if ! pkg-config --exists openssl 2>/dev/null; then
 fi
 
 # The convert-audio example runs sox; its tests make and read audio with sox and soxi. The
-# Python handler example needs python3.
-for tool in sox python3; do
-    if ! command -v "$tool" >/dev/null; then
-        step "installing $tool"
-        if command -v apt-get >/dev/null; then
-            DEBIAN_FRONTEND=noninteractive apt-get install -y -q "$tool" ||
-                { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q "$tool"; }
-        else
-            die "$tool is missing: install it (the example jobs' tests run it)"
-        fi
+# Python handler example needs python3. The console's tests drive the distribution's
+# Chromium through its chromedriver (without the recommended desktop packages, which a
+# headless browser does not use).
+apt_install() {
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q "$@" ||
+        { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q "$@"; }
+}
+for tool in sox:sox python3:python3 chromium:chromium chromedriver:chromium-driver; do
+    command="${tool%%:*}" package="${tool#*:}"
+    if ! command -v "$command" >/dev/null; then
+        step "installing $package"
+        command -v apt-get >/dev/null || die "$command is missing: install $package (the tests run it)"
+        case "$package" in
+            chromium) apt_install --no-install-recommends chromium fonts-liberation ;;
+            chromium-driver) apt_install --no-install-recommends chromium-driver ;;
+            *) apt_install "$package" ;;
+        esac
     fi
 done
 

@@ -21,11 +21,20 @@
 //! - `GET /v1/dead-letters?topic=&consumer_group=&after=&limit=`, `GET /v1/dead-letters/{id}`
 //!   (raw key and value as hex and text), `POST /v1/dead-letters/{id}/reinject` (back to the
 //!   intake topic), `DELETE /v1/dead-letters/{id}`.
+//! - `GET /v1/jobs/{id}/input`, `GET /v1/jobs/{id}/result`: the job's input and its committed
+//!   result as JSON (`?download=true` to save them as a file).
+//! - `GET /v1/overview`: the unfinished-work gauges, recent rates and every partition's
+//!   consumer lag, as the console shows them.
+//! - `POST /v1/auth`: 204 if the request carries the token (the console's sign-in).
+//! - `GET /ui`: the operator console ([`crate::console`]).
 //! - `GET /metrics` (Prometheus), `GET /healthz` (the process runs), `GET /readyz`
 //!   (Postgres answers).
 //!
 //! With `api_token` set, every mutating request (`POST`, `DELETE`) must carry
-//! `Authorization: Bearer <token>`, else 401. Reads stay open.
+//! `Authorization: Bearer <token>`, else 401. Reads stay open. A mutating request a browser
+//! sends from another origin (its `Origin` is not this host, or `Sec-Fetch-Site` says
+//! `cross-site`) is refused with 403, token or not: a page elsewhere cannot make an
+//! operator's browser cancel or replay jobs.
 //!
 //! Errors are JSON: `{"error": {"code": "...", "message": "..."}}`.
 
@@ -62,6 +71,29 @@ pub struct ApiState {
     pub api_token: Option<Sensitive<String>>,
     /// Kafka settings and topics (re-injecting dead letters).
     pub config: std::sync::Arc<jobfold_common::config::Config>,
+    /// Every partition's consumer lag (the overview).
+    pub lag: crate::lag::LagReader,
+}
+
+impl ApiState {
+    /// The API's state over `pool`, accepting with `acceptor` and appending with `events`.
+    pub fn new(
+        pool: PgPool,
+        acceptor: Acceptor,
+        events: crate::store::Events,
+        config: jobfold_common::config::Config,
+    ) -> Self {
+        let config = std::sync::Arc::new(config);
+        Self {
+            pool,
+            acceptor,
+            events,
+            policy: config.accept_policy(),
+            api_token: config.api_token.clone(),
+            lag: crate::lag::LagReader::new(std::sync::Arc::clone(&config)),
+            config,
+        }
+    }
 }
 
 /// The API's routes; request bodies are limited to `max_body` bytes.
@@ -70,6 +102,10 @@ pub fn router(state: ApiState, max_body: usize) -> Router {
         .route("/v1/jobs", post(submit).get(list_jobs))
         .route("/v1/jobs/{id}", get(job))
         .route("/v1/jobs/{id}/events", get(job_events))
+        .route("/v1/jobs/{id}/input", get(job_input))
+        .route("/v1/jobs/{id}/result", get(job_result))
+        .route("/v1/overview", get(overview))
+        .route("/v1/auth", post(|| async { StatusCode::NO_CONTENT }))
         .route("/v1/jobs/{id}/replay", post(replay))
         .route("/v1/jobs/{id}/cancel", post(cancel))
         .route("/v1/quarantine", get(quarantine))
@@ -80,6 +116,7 @@ pub fn router(state: ApiState, max_body: usize) -> Router {
         .route("/metrics", get(metrics))
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(ready))
+        .merge(crate::console::routes())
         .fallback(no_route)
         .method_not_allowed_fallback(wrong_method)
         .layer(DefaultBodyLimit::max(max_body))
@@ -87,13 +124,38 @@ pub fn router(state: ApiState, max_body: usize) -> Router {
         .with_state(state)
 }
 
-/// Lets a mutating request through only with the configured bearer token.
+/// Lets a mutating request through only from this origin and with the configured bearer
+/// token; marks every answer `nosniff`, so a browser never reads a JSON body (user data) as
+/// a page or a script.
 async fn authorize(State(state): State<ApiState>, request: Request, next: Next) -> Response {
-    let Some(token) = &state.api_token else { return next.run(request).await };
+    let mut response = match refused(&state, &request) {
+        Some(refusal) => refusal,
+        None => next.run(request).await,
+    };
+    response
+        .headers_mut()
+        .insert(header::X_CONTENT_TYPE_OPTIONS, header::HeaderValue::from_static("nosniff"));
+    response
+}
+
+/// Why a request may not pass, if it may not: a mutating request from another origin (403),
+/// or without the token when one is configured (401).
+fn refused(state: &ApiState, request: &Request) -> Option<Response> {
     let mutating = !matches!(*request.method(), Method::GET | Method::HEAD | Method::OPTIONS);
     if !mutating {
-        return next.run(request).await;
+        return None;
     }
+    if let Some(origin) = cross_origin(request.headers()) {
+        return Some(
+            ApiError::new(
+                StatusCode::FORBIDDEN,
+                "cross_origin",
+                format!("a mutating request from {origin} is refused: send it from this origin"),
+            )
+            .into_response(),
+        );
+    }
+    let token = state.api_token.as_ref()?;
     let presented = request
         .headers()
         .get(header::AUTHORIZATION)
@@ -102,7 +164,7 @@ async fn authorize(State(state): State<ApiState>, request: Request, next: Next) 
         .map(str::trim);
     match presented {
         Some(presented) if constant_time_eq(presented.as_bytes(), token.expose().as_bytes()) => {
-            next.run(request).await
+            None
         }
         _ => {
             let mut response = ApiError::new(
@@ -114,8 +176,26 @@ async fn authorize(State(state): State<ApiState>, request: Request, next: Next) 
             response
                 .headers_mut()
                 .insert(header::WWW_AUTHENTICATE, header::HeaderValue::from_static("Bearer"));
-            response
+            Some(response)
         }
+    }
+}
+
+/// The origin a browser says it sends this request from, if that is not this host: an
+/// `Origin` whose host and port differ from `Host`, or `Sec-Fetch-Site: cross-site`.
+/// Clients that are not browsers send neither and pass.
+fn cross_origin(headers: &HeaderMap) -> Option<String> {
+    let value = |name: &str| headers.get(name).and_then(|v| v.to_str().ok());
+    if value("sec-fetch-site") == Some("cross-site") {
+        return Some(value("origin").unwrap_or("another site").to_owned());
+    }
+    let origin = value("origin")?;
+    // A sandboxed page or a privacy-sensitive redirect says `null`: never this origin.
+    let authority = origin.split_once("://").map(|(_, rest)| rest);
+    let host = value("host");
+    match (authority, host) {
+        (Some(authority), Some(host)) if authority.eq_ignore_ascii_case(host) => None,
+        _ => Some(origin.to_owned()),
     }
 }
 
@@ -387,6 +467,71 @@ async fn job_events(
     }
 }
 
+/// `?download=true`: answer as a file to save.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Download {
+    #[serde(default)]
+    download: bool,
+}
+
+/// `value` as a JSON answer; with `download`, as a file named `name`.
+fn json_document(value: &serde_json::Value, download: bool, name: String) -> Response {
+    let body = serde_json::to_vec_pretty(value).unwrap_or_default();
+    let mut response = ([(header::CONTENT_TYPE, "application/json")], body).into_response();
+    if download {
+        let disposition = format!("attachment; filename=\"{name}\"");
+        if let Ok(value) = header::HeaderValue::from_str(&disposition) {
+            response.headers_mut().insert(header::CONTENT_DISPOSITION, value);
+        }
+    }
+    response
+}
+
+async fn job_input(
+    State(state): State<ApiState>,
+    Path(id): Path<String>,
+    query: Result<Query<Download>, QueryRejection>,
+) -> Result<Response, ApiError> {
+    let Query(query) = query.map_err(bad_query)?;
+    let job_id = Uuid::parse_str(&id).map_err(|_| not_found(&id))?;
+    let input = status::input(&state.pool, job_id).await?.ok_or_else(|| not_found(&id))?;
+    Ok(json_document(&input, query.download, format!("{job_id}-input.json")))
+}
+
+async fn job_result(
+    State(state): State<ApiState>,
+    Path(id): Path<String>,
+    query: Result<Query<Download>, QueryRejection>,
+) -> Result<Response, ApiError> {
+    let Query(query) = query.map_err(bad_query)?;
+    let job_id = Uuid::parse_str(&id).map_err(|_| not_found(&id))?;
+    let result = status::result(&state.pool, job_id).await?.ok_or_else(|| not_found(&id))?;
+    let result = result.ok_or_else(|| {
+        ApiError::new(StatusCode::NOT_FOUND, "no_result", format!("job {id} has no result"))
+    })?;
+    Ok(json_document(&result, query.download, format!("{job_id}-result.json")))
+}
+
+/// The overview and every partition's lag; a lag Kafka cannot tell now is an error field,
+/// not a failed overview.
+async fn overview(
+    State(state): State<ApiState>,
+) -> Result<axum::Json<serde_json::Value>, ApiError> {
+    let overview = status::overview(&state.pool).await?;
+    let mut body = serde_json::to_value(overview).unwrap_or_default();
+    match state.lag.read().await {
+        Ok(lag) => body["consumer_lag"] = json!(lag),
+        Err(e) => {
+            tracing::warn!(error = %format!("{e:#}"), "Reading the consumer lag failed.");
+            body["consumer_lag"] = json!([]);
+            body["consumer_lag_error"] = json!(format!("{e:#}"));
+        }
+    }
+    body["token_required"] = json!(state.api_token.is_some());
+    Ok(axum::Json(body))
+}
+
 async fn quarantine(
     State(state): State<ApiState>,
     filter: Result<Query<status::QuarantineFilter>, QueryRejection>,
@@ -561,7 +706,27 @@ async fn ready(State(state): State<ApiState>) -> Result<&'static str, ApiError> 
 
 #[cfg(test)]
 mod tests {
-    use super::is_json_media_type;
+    use super::{cross_origin, is_json_media_type};
+    use axum::http::HeaderMap;
+
+    fn headers(pairs: &[(&'static str, &'static str)]) -> HeaderMap {
+        pairs.iter().map(|(k, v)| (k.parse().unwrap(), v.parse().unwrap())).collect()
+    }
+
+    #[test]
+    fn only_requests_from_this_origin_or_from_no_browser_pass() {
+        // curl, the CLI, other services: no Origin.
+        assert_eq!(cross_origin(&headers(&[("host", "127.0.0.1:8080")])), None);
+        let same = [("host", "127.0.0.1:8080"), ("origin", "http://127.0.0.1:8080")];
+        assert_eq!(cross_origin(&headers(&same)), None);
+        let other_port = [("host", "127.0.0.1:8080"), ("origin", "http://127.0.0.1:9000")];
+        assert_eq!(cross_origin(&headers(&other_port)).as_deref(), Some("http://127.0.0.1:9000"));
+        let other_site = [("host", "jobs.internal"), ("origin", "https://evil.example")];
+        assert!(cross_origin(&headers(&other_site)).is_some());
+        assert!(cross_origin(&headers(&[("host", "a"), ("origin", "null")])).is_some());
+        let fetch_metadata = [("host", "a"), ("sec-fetch-site", "cross-site")];
+        assert!(cross_origin(&headers(&fetch_metadata)).is_some());
+    }
 
     #[test]
     fn only_application_json_is_json() {

@@ -28,10 +28,12 @@ pub mod analytics;
 pub mod batch;
 pub mod buffer;
 pub mod complete;
+pub mod console;
 pub mod dead_letter;
 pub mod handler;
 pub mod http;
 pub mod intake;
+pub mod lag;
 pub mod lease;
 pub mod offsets;
 pub mod reaper;
@@ -180,14 +182,7 @@ async fn serve(
     let mut parts = JoinSet::new();
     parts.spawn(publish_gauges(pool.clone(), config.processor.gauge_interval, shutdown.clone()));
     let api = http::router(
-        http::ApiState {
-            pool: pool.clone(),
-            acceptor: acceptor.clone(),
-            events: events.clone(),
-            policy: config.accept_policy(),
-            api_token: config.api_token.clone(),
-            config: std::sync::Arc::new(config.clone()),
-        },
+        http::ApiState::new(pool.clone(), acceptor.clone(), events.clone(), config.clone()),
         config.accept.max_input_bytes + BODY_OVERHEAD_BYTES,
     );
     parts.spawn(http::serve(config.http_addr, api, shutdown.clone()));

@@ -334,3 +334,123 @@ pub async fn quarantined(
     .fetch_all(pool)
     .await
 }
+
+/// How far back [`Overview::rates`] look.
+pub const RATE_WINDOW_SECONDS: u32 = 10;
+
+/// What the console's overview shows (`GET /v1/overview`): the unfinished-work gauges, as
+/// the processors publish them, and the rates of the last [`RATE_WINDOW_SECONDS`].
+#[derive(Debug, Clone, Serialize)]
+pub struct Overview {
+    /// When Postgres was read.
+    pub at: DateTime<Utc>,
+    /// Accepted jobs that have not ended.
+    pub unfinished: i64,
+    /// Unfinished jobs per state (`queued`, `leased`, `retry_wait`).
+    pub jobs: std::collections::BTreeMap<&'static str, i64>,
+    pub scheduled: i64,
+    pub oldest_queued_age_seconds: f64,
+    pub expired_leases: i64,
+    /// Quarantined jobs per owner.
+    pub quarantined: std::collections::BTreeMap<String, i64>,
+    pub quarantined_total: i64,
+    pub dead_letters: i64,
+    pub relay_parked: i64,
+    pub relay_backlog: i64,
+    pub relay_oldest_unpublished_age_seconds: f64,
+    pub rates: Rates,
+}
+
+/// Jobs a second over the last [`Rates::window_seconds`].
+#[derive(Debug, Clone, Serialize)]
+pub struct Rates {
+    pub window_seconds: u32,
+    pub accepted_per_second: f64,
+    pub succeeded_per_second: f64,
+    pub quarantined_per_second: f64,
+}
+
+/// Reads the overview: [`jobfold_common::gauges::read`] and the recent rates. Accepted jobs
+/// are counted by a range of the primary key (job ids are UUIDv7), ended ones by
+/// `jobs_finished_idx`: the cost follows the window's jobs, not the history.
+///
+/// # Errors
+/// The database failed.
+pub async fn overview(pool: &PgPool) -> Result<Overview, sqlx::Error> {
+    let gauges = jobfold_common::gauges::read(pool).await?;
+    let window = i64::from(RATE_WINDOW_SECONDS);
+    // A margin for the difference between this clock and the database's: the id only narrows
+    // the range; `accepted_at` decides.
+    let from_id = first_id_at(Utc::now() - chrono::Duration::seconds(window + 60));
+    // language=PostgreSQL
+    let (at, accepted, succeeded, quarantined): (DateTime<Utc>, i64, i64, i64) = sqlx::query_as(
+        r#"
+        SELECT now(),
+               (SELECT count(*) FROM jobs
+                WHERE job_id >= $1 AND accepted_at >= now() - make_interval(secs => $2)),
+               count(*) FILTER (WHERE state = 'succeeded'),
+               count(*) FILTER (WHERE state = 'quarantined')
+        FROM jobs
+        WHERE finished_at >= now() - make_interval(secs => $2)
+        "#,
+    )
+    .bind(from_id)
+    .bind(window as f64)
+    .fetch_one(pool)
+    .await?;
+    let per_second = |n: i64| n as f64 / window as f64;
+    Ok(Overview {
+        at,
+        unfinished: gauges.unfinished(),
+        quarantined_total: gauges.quarantined_total(),
+        jobs: gauges.jobs,
+        scheduled: gauges.scheduled,
+        oldest_queued_age_seconds: gauges.oldest_queued_age_seconds,
+        expired_leases: gauges.expired_leases,
+        quarantined: gauges.quarantined,
+        dead_letters: gauges.dead_letters,
+        relay_parked: gauges.relay_parked,
+        relay_backlog: gauges.relay_backlog,
+        relay_oldest_unpublished_age_seconds: gauges.relay_oldest_unpublished_age_seconds,
+        rates: Rates {
+            window_seconds: RATE_WINDOW_SECONDS,
+            accepted_per_second: per_second(accepted),
+            succeeded_per_second: per_second(succeeded),
+            quarantined_per_second: per_second(quarantined),
+        },
+    })
+}
+
+/// A job's input as accepted (or as replaced by a replay); `None` if there is no such job.
+///
+/// # Errors
+/// The database failed.
+pub async fn input(pool: &PgPool, job_id: Uuid) -> Result<Option<serde_json::Value>, sqlx::Error> {
+    // language=PostgreSQL
+    sqlx::query_scalar("SELECT payload FROM jobs WHERE job_id = $1")
+        .bind(job_id)
+        .fetch_optional(pool)
+        .await
+}
+
+/// A job's committed result at its current input version: `None` if there is no such job,
+/// `Some(None)` if it has no result (yet).
+///
+/// # Errors
+/// The database failed.
+pub async fn result(
+    pool: &PgPool,
+    job_id: Uuid,
+) -> Result<Option<Option<serde_json::Value>>, sqlx::Error> {
+    // language=PostgreSQL
+    sqlx::query_scalar(
+        r#"
+        SELECT r.result
+        FROM jobs j LEFT JOIN job_results r ON r.job_id = j.job_id AND r.input_version = j.input_version
+        WHERE j.job_id = $1
+        "#,
+    )
+    .bind(job_id)
+    .fetch_optional(pool)
+    .await
+}

@@ -95,14 +95,12 @@ impl Installation {
 
     /// The HTTP API's state for this installation.
     pub async fn api_state(&self) -> jobfold_processor::http::ApiState {
-        jobfold_processor::http::ApiState {
-            pool: self.pool.clone(),
-            acceptor: self.acceptor().await,
-            events: self.events().await,
-            policy: self.config.accept_policy(),
-            api_token: self.config.api_token.clone(),
-            config: std::sync::Arc::new(self.config.clone()),
-        }
+        jobfold_processor::http::ApiState::new(
+            self.pool.clone(),
+            self.acceptor().await,
+            self.events().await,
+            self.config.clone(),
+        )
     }
 
     pub fn registry(&self) -> schema_registry_converter::async_impl::schema_registry::SrSettings {
@@ -257,6 +255,81 @@ pub fn binary(name: &str) -> PathBuf {
     let path = target_dir().join(name);
     assert!(path.exists(), "{} was not built", path.display());
     path
+}
+
+/// A relay and a test processor for one installation, the processor's HTTP API on a port of
+/// its own behind an API token.
+#[derive(Debug)]
+pub struct Running {
+    _relay: Service,
+    pub processor: Service,
+    env: HashMap<String, String>,
+    pub http: u16,
+    token: String,
+}
+
+impl Running {
+    /// Starts them with the test timings ([`Installation::fast_env`]) and `extra` variables.
+    pub fn start(it: &Installation, token: &str, extra: &[(&str, &str)]) -> Self {
+        let mut env = it.fast_env(&it.config.processor.group);
+        env.insert("JOBFOLD_API_TOKEN".into(), token.into());
+        for (k, v) in extra {
+            env.insert((*k).into(), (*v).into());
+        }
+        let http = free_port();
+        env.insert("JOBFOLD_HTTP_ADDR".into(), format!("127.0.0.1:{http}"));
+        let relay = Service::start("jobfold-relay", &env);
+        let processor = Service::start("jobfold-test-processor", &env);
+        Self { _relay: relay, processor, env, http, token: token.into() }
+    }
+
+    /// Kills the processor with SIGKILL and starts another on the same port.
+    pub fn restart_processor(&mut self) {
+        self.processor.kill9();
+        self.processor = Service::start("jobfold-test-processor", &self.env);
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("http://127.0.0.1:{}{path}", self.http)
+    }
+
+    /// POSTs `body` with the token; the status and the JSON answer.
+    pub async fn post(&self, path: &str, body: serde_json::Value) -> (u16, serde_json::Value) {
+        let answer = http_client()
+            .post(self.url(path))
+            .bearer_auth(&self.token)
+            .header("content-type", "application/json")
+            .body(body.to_string())
+            .send()
+            .await
+            .unwrap();
+        let status = answer.status().as_u16();
+        (status, answer.json().await.unwrap_or(serde_json::Value::Null))
+    }
+
+    /// GETs `path`; the status and the JSON answer.
+    pub async fn get(&self, path: &str) -> (u16, serde_json::Value) {
+        let answer = http_client().get(self.url(path)).send().await.unwrap();
+        let status = answer.status().as_u16();
+        (status, answer.json().await.unwrap_or(serde_json::Value::Null))
+    }
+
+    /// Waits until the HTTP API answers.
+    pub async fn ready(&self) {
+        eventually(Duration::from_secs(60), "the HTTP API to answer", || async {
+            http_client()
+                .get(self.url("/readyz"))
+                .send()
+                .await
+                .is_ok_and(|a| a.status().is_success())
+        })
+        .await;
+    }
+}
+
+/// An HTTP client for the tests (30 s time-out).
+pub fn http_client() -> reqwest::Client {
+    reqwest::Client::builder().timeout(Duration::from_secs(30)).build().unwrap()
 }
 
 /// A jobfold binary running as a child process, its output in a log file. Killed on drop.

@@ -14,10 +14,12 @@
 //! - [`kafka`]: per-test topics and clients.
 //! - [`registry_standin`]: the stand-in Confluent-compatible registry server.
 //! - [`bad`]: the bad jobs the campaign mixes in.
+//! - [`browser`]: a real headless Chromium over WebDriver, for the console's tests.
 //! - [`campaign`]: the fault campaign (also the `jobfold-campaign` command), and
 //!   [`history`]: the checker of what a run left in Postgres and on the topic.
 
 pub mod bad;
+pub mod browser;
 pub mod campaign;
 pub mod handlers;
 pub mod harness;

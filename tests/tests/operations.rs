@@ -4,14 +4,14 @@
 //! indexes behind each filter), replaying a thousand quarantined jobs in bulk, and fixing a
 //! dead letter by sending it back to the intake.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use jobfold_common::accept::{Acceptor, NewJob};
 use jobfold_processor::store;
 use jobfold_schemas::event::ErrorClass;
-use jobfold_tests::harness::{Installation, Service, eventually, free_port, metric_value};
+use jobfold_tests::harness::{Installation, Running, eventually, metric_value};
 use serde_json::{Value, json};
 use uuid::Uuid;
 
@@ -29,66 +29,6 @@ async fn installation(name: &str) -> (Installation, Acceptor) {
     (it, acceptor)
 }
 
-/// A relay and a test processor (HTTP API on its own port, behind the API token).
-struct Running {
-    _relay: Service,
-    processor: Service,
-    env: HashMap<String, String>,
-    http: u16,
-}
-
-impl Running {
-    fn start(it: &Installation, extra: &[(&str, &str)]) -> Self {
-        let mut env = it.fast_env(&it.config.processor.group);
-        env.insert("JOBFOLD_API_TOKEN".into(), TOKEN.into());
-        for (k, v) in extra {
-            env.insert((*k).into(), (*v).into());
-        }
-        let http = free_port();
-        env.insert("JOBFOLD_HTTP_ADDR".into(), format!("127.0.0.1:{http}"));
-        let relay = Service::start("jobfold-relay", &env);
-        let processor = Service::start("jobfold-test-processor", &env);
-        Self { _relay: relay, processor, env, http }
-    }
-
-    /// Kills the processor with SIGKILL and starts another on the same port.
-    fn restart_processor(&mut self) {
-        self.processor.kill9();
-        self.processor = Service::start("jobfold-test-processor", &self.env);
-    }
-
-    fn url(&self, path: &str) -> String {
-        format!("http://127.0.0.1:{}{path}", self.http)
-    }
-
-    /// POSTs `body` with the token; the status and the JSON answer.
-    async fn post(&self, path: &str, body: Value) -> (u16, Value) {
-        let answer = client()
-            .post(self.url(path))
-            .bearer_auth(TOKEN)
-            .header("content-type", "application/json")
-            .body(body.to_string())
-            .send()
-            .await
-            .unwrap();
-        let status = answer.status().as_u16();
-        (status, answer.json().await.unwrap_or(Value::Null))
-    }
-
-    async fn get(&self, path: &str) -> (u16, Value) {
-        let answer = client().get(self.url(path)).send().await.unwrap();
-        let status = answer.status().as_u16();
-        (status, answer.json().await.unwrap_or(Value::Null))
-    }
-
-    async fn ready(&self) {
-        eventually(Duration::from_secs(60), "the HTTP API to answer", || async {
-            client().get(self.url("/readyz")).send().await.is_ok_and(|a| a.status().is_success())
-        })
-        .await;
-    }
-}
-
 /// Runs the `jobfold` command line against this installation; its standard output.
 fn cli(it: &Installation, args: &[&str]) -> String {
     let output = jobfold_tests::harness::jobfold_cli().envs(it.env()).args(args).output().unwrap();
@@ -102,7 +42,7 @@ fn cli(it: &Installation, args: &[&str]) -> String {
 }
 
 fn client() -> reqwest::Client {
-    reqwest::Client::builder().timeout(Duration::from_secs(30)).build().unwrap()
+    jobfold_tests::harness::http_client()
 }
 
 fn job(document: &str, input: Value) -> NewJob {
@@ -159,7 +99,7 @@ async fn cancelling_ends_each_open_state_and_a_running_handler_commits_nothing()
         .execute(&it.pool)
         .await
         .unwrap();
-    let running = Running::start(&it, &[]);
+    let running = Running::start(&it, TOKEN, &[]);
     running.ready().await;
 
     let long = json!({ "text": "long", "simulate": { "sleep_ms": 600_000 } });
@@ -276,7 +216,7 @@ async fn cancelling_ends_each_open_state_and_a_running_handler_commits_nothing()
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_scheduled_job_is_not_leased_before_its_time_across_a_restart() {
     let (it, acceptor) = installation("ops-schedule").await;
-    let mut running = Running::start(&it, &[("JOBFOLD_PROCESSOR__STALL_AFTER", "1s")]);
+    let mut running = Running::start(&it, TOKEN, &[("JOBFOLD_PROCESSOR__STALL_AFTER", "1s")]);
     running.ready().await;
     let submit = |body: Value| running.post("/v1/jobs", body);
     let base = json!({ "document_id": "doc-s", "kind": "index-document", "input_version": 1,
@@ -582,7 +522,7 @@ async fn a_bulk_replay_of_a_thousand_quarantined_jobs_runs_each_once() {
     for chunk in jobs.chunks(200) {
         acceptor.accept_batch(&it.pool, chunk).await.unwrap();
     }
-    let running = Running::start(&it, &[]);
+    let running = Running::start(&it, TOKEN, &[]);
     running.ready().await;
     let quarantined = || async {
         sqlx::query_scalar::<_, i64>("SELECT count(*) FROM quarantine")
@@ -652,7 +592,7 @@ async fn a_dead_letter_reinjected_after_its_cause_is_fixed_is_accepted_once() {
     use jobfold_schemas::{Codec, JobRequest};
     use rdkafka::producer::{FutureProducer, FutureRecord};
     let (it, _) = installation("ops-dead").await;
-    let running = Running::start(&it, &[]);
+    let running = Running::start(&it, TOKEN, &[]);
     running.ready().await;
     let codec: Codec<JobRequest> =
         Codec::connect(it.registry(), &it.config.topics.requests).await.unwrap();

@@ -1,0 +1,773 @@
+// The jobfold operator console: one page over the HTTP API beside it.
+//
+// Everything shown is set as text (textContent, createTextNode), never parsed as markup:
+// inputs, document ids and errors are user data. The API token, when one is needed, is kept
+// in this tab's session storage and sent only as an Authorization header.
+'use strict';
+
+const TOKEN_KEY = 'jobfold.apiToken';
+const OVERVIEW_EVERY_MS = 2000;
+const JOB_EVERY_MS = 2000;
+const PREVIEW_CHARS = 4096;
+const HISTORY_POINTS = 90;
+const STATES = ['queued', 'leased', 'retry_wait', 'succeeded', 'quarantined', 'superseded', 'cancelled'];
+const OPEN_STATES = new Set(['queued', 'leased', 'retry_wait']);
+const UUID = /^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$/i;
+
+const app = {
+  tokenRequired: false,
+  // Bumped on every navigation: a refresh loop of an earlier page sees it changed and stops.
+  page: 0,
+  // The overview's recent readings, for its charts; kept across visits.
+  history: [],
+};
+
+// ---- DOM helpers -------------------------------------------------------------------------
+
+/** An element; `attrs.text` sets its text, `on*` adds listeners, the rest are attributes. */
+function el(tag, attrs, ...children) {
+  const node = document.createElement(tag);
+  for (const [key, value] of Object.entries(attrs || {})) {
+    if (value === null || value === undefined || value === false) continue;
+    if (key === 'text') node.textContent = String(value);
+    else if (key.startsWith('on')) node.addEventListener(key.slice(2), value);
+    else node.setAttribute(key, value === true ? '' : String(value));
+  }
+  append(node, children);
+  return node;
+}
+
+function append(node, children) {
+  for (const child of [children].flat(Infinity)) {
+    if (child === null || child === undefined || child === false) continue;
+    node.append(child instanceof Node ? child : document.createTextNode(String(child)));
+  }
+  return node;
+}
+
+function svg(tag, attrs) {
+  const node = document.createElementNS('http://www.w3.org/2000/svg', tag);
+  for (const [key, value] of Object.entries(attrs || {})) node.setAttribute(key, String(value));
+  return node;
+}
+
+const main = () => document.getElementById('main');
+
+function toast(message, kind) {
+  const box = document.getElementById('toast');
+  box.textContent = message;
+  box.className = 'toast shown' + (kind === 'error' ? ' error' : '');
+  clearTimeout(toast.timer);
+  toast.timer = setTimeout(() => { box.className = 'toast'; }, 6000);
+}
+
+// ---- Formatting --------------------------------------------------------------------------
+
+const count = (n) => (n === null || n === undefined ? '–' : Number(n).toLocaleString('en-US'));
+
+function rate(perSecond) {
+  if (perSecond === null || perSecond === undefined) return '–';
+  return perSecond >= 10 ? Math.round(perSecond).toLocaleString('en-US') : perSecond.toFixed(1);
+}
+
+function age(seconds) {
+  if (seconds === null || seconds === undefined) return '–';
+  if (seconds < 10) return `${seconds.toFixed(1)} s`;
+  if (seconds < 120) return `${Math.round(seconds)} s`;
+  if (seconds < 7200) return `${Math.floor(seconds / 60)} min ${Math.round(seconds % 60)} s`;
+  if (seconds < 172800) return `${Math.floor(seconds / 3600)} h ${Math.round((seconds % 3600) / 60)} min`;
+  return `${Math.round(seconds / 86400)} d`;
+}
+
+function time(iso) {
+  if (!iso) return '–';
+  const t = new Date(iso);
+  return Number.isNaN(t.getTime()) ? String(iso) : t.toISOString().replace('T', ' ').slice(0, 23) + 'Z';
+}
+
+function millis(ms) {
+  return ms < 1000 ? `${Math.round(ms)} ms` : age(ms / 1000);
+}
+
+function stateBadge(state) {
+  return el('span', { class: `badge state-${state}`, 'data-state': state, text: state.replace('_', ' ') });
+}
+
+// ---- The API -----------------------------------------------------------------------------
+
+class ApiError extends Error {
+  constructor(status, code, message) {
+    super(message);
+    this.status = status;
+    this.code = code;
+  }
+}
+
+/** Calls the API; mutations carry the token. Throws an ApiError on anything but 2xx. */
+async function api(method, path, body) {
+  const headers = { Accept: 'application/json' };
+  if (body !== undefined) headers['Content-Type'] = 'application/json';
+  const token = sessionStorage.getItem(TOKEN_KEY);
+  if (token && method !== 'GET') headers.Authorization = `Bearer ${token}`;
+  let response;
+  try {
+    response = await fetch(path, {
+      method,
+      headers,
+      body: body === undefined ? undefined : JSON.stringify(body),
+      credentials: 'omit',
+      cache: 'no-store',
+    });
+  } catch (e) {
+    throw new ApiError(0, 'unreachable', 'the processor does not answer');
+  }
+  const text = await response.text();
+  let data = null;
+  try { data = text ? JSON.parse(text) : null; } catch (e) { data = text; }
+  if (response.ok) return { status: response.status, data, text };
+  const error = (data && data.error) || {};
+  if (response.status === 401) {
+    sessionStorage.removeItem(TOKEN_KEY);
+    app.tokenRequired = true;
+    renderSession();
+    showLogin('That change needs the API token: sign in, then try again.');
+  }
+  throw new ApiError(response.status, error.code || 'http_' + response.status,
+    error.message || `the API answered ${response.status}`);
+}
+
+// ---- Sign-in -----------------------------------------------------------------------------
+
+function renderSession() {
+  const signedIn = Boolean(sessionStorage.getItem(TOKEN_KEY));
+  const label = document.getElementById('session-state');
+  label.textContent = !app.tokenRequired ? 'No API token set: changes are open'
+    : signedIn ? 'Signed in' : 'Read only';
+  document.getElementById('sign-in-open').hidden = !app.tokenRequired || signedIn;
+  document.getElementById('sign-out').hidden = !app.tokenRequired || !signedIn;
+}
+
+function showLogin(why) {
+  const panel = document.getElementById('login');
+  document.getElementById('login-why').textContent = why || 'Changes need the API token this processor was started with.';
+  document.getElementById('login-error').textContent = '';
+  panel.hidden = false;
+  document.getElementById('login-token').focus();
+}
+
+function hideLogin() {
+  document.getElementById('login').hidden = true;
+  document.getElementById('login-token').value = '';
+}
+
+async function signIn(event) {
+  event.preventDefault();
+  const input = document.getElementById('login-token');
+  const token = input.value.trim();
+  const error = document.getElementById('login-error');
+  if (!token) return;
+  let response;
+  try {
+    response = await fetch('/v1/auth', {
+      method: 'POST',
+      headers: { Authorization: `Bearer ${token}` },
+      credentials: 'omit',
+      cache: 'no-store',
+    });
+  } catch (e) {
+    error.textContent = 'The processor does not answer.';
+    return;
+  }
+  if (response.status === 204) {
+    sessionStorage.setItem(TOKEN_KEY, token);
+    hideLogin();
+    renderSession();
+    toast('Signed in.');
+  } else if (response.status === 401) {
+    error.textContent = 'That is not the API token.';
+    input.select();
+  } else {
+    error.textContent = `Signing in failed (${response.status}).`;
+  }
+}
+
+// ---- Pages -------------------------------------------------------------------------------
+
+function route() {
+  app.page += 1;
+  const hash = location.hash || '#/';
+  const [path, query] = hash.slice(1).split('?');
+  const params = new URLSearchParams(query || '');
+  const parts = path.split('/').filter(Boolean).map(decodeURIComponent);
+  const section = parts[0] || 'overview';
+  for (const link of document.querySelectorAll('[data-nav]')) {
+    if (link.dataset.nav === section) link.setAttribute('aria-current', 'page');
+    else link.removeAttribute('aria-current');
+  }
+  main().replaceChildren();
+  if (section === 'overview') overviewPage();
+  else if (section === 'jobs' && parts[1]) jobPage(parts[1]);
+  else if (section === 'jobs') jobsPage(params);
+  else if (section === 'quarantine') quarantinePage(params);
+  else if (section === 'dead-letters' && parts[1]) deadLetterPage(parts[1]);
+  else if (section === 'dead-letters') deadLettersPage(params);
+  else append(main(), [el('h1', { text: 'Not found' }), el('p', { text: 'No such page.' })]);
+}
+
+/** Runs `step` now and then every `ms` while this page is shown (no overlapping runs). */
+function every(ms, step) {
+  const page = app.page;
+  const loop = async () => {
+    if (app.page !== page) return;
+    const keep = await step();
+    if (keep !== false && app.page === page) setTimeout(loop, ms);
+  };
+  loop();
+}
+
+function errorLine(id) {
+  return el('p', { id, class: 'error', role: 'alert' });
+}
+
+function showError(id, e) {
+  const line = document.getElementById(id);
+  if (line) line.textContent = e ? `${e.message}${e.status ? ` (${e.status})` : ''}` : '';
+}
+
+function table(label, columns, id) {
+  return el('div', { class: 'scroll' },
+    el('table', { 'aria-label': label },
+      el('thead', {}, el('tr', {}, columns.map((c) => el('th', { scope: 'col', text: c })))),
+      el('tbody', { id })));
+}
+
+function form(id, fields, submitLabel, onsubmit) {
+  return el('form', { id, class: 'filters', onsubmit: (e) => { e.preventDefault(); onsubmit(new FormData(e.target)); } },
+    fields.map(([name, label, kind, value, options]) => el('label', {},
+      el('span', { text: label }),
+      kind === 'select'
+        ? el('select', { name }, options.map((o) => el('option', { value: o, selected: o === value, text: o || 'any' })))
+        : el('input', { name, type: kind || 'text', value: value || '' }))),
+    el('button', { type: 'submit', text: submitLabel }));
+}
+
+/** The form's non-empty fields as a query string; datetime-local fields as UTC times. */
+function queryOf(data) {
+  const query = new URLSearchParams();
+  for (const [key, value] of data.entries()) {
+    const text = String(value).trim();
+    if (!text) continue;
+    query.set(key, /^\d{4}-\d\d-\d\dT\d\d:\d\d/.test(text) && !text.endsWith('Z')
+      ? new Date(text).toISOString() : text);
+  }
+  return query;
+}
+
+function localInput(iso) {
+  if (!iso) return '';
+  const t = new Date(iso);
+  if (Number.isNaN(t.getTime())) return '';
+  const local = new Date(t.getTime() - t.getTimezoneOffset() * 60000);
+  return local.toISOString().slice(0, 16);
+}
+
+// -- Overview --
+
+const TILES = [
+  ['unfinished', 'Unfinished jobs', (o) => count(o.unfinished)],
+  ['oldest_queued_age_seconds', 'Oldest queued', (o) => age(o.oldest_queued_age_seconds)],
+  ['accepted_per_second', 'Accepted / s', (o) => rate(o.rates.accepted_per_second), 'accepted'],
+  ['succeeded_per_second', 'Succeeded / s', (o) => rate(o.rates.succeeded_per_second), 'succeeded'],
+  ['expired_leases', 'Expired leases', (o) => count(o.expired_leases)],
+  ['scheduled', 'Scheduled', (o) => count(o.scheduled)],
+  ['quarantined_total', 'Quarantined', (o) => count(o.quarantined_total), null, '#/quarantine'],
+  ['dead_letters', 'Dead letters', (o) => count(o.dead_letters), null, '#/dead-letters'],
+  ['relay_backlog', 'Relay backlog', (o) => count(o.relay_backlog), 'backlog'],
+  ['relay_oldest_unpublished_age_seconds', 'Relay owes since', (o) => age(o.relay_oldest_unpublished_age_seconds)],
+  ['relay_parked', 'Parked events', (o) => count(o.relay_parked)],
+];
+
+function overviewPage() {
+  const tiles = TILES.map(([key, label, , chart, link]) => el('div', { class: 'tile', 'data-tile': key },
+    link ? el('a', { href: link, class: 'tile-label', text: label }) : el('span', { class: 'tile-label', text: label }),
+    el('span', { class: 'tile-value', 'data-metric': key, text: '–' }),
+    chart ? el('span', { class: 'spark', 'data-chart': chart, 'aria-hidden': 'true' }) : el('span', { class: 'tile-note', 'data-note': key })));
+  append(main(), [
+    el('div', { class: 'page-head' },
+      el('h1', { text: 'Overview' }),
+      el('span', { class: 'updated', id: 'updated', 'aria-live': 'off', text: 'loading…' })),
+    errorLine('overview-error'),
+    el('section', { class: 'tiles', 'aria-label': 'Figures' }, tiles),
+    el('div', { class: 'columns' },
+      el('section', { 'aria-labelledby': 'owners-title' },
+        el('h2', { id: 'owners-title', text: 'Quarantined by owner' }),
+        table('Quarantined jobs by owner', ['Owner', 'Jobs'], 'owners')),
+      el('section', { 'aria-labelledby': 'lag-title' },
+        el('h2', { id: 'lag-title', text: 'Consumer lag' }),
+        el('p', { class: 'note', id: 'lag-error' }),
+        el('div', { id: 'lag' }))),
+  ]);
+  every(OVERVIEW_EVERY_MS, async () => {
+    try {
+      const { data } = await api('GET', '/v1/overview');
+      renderOverview(data);
+      showError('overview-error', null);
+    } catch (e) {
+      showError('overview-error', e);
+    }
+  });
+}
+
+function renderOverview(o) {
+  if (app.tokenRequired !== o.token_required) {
+    app.tokenRequired = o.token_required;
+    renderSession();
+  }
+  for (const [key, , show] of TILES) {
+    const value = document.querySelector(`[data-metric="${key}"]`);
+    if (value) value.textContent = show(o);
+  }
+  const note = (key, text) => {
+    const node = document.querySelector(`[data-note="${key}"]`);
+    if (node) node.textContent = text;
+  };
+  note('unfinished', `${count(o.jobs.queued)} queued · ${count(o.jobs.leased)} leased · ${count(o.jobs.retry_wait)} retry`);
+  const owners = Object.keys(o.quarantined).length;
+  note('quarantined_total', owners === 1 ? '1 owner' : `${count(owners)} owners`);
+  note('expired_leases', o.expired_leases ? 'their workers died or stalled' : 'none');
+  note('scheduled', 'waiting for their time');
+  note('dead_letters', 'undecodable messages');
+  note('oldest_queued_age_seconds', 'since it became due');
+  note('relay_oldest_unpublished_age_seconds', 'oldest event not on Kafka');
+  note('relay_parked', o.relay_parked ? 'Kafka refuses them: jobfold parked list' : 'none');
+  app.history.push({ accepted: o.rates.accepted_per_second, succeeded: o.rates.succeeded_per_second, backlog: o.relay_backlog });
+  if (app.history.length > HISTORY_POINTS) app.history.shift();
+  for (const chart of document.querySelectorAll('[data-chart]')) drawSpark(chart, app.history.map((h) => h[chart.dataset.chart]));
+
+  document.getElementById('owners').replaceChildren(...(Object.keys(o.quarantined).length
+    ? Object.entries(o.quarantined).map(([owner, n]) => el('tr', {},
+      el('td', {}, el('a', { href: '#/quarantine?' + new URLSearchParams({ owner }), text: owner })),
+      el('td', { class: 'num', 'data-owner': owner, text: count(n) })))
+    : [el('tr', {}, el('td', { colspan: 2, class: 'empty', text: 'Nothing quarantined.' }))]));
+  document.getElementById('lag-error').textContent = o.consumer_lag_error ? `Kafka did not answer: ${o.consumer_lag_error}` : '';
+  const groups = new Map();
+  for (const l of o.consumer_lag) {
+    const key = `${l.group} ${l.topic}`;
+    if (!groups.has(key)) groups.set(key, []);
+    groups.get(key).push(l);
+  }
+  document.getElementById('lag').replaceChildren(...(groups.size ? [...groups.values()].map((partitions) => {
+    const total = partitions.reduce((sum, l) => sum + l.lag, 0);
+    return el('div', { class: 'lag-group' },
+      el('p', { class: 'lag-title' }, el('span', { class: 'mono', text: partitions[0].group }), ' on ',
+        el('span', { class: 'mono', text: partitions[0].topic }), ` · ${count(total)} behind`),
+      el('div', { class: 'scroll' }, el('table', { 'aria-label': `Lag of ${partitions[0].group}` },
+        el('thead', {}, el('tr', {}, ['Partition', 'Committed', 'End', 'Lag'].map((c) => el('th', { scope: 'col', text: c })))),
+        el('tbody', {}, partitions.map((l) => el('tr', { 'data-lag': `${l.topic}/${l.partition}` },
+          el('td', { class: 'num', text: l.partition }),
+          el('td', { class: 'num', text: l.committed === null ? 'none' : count(l.committed) }),
+          el('td', { class: 'num', text: count(l.end) }),
+          el('td', { class: 'num lag', text: count(l.lag) })))))));
+  }) : [el('p', { class: 'note', text: 'No partitions.' })]));
+  document.getElementById('updated').textContent = `Updated ${time(o.at).slice(11)} · every ${OVERVIEW_EVERY_MS / 1000} s`;
+}
+
+function drawSpark(host, values) {
+  const width = 120;
+  const height = 28;
+  const max = Math.max(1, ...values);
+  // The readings so far spread over the whole width; one reading is a level line.
+  const shown = values.length === 1 ? [values[0], values[0]] : values;
+  const step = width / Math.max(1, shown.length - 1);
+  const points = shown.map((v, i) => `${(i * step).toFixed(1)},${(height - 1 - (v / max) * (height - 2)).toFixed(1)}`);
+  const chart = svg('svg', { viewBox: `0 0 ${width} ${height}`, width, height, focusable: 'false' });
+  chart.append(svg('polyline', { points: points.join(' '), fill: 'none', stroke: 'currentColor', 'stroke-width': 1.5 }));
+  host.replaceChildren(chart);
+  host.title = `last ${values.length} readings, highest ${rate(max)}`;
+}
+
+// -- Jobs --
+
+function jobsPage(params) {
+  const order = params.get('order') || 'desc';
+  append(main(), [
+    el('h1', { text: 'Jobs' }),
+    form('job-search', [
+      ['q', 'Job id or document', 'search', params.get('document_id') || ''],
+      ['kind', 'Kind', 'text', params.get('kind')],
+      ['state', 'State', 'select', params.get('state') || '', [''].concat(STATES)],
+      ['since', 'Accepted since', 'datetime-local', localInput(params.get('since'))],
+    ], 'Search', async (data) => {
+      const q = String(data.get('q') || '').trim();
+      data.delete('q');
+      if (UUID.test(q)) {
+        try {
+          await api('GET', `/v1/jobs/${q}`);
+          location.hash = `#/jobs/${q}`;
+          return;
+        } catch (e) { /* not a job id: a document */ }
+      }
+      const query = queryOf(data);
+      if (q) query.set('document_id', q);
+      location.hash = '#/jobs?' + query;
+    }),
+    errorLine('jobs-error'),
+    table('Jobs', ['Job', 'Document', 'Kind', 'Version', 'State', 'Attempt', 'Accepted'], 'jobs'),
+    el('button', { type: 'button', id: 'jobs-more', class: 'secondary', hidden: true, text: 'Next page' }),
+  ]);
+  const query = new URLSearchParams(params);
+  query.set('order', order);
+  query.set('limit', '50');
+  const body = document.getElementById('jobs');
+  const more = document.getElementById('jobs-more');
+  const load = async (after) => {
+    if (after) query.set('after', after);
+    try {
+      const { data } = await api('GET', '/v1/jobs?' + query);
+      if (!after && !data.jobs.length) body.append(el('tr', {}, el('td', { colspan: 7, class: 'empty', text: 'No job matches.' })));
+      for (const job of data.jobs) body.append(jobRow(job));
+      more.hidden = !data.next;
+      more.onclick = () => load(data.next);
+      showError('jobs-error', null);
+    } catch (e) {
+      showError('jobs-error', e);
+    }
+  };
+  load(null);
+}
+
+function jobRow(job) {
+  return el('tr', { 'data-job': job.job_id },
+    el('td', { class: 'mono' }, el('a', { href: `#/jobs/${job.job_id}`, text: job.job_id })),
+    el('td', {}, el('a', { href: '#/jobs?' + new URLSearchParams({ document_id: job.document_id }), class: 'doc', text: job.document_id })),
+    el('td', { text: job.kind }),
+    el('td', { class: 'num', text: job.input_version }),
+    el('td', {}, stateBadge(job.state)),
+    el('td', { class: 'num', text: `${job.attempt}/${job.max_attempts}` }),
+    el('td', { class: 'time', text: time(job.accepted_at) }));
+}
+
+// -- One job --
+
+function jobPage(id) {
+  append(main(), [
+    el('div', { class: 'page-head' },
+      el('h1', {}, 'Job ', el('span', { class: 'mono', text: id })),
+      el('span', { id: 'job-state' })),
+    errorLine('job-error'),
+    el('div', { class: 'actions', id: 'job-actions' }),
+    el('section', { 'aria-labelledby': 'summary-title' },
+      el('h2', { id: 'summary-title', text: 'Summary' }),
+      el('dl', { class: 'summary', id: 'job-summary' })),
+    el('section', { 'aria-labelledby': 'timeline-title' },
+      el('h2', { id: 'timeline-title', text: 'Events' }),
+      table('Event timeline', ['#', 'Event', 'At', 'Attempt', 'Generation', 'Took', 'Details'], 'job-events')),
+    el('div', { class: 'columns' },
+      payloadPanel('input', 'Input', id),
+      payloadPanel('result', 'Result', id)),
+  ]);
+  let shownState = null;
+  every(JOB_EVERY_MS, async () => {
+    try {
+      const [{ data: job }, { data: events }] = await Promise.all([
+        api('GET', `/v1/jobs/${encodeURIComponent(id)}`),
+        api('GET', `/v1/jobs/${encodeURIComponent(id)}/events`),
+      ]);
+      renderJob(job, events, shownState !== job.state);
+      if (shownState !== job.state) {
+        shownState = job.state;
+        loadPayload('input', id);
+        loadPayload('result', id);
+      }
+      showError('job-error', null);
+      return OPEN_STATES.has(job.state);
+    } catch (e) {
+      showError('job-error', e);
+      return e.status !== 404;
+    }
+  });
+}
+
+function payloadPanel(which, title, id) {
+  return el('section', { 'aria-labelledby': `${which}-title` },
+    el('h2', { id: `${which}-title` }, title, ' ',
+      el('a', { href: `/v1/jobs/${encodeURIComponent(id)}/${which}?download=true`, class: 'download', download: `${id}-${which}.json`, id: `${which}-download`, text: 'Download' })),
+    el('p', { class: 'note', id: `${which}-note` }),
+    el('pre', { id: `${which}-text`, tabindex: 0 }));
+}
+
+async function loadPayload(which, id) {
+  const pre = document.getElementById(`${which}-text`);
+  const note = document.getElementById(`${which}-note`);
+  const link = document.getElementById(`${which}-download`);
+  try {
+    const { text } = await api('GET', `/v1/jobs/${encodeURIComponent(id)}/${which}`);
+    const truncated = text.length > PREVIEW_CHARS;
+    pre.textContent = truncated ? text.slice(0, PREVIEW_CHARS) + '\n…' : text;
+    note.textContent = truncated ? `Showing the first ${count(PREVIEW_CHARS)} of ${count(text.length)} characters: download it for the rest.` : '';
+    link.hidden = false;
+  } catch (e) {
+    pre.textContent = '';
+    note.textContent = e.code === 'no_result' ? 'No result committed.' : e.message;
+    link.hidden = true;
+  }
+}
+
+function renderJob(job, events, stateChanged) {
+  document.getElementById('job-state').replaceChildren(stateBadge(job.state));
+  const trace = events.map((e) => e.event.trace && e.event.trace.traceparent).find(Boolean);
+  const rows = [
+    ['Document', el('a', { href: '#/jobs?' + new URLSearchParams({ document_id: job.document_id }), class: 'doc', text: job.document_id })],
+    ['Kind', job.kind],
+    ['Input version', job.input_version],
+    ['State', stateBadge(job.state)],
+    ['Attempts', `${job.attempt} of ${job.max_attempts}`],
+    ['Generation', job.generation],
+    ['Accepted', time(job.accepted_at)],
+    job.run_at && ['Due', time(job.run_at)],
+    job.lease_owner && ['Lease', `${job.lease_owner} until ${time(job.lease_until)}`],
+    job.next_attempt_at && ['Next attempt', time(job.next_attempt_at)],
+    job.deadline && ['Deadline', time(job.deadline)],
+    job.finished_at && ['Finished', time(job.finished_at)],
+    job.last_error && ['Last error', el('span', { class: 'error-text', text: job.last_error })],
+    job.quarantine_reason && ['Quarantined because', el('span', { class: 'error-text', 'data-field': 'quarantine_reason', text: job.quarantine_reason })],
+    job.quarantine_owner && ['Owner', job.quarantine_owner],
+    job.idempotency_key && ['Idempotency key', job.idempotency_key],
+    ['Trace', trace ? el('span', { class: 'mono', 'data-field': 'trace_id', text: trace.split('-')[1] || trace }) : 'none'],
+  ].filter(Boolean);
+  document.getElementById('job-summary').replaceChildren(...rows.flatMap(([term, value]) => [
+    el('dt', { text: term }), el('dd', {}, value instanceof Node ? value : String(value))]));
+  renderTimeline(events);
+  if (stateChanged) renderJobActions(job);
+}
+
+function renderTimeline(events) {
+  let leasedAt = null;
+  const rows = events.map((entry) => {
+    const payload = entry.event.payload || {};
+    const at = new Date(entry.occurred_at).getTime();
+    let took = '';
+    if (payload.type === 'JobLeased') leasedAt = at;
+    else if (leasedAt !== null && ['JobSucceeded', 'JobFailed', 'JobQuarantined', 'JobCancelled'].includes(payload.type)) {
+      took = millis(at - leasedAt);
+      leasedAt = null;
+    }
+    const details = Object.entries(payload)
+      .filter(([key, value]) => !['type', 'attempt', 'generation'].includes(key) && value !== null)
+      .map(([key, value]) => `${key}: ${typeof value === 'object' ? JSON.stringify(value) : value}`)
+      .join(' · ');
+    return el('tr', { 'data-event': payload.type || entry.kind },
+      el('td', { class: 'num', text: entry.stream_version }),
+      el('td', {}, el('span', { class: 'event', text: payload.type || entry.kind }),
+        entry.published ? null : el('span', { class: 'note', text: ' (not on Kafka yet)' })),
+      el('td', { class: 'time', text: time(entry.occurred_at) }),
+      el('td', { class: 'num', text: payload.attempt ?? '' }),
+      el('td', { class: 'num', text: payload.generation ?? '' }),
+      el('td', { class: 'num', text: took }),
+      el('td', { class: 'details', text: details.length > 600 ? details.slice(0, 600) + '…' : details }));
+  });
+  document.getElementById('job-events').replaceChildren(...rows);
+}
+
+function renderJobActions(job) {
+  const box = document.getElementById('job-actions');
+  box.replaceChildren();
+  const id = job.job_id;
+  if (job.state === 'quarantined') {
+    const version = el('input', { type: 'number', min: job.input_version + 1, id: 'replay-version', name: 'new_input_version' });
+    const input = el('textarea', { id: 'replay-input', name: 'new_input', rows: 3, placeholder: '{"text": "…"}' });
+    append(box, [
+      el('button', { type: 'button', id: 'replay', text: 'Replay', onclick: async () => {
+        const body = {};
+        if (version.value) body.new_input_version = Number(version.value);
+        if (input.value.trim()) {
+          try { body.new_input = JSON.parse(input.value); } catch (e) { toast('The new input is not JSON.', 'error'); return; }
+        }
+        await act('POST', `/v1/jobs/${id}/replay`, body, 'Replayed: it runs again with a fresh budget.');
+      } }),
+      el('details', {}, el('summary', { text: 'Replay with a fixed input' }),
+        el('label', {}, el('span', { text: 'New input version' }), version),
+        el('label', {}, el('span', { text: 'New input (JSON)' }), input)),
+    ]);
+  }
+  if (OPEN_STATES.has(job.state) || job.state === 'quarantined') {
+    append(box, confirmButton('cancel', 'Cancel job', 'Cancel this job? A running handler is stopped and nothing it did is committed.',
+      'Yes, cancel it', () => act('POST', `/v1/jobs/${id}/cancel`, { requested_by: 'console' }, 'Cancelled.')));
+  }
+}
+
+/** A button that asks first: the question and a confirming button appear beside it. */
+function confirmButton(id, label, question, yes, action) {
+  const box = el('span', { class: 'confirm' });
+  const open = el('button', { type: 'button', id, class: 'secondary', text: label });
+  const ask = el('span', { class: 'ask', hidden: true },
+    el('span', { text: question }),
+    el('button', { type: 'button', id: `${id}-yes`, class: 'danger', text: yes, onclick: async () => { ask.hidden = true; open.hidden = false; await action(); } }),
+    el('button', { type: 'button', class: 'secondary', text: 'No', onclick: () => { ask.hidden = true; open.hidden = false; open.focus(); } }));
+  open.addEventListener('click', () => { open.hidden = true; ask.hidden = false; ask.querySelector('button').focus(); });
+  return append(box, [open, ask]);
+}
+
+/** Does a mutation, says how it went, then shows the page again (or runs `then`). */
+async function act(method, path, body, done, then) {
+  try {
+    const { data } = await api(method, path, body);
+    toast(typeof done === 'function' ? done(data) : done);
+    (then || route)();
+    return true;
+  } catch (e) {
+    toast(`Refused: ${e.message}${e.status ? ` (${e.status})` : ''}`, 'error');
+    return false;
+  }
+}
+
+// -- Quarantine --
+
+const FILTER_KEYS = ['owner', 'kind', 'reason', 'since', 'until'];
+
+function quarantinePage(params) {
+  const filter = {};
+  for (const key of FILTER_KEYS) if (params.get(key)) filter[key] = params.get(key);
+  append(main(), [
+    el('h1', { text: 'Quarantine' }),
+    el('p', { class: 'note', text: 'Jobs that stopped for an operator: invalid input, a permanent failure, or a spent budget. Replay runs one again with a fresh budget.' }),
+    form('quarantine-filter', [
+      ['owner', 'Owner', 'text', filter.owner],
+      ['kind', 'Kind', 'text', filter.kind],
+      ['reason', 'Reason contains', 'search', filter.reason],
+      ['since', 'Since', 'datetime-local', localInput(filter.since)],
+      ['until', 'Until', 'datetime-local', localInput(filter.until)],
+    ], 'Filter', (data) => { location.hash = '#/quarantine?' + queryOf(data); }),
+    el('div', { class: 'actions', id: 'bulk' },
+      el('button', { type: 'button', id: 'bulk-count', class: 'secondary', text: 'Replay all that match…', onclick: () => bulkCount(filter) }),
+      el('span', { class: 'ask', id: 'bulk-ask', hidden: true })),
+    errorLine('quarantine-error'),
+    table('Quarantined jobs', ['Job', 'Kind', 'Document', 'Owner', 'Class', 'Attempts', 'Reason', 'Since', ''], 'quarantined'),
+  ]);
+  const query = new URLSearchParams(filter);
+  query.set('limit', '200');
+  api('GET', '/v1/quarantine?' + query).then(({ data }) => {
+    const body = document.getElementById('quarantined');
+    if (!data.length) body.append(el('tr', {}, el('td', { colspan: 9, class: 'empty', text: 'Nothing quarantined matches.' })));
+    for (const q of data) {
+      body.append(el('tr', { 'data-job': q.job_id },
+        el('td', { class: 'mono' }, el('a', { href: `#/jobs/${q.job_id}`, text: q.job_id })),
+        el('td', { text: q.kind }),
+        el('td', {}, el('span', { class: 'doc', text: q.document_id })),
+        el('td', { text: q.owner }),
+        el('td', { text: q.error_class }),
+        el('td', { class: 'num', text: q.attempts }),
+        el('td', { class: 'error-text', text: q.reason }),
+        el('td', { class: 'time', text: time(q.quarantined_at) }),
+        el('td', {}, el('button', { type: 'button', class: 'small', 'data-replay': q.job_id, text: 'Replay',
+          onclick: () => act('POST', `/v1/jobs/${q.job_id}/replay`, {}, 'Replayed: it runs again with a fresh budget.') }))));
+    }
+  }).catch((e) => showError('quarantine-error', e));
+}
+
+async function bulkCount(filter) {
+  const ask = document.getElementById('bulk-ask');
+  let counted;
+  try {
+    ({ data: counted } = await api('POST', '/v1/quarantine/replay', { ...filter, dry_run: true }));
+  } catch (e) {
+    toast(`Refused: ${e.message}${e.status ? ` (${e.status})` : ''}`, 'error');
+    return;
+  }
+  const described = Object.keys(filter).length ? 'match this filter' : 'are quarantined (no filter)';
+  ask.replaceChildren(
+    el('span', { id: 'bulk-matched', 'data-matched': counted.matched, text: `${count(counted.matched)} jobs ${described}. Replay them all?` }),
+    counted.matched ? el('button', { type: 'button', id: 'bulk-yes', class: 'danger', text: `Replay ${count(counted.matched)} jobs`,
+      onclick: () => act('POST', '/v1/quarantine/replay', { ...filter, requested_by: 'console' },
+        (d) => `Replayed ${count(d.replayed)} of ${count(d.matched)} in ${d.batches} batches${d.remaining ? `; ${count(d.remaining)} remain: replay again` : ''}.`) }) : null,
+    el('button', { type: 'button', class: 'secondary', text: 'Never mind', onclick: () => { ask.hidden = true; } }));
+  ask.hidden = false;
+  (ask.querySelector('#bulk-yes') || ask.querySelector('button')).focus();
+}
+
+// -- Dead letters --
+
+function deadLettersPage(params) {
+  append(main(), [
+    el('h1', { text: 'Dead letters' }),
+    el('p', { class: 'note', text: 'Messages the intake or a processor could not decode, kept with their Kafka coordinates. Re-inject one once its cause is fixed.' }),
+    errorLine('dead-letters-error'),
+    table('Dead letters', ['Id', 'Topic', 'Partition', 'Offset', 'Group', 'Error', 'Received', 'Re-injected'], 'dead-letters'),
+    el('button', { type: 'button', id: 'dead-letters-more', class: 'secondary', hidden: true, text: 'Next page' }),
+  ]);
+  const body = document.getElementById('dead-letters');
+  const more = document.getElementById('dead-letters-more');
+  const load = async (after) => {
+    const query = new URLSearchParams({ limit: '50' });
+    if (params.get('topic')) query.set('topic', params.get('topic'));
+    if (after) query.set('after', after);
+    try {
+      const { data } = await api('GET', '/v1/dead-letters?' + query);
+      if (!after && !data.dead_letters.length) body.append(el('tr', {}, el('td', { colspan: 8, class: 'empty', text: 'No dead letters.' })));
+      for (const d of data.dead_letters) {
+        body.append(el('tr', { 'data-dead-letter': d.id },
+          el('td', { class: 'num' }, el('a', { href: `#/dead-letters/${d.id}`, text: d.id })),
+          el('td', { text: d.topic }), el('td', { class: 'num', text: d.kafka_partition }),
+          el('td', { class: 'num', text: d.kafka_offset }), el('td', { text: d.consumer_group }),
+          el('td', { class: 'error-text', text: d.error }), el('td', { class: 'time', text: time(d.received_at) }),
+          el('td', { class: 'num', text: d.reinjected_count })));
+      }
+      more.hidden = !data.next;
+      more.onclick = () => load(data.next);
+    } catch (e) {
+      showError('dead-letters-error', e);
+    }
+  };
+  load(null);
+}
+
+function deadLetterPage(id) {
+  append(main(), [el('h1', {}, 'Dead letter ', el('span', { class: 'mono', text: id })), errorLine('dead-letter-error')]);
+  api('GET', `/v1/dead-letters/${encodeURIComponent(id)}`).then(({ data }) => {
+    const d = data.letter || data;
+    const rows = [
+      ['Topic', d.topic], ['Partition', d.kafka_partition], ['Offset', d.kafka_offset],
+      ['Consumer group', d.consumer_group], ['Received', time(d.received_at)],
+      ['Error', el('span', { class: 'error-text', text: d.error })],
+      ['Re-injected', d.reinjected_count ? `${d.reinjected_count} times, last ${time(d.reinjected_at)}` : 'never'],
+    ];
+    const bytes = (label, text, hex) => el('section', {},
+      el('h2', { text: label }),
+      el('pre', { tabindex: 0, 'data-field': `${label.toLowerCase()}_text`, text: text === null || text === undefined ? '(none)' : clip(text) }),
+      el('details', {}, el('summary', { text: 'As hex' }), el('pre', { tabindex: 0, text: hex ? clip(hex) : '(none)' })));
+    append(main(), [
+      el('div', { class: 'actions' },
+        el('button', { type: 'button', id: 'reinject', text: 'Re-inject', onclick: () => act('POST', `/v1/dead-letters/${d.id}/reinject`, undefined,
+          (r) => `Sent back to ${r.topic} (partition ${r.partition}, offset ${r.offset}).`) }),
+        confirmButton('delete', 'Delete', 'Delete this dead letter for good?', 'Yes, delete it',
+          () => act('DELETE', `/v1/dead-letters/${d.id}`, undefined, 'Deleted.', () => { location.hash = '#/dead-letters'; }))),
+      el('dl', { class: 'summary' }, rows.flatMap(([term, value]) => [el('dt', { text: term }), el('dd', {}, value instanceof Node ? value : String(value))])),
+      el('div', { class: 'columns' }, bytes('Key', data.key_text, data.key_hex), bytes('Value', data.value_text, data.value_hex)),
+    ]);
+  }).catch((e) => showError('dead-letter-error', e));
+}
+
+function clip(text) {
+  return text.length > PREVIEW_CHARS ? `${text.slice(0, PREVIEW_CHARS)}\n… (${count(text.length)} characters in all)` : text;
+}
+
+// ---- Start -------------------------------------------------------------------------------
+
+function start() {
+  document.getElementById('login-form').addEventListener('submit', signIn);
+  document.getElementById('login-cancel').addEventListener('click', hideLogin);
+  document.getElementById('sign-in-open').addEventListener('click', () => showLogin());
+  document.getElementById('sign-out').addEventListener('click', () => {
+    sessionStorage.removeItem(TOKEN_KEY);
+    renderSession();
+    toast('Signed out.');
+  });
+  window.addEventListener('hashchange', () => { route(); main().focus({ preventScroll: true }); });
+  api('GET', '/v1/overview').then(({ data }) => {
+    app.tokenRequired = data.token_required;
+    renderSession();
+  }).catch(() => renderSession());
+  route();
+}
+
+document.addEventListener('DOMContentLoaded', start);

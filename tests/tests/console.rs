@@ -1,0 +1,421 @@
+//! The operator console at `/ui`, driven in a real headless Chromium against a real pipeline
+//! (Postgres, Kafka, the registry, a relay and a processor as processes): the overview shows
+//! what the API returns for a seeded workload and keeps its layout as it refreshes; a job is
+//! found by document and by id; a quarantined job is replayed from its page and succeeds,
+//! once; a bulk replay counts first and asks; a dead letter is shown, re-injected and
+//! deleted; HTML and script in user data are shown as text; a change without the token, with
+//! a wrong one, or from another origin is refused; the pages fit a phone and are reachable by
+//! keyboard. Screenshots of each page go to `target/console/`.
+
+use std::time::Duration;
+
+use chrono::Utc;
+use fantoccini::key::Key;
+use jobfold_schemas::{Codec, JobRequest};
+use jobfold_tests::browser::Browser;
+use jobfold_tests::harness::{Installation, Running, eventually, http_client, index_job};
+use serde_json::{Value, json};
+use uuid::Uuid;
+
+const TOKEN: &str = "console-test-token-0123456789";
+/// A document id and an input that would run script if the page parsed them as markup.
+const HTML_DOCUMENT: &str = "<img src=x onerror=\"window.__pwned='document'\">doc-html";
+const HTML_TEXT: &str =
+    "<script>window.__pwned='input'</script><b id=injected>bold</b> words to index";
+
+/// Script that counts what an injection would have added to the page.
+const INJECTED: &str = "return { pwned: window.__pwned === undefined ? null : window.__pwned, \
+     elements: document.querySelectorAll('#injected, img[src=\"x\"], main script').length };";
+
+/// Seeds the installation; the job ids by role.
+struct Seeded {
+    ok: Vec<Uuid>,
+    quarantined: Vec<Uuid>,
+    html: Uuid,
+    large: Uuid,
+}
+
+async fn seed(it: &Installation, running: &Running) -> Seeded {
+    let acceptor = it.acceptor().await;
+    let accept = |document: String, input: Value| {
+        let acceptor = acceptor.clone();
+        async move { acceptor.accept(&it.pool, &index_job(&document, 1, input)).await.unwrap().job_id }
+    };
+    let mut ok = Vec::new();
+    for i in 0..5 {
+        ok.push(
+            accept(format!("doc-ok-{i}"), json!({ "text": format!("hello number {i}") })).await,
+        );
+    }
+    let mut quarantined = Vec::new();
+    for i in 0..3 {
+        let input = json!({ "text": "refused", "simulate": { "permanent_until_replayed": true } });
+        quarantined.push(accept(format!("doc-q-{i}"), input).await);
+    }
+    let html = accept(HTML_DOCUMENT.into(), json!({ "text": HTML_TEXT })).await;
+    let large =
+        accept("doc-large".into(), json!({ "text": "big", "simulate": { "output_bytes": 9000 } }))
+            .await;
+
+    // A request of a kind nothing runs yet: the intake dead-letters it.
+    let codec: Codec<JobRequest> =
+        Codec::connect(it.registry(), &it.config.topics.requests).await.unwrap();
+    let request = JobRequest {
+        request_id: Uuid::now_v7(),
+        document_id: HTML_DOCUMENT.into(),
+        job_kind: "late-kind".into(),
+        input_version: 1,
+        input: json!({ "text": HTML_TEXT }).to_string(),
+        requested_at: Utc::now(),
+        producer: "upstream".into(),
+        trace: None,
+        run_at: None,
+    };
+    let producer: rdkafka::producer::FutureProducer = it.config.kafka_client().create().unwrap();
+    let frame = codec.encode(&request).unwrap();
+    let record = rdkafka::producer::FutureRecord::to(&it.config.topics.requests)
+        .key("doc-html")
+        .payload(&frame);
+    producer.send(record, Duration::from_secs(30)).await.unwrap();
+
+    eventually(Duration::from_secs(90), "the seeded jobs to end", || async {
+        let (_, overview) = running.get("/v1/overview").await;
+        overview["unfinished"] == 0
+            && overview["quarantined_total"] == 3
+            && overview["dead_letters"] == 1
+    })
+    .await;
+    Seeded { ok, quarantined, html, large }
+}
+
+async fn state(it: &Installation, job_id: Uuid) -> String {
+    it.state_and_attempt(job_id).await.0
+}
+
+/// Business writes committed for `job_id` (the test handler's audit).
+async fn writes(it: &Installation, job_id: Uuid) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM index_writes WHERE job_id = $1")
+        .bind(job_id)
+        .fetch_one(&it.pool)
+        .await
+        .unwrap()
+}
+
+/// The numbers in a tile's text ("1,234" → 1234).
+fn number(text: &str) -> i64 {
+    text.replace(',', "").trim().parse().unwrap_or_else(|_| panic!("not a count: {text:?}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_console_shows_finds_fixes_and_escapes_in_a_real_browser() {
+    let mut it = Installation::new("console").await;
+    it.config.processor.group = jobfold_tests::kafka::unique_name("processors");
+    it.create_topics().await;
+    let running = Running::start(&it, TOKEN, &[]);
+    running.ready().await;
+    let seeded = seed(&it, &running).await;
+    let ui = running.url("/ui/");
+    let browser = Browser::start(1280, 900).await;
+
+    // --- Overview: the numbers the API returns, and the seeded truth. ---
+    browser.goto(&running.url("/ui")).await;
+    browser
+        .until(
+            "the first reading",
+            "return document.getElementById('updated').textContent.startsWith('Updated');",
+        )
+        .await;
+    let (_, api) = running.get("/v1/overview").await;
+    for key in [
+        "unfinished",
+        "quarantined_total",
+        "dead_letters",
+        "expired_leases",
+        "scheduled",
+        "relay_parked",
+    ] {
+        let shown = number(&browser.text(&format!("[data-metric='{key}']")).await);
+        assert_eq!(shown, api[key].as_i64().unwrap(), "tile {key}");
+    }
+    assert_eq!(number(&browser.text("[data-metric='quarantined_total']").await), 3);
+    assert_eq!(number(&browser.text("[data-metric='dead_letters']").await), 1);
+    assert_eq!(number(&browser.text("[data-metric='unfinished']").await), 0);
+    let owner = api["quarantined"].as_object().unwrap().keys().next().unwrap().clone();
+    assert_eq!(number(&browser.text(&format!("[data-owner='{owner}']")).await), 3);
+    // Every partition of both groups, with the lag Kafka reports.
+    let lag = api["consumer_lag"].as_array().unwrap();
+    assert_eq!(lag.len(), 2 * it.config.topics.partitions as usize, "{api}");
+    eventually(Duration::from_secs(30), "the lag shown to equal the API's", || async {
+        let (_, api) = running.get("/v1/overview").await;
+        let shown = browser
+            .js("return [...document.querySelectorAll('[data-lag]')].map(r => [r.dataset.lag, r.querySelector('.lag').textContent]);")
+            .await;
+        let expected: Vec<Value> = api["consumer_lag"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|l| json!([format!("{}/{}", l["topic"].as_str().unwrap(), l["partition"]), l["lag"].to_string()]))
+            .collect();
+        shown == json!(expected)
+    })
+    .await;
+    // Refreshing keeps every tile where it was.
+    let layout = "return [...document.querySelectorAll('.tile, section, table')].map(e => { const r = e.getBoundingClientRect(); return [r.x, r.y, r.width, r.height]; });";
+    let before = browser.js(layout).await;
+    let updated = browser.text("#updated").await;
+    browser
+        .until(
+            "a refresh",
+            &format!(
+                "return document.getElementById('updated').textContent !== {};",
+                json!(updated)
+            ),
+        )
+        .await;
+    browser
+        .until("another refresh", "return new Promise(r => setTimeout(() => r(true), 2200));")
+        .await;
+    assert_eq!(browser.js(layout).await, before, "the layout moved on refresh");
+    browser.screenshot("overview").await;
+
+    // --- Keyboard: from the top of the page to the jobs search. ---
+    browser
+        .js("document.activeElement && document.activeElement.blur(); window.scrollTo(0, 0);")
+        .await;
+    let mut reached = false;
+    for _ in 0..12 {
+        browser.press(Key::Tab.into()).await;
+        if browser.js("return document.activeElement.dataset.nav === 'jobs';").await == json!(true)
+        {
+            reached = true;
+            break;
+        }
+    }
+    assert!(reached, "the Jobs link is not reachable with Tab");
+    browser.press(Key::Enter.into()).await;
+    browser
+        .until(
+            "the jobs page",
+            "return location.hash === '#/jobs' && document.querySelector('input[name=q]');",
+        )
+        .await;
+
+    // --- Search: by document, then by id. ---
+    browser.fill("input[name=q]", "doc-ok-3").await;
+    browser.press(Key::Enter.into()).await;
+    let found = browser
+        .until("the search result", "const rows = document.querySelectorAll('tr[data-job]'); return location.hash.includes('doc-ok-3') && rows.length ? [...rows].map(r => r.dataset.job) : null;")
+        .await;
+    assert_eq!(found, json!([seeded.ok[3].to_string()]));
+    browser.screenshot("jobs").await;
+    browser.click("tr[data-job] a").await;
+    browser
+        .until(
+            "the job's events",
+            "return document.querySelectorAll('tr[data-event]').length === 3;",
+        )
+        .await;
+    let events = browser
+        .js("return [...document.querySelectorAll('tr[data-event]')].map(r => r.dataset.event);")
+        .await;
+    assert_eq!(events, json!(["JobRequested", "JobLeased", "JobSucceeded"]));
+    assert_eq!(browser.text("#job-state [data-state]").await, "succeeded");
+    assert!(browser.text("#input-text").await.contains("hello number 3"));
+    assert!(browser.text("#result-text").await.contains("terms"), "the result is shown");
+    browser.screenshot("job").await;
+
+    browser.goto(&format!("{ui}#/jobs")).await;
+    browser.fill("input[name=q]", &seeded.html.to_string()).await;
+    browser.click("#job-search button[type=submit]").await;
+    browser
+        .until("the job page", &format!("return location.hash === '#/jobs/{}';", seeded.html))
+        .await;
+
+    // --- User data is text: the HTML job's page, its listing and its dead letter. ---
+    browser.until("the summary", "return document.querySelector('#job-summary .doc');").await;
+    assert_eq!(browser.text("#job-summary .doc").await, HTML_DOCUMENT);
+    browser.until("the input", "return document.getElementById('input-text').textContent;").await;
+    assert!(browser.text("#input-text").await.contains(HTML_TEXT), "the input as text");
+    assert_eq!(browser.js(INJECTED).await, json!({ "pwned": null, "elements": 0 }));
+    browser.screenshot("job-html-input").await;
+    browser.click("#job-summary .doc").await;
+    browser
+        .until(
+            "the document's jobs",
+            "return document.querySelectorAll('tr[data-job]').length === 1;",
+        )
+        .await;
+    assert_eq!(browser.text("tr[data-job] .doc").await, HTML_DOCUMENT);
+    assert_eq!(browser.js(INJECTED).await, json!({ "pwned": null, "elements": 0 }));
+
+    // --- A large result: a preview and a download of the whole. ---
+    browser.goto(&format!("{ui}#/jobs/{}", seeded.large)).await;
+    let note = browser
+        .until("the result's note", "return document.getElementById('result-note').textContent;")
+        .await;
+    assert!(note.as_str().unwrap().contains("Showing the first 4,096"), "{note}");
+    let href = browser.js("return document.getElementById('result-download').href;").await;
+    let download = http_client().get(href.as_str().unwrap()).send().await.unwrap();
+    let disposition = download.headers()["content-disposition"].to_str().unwrap().to_owned();
+    assert!(disposition.starts_with("attachment;"), "{disposition}");
+    let whole: Value = download.json().await.unwrap();
+    assert!(
+        whole["padding"].as_str().unwrap().len() >= 9000,
+        "the download holds the whole result"
+    );
+
+    // --- Changes need the token: refused without it, then signed in, replayed, once. ---
+    let target = seeded.quarantined[0];
+    browser.goto(&format!("{ui}#/jobs/{target}")).await;
+    browser.until("the replay button", "return document.getElementById('replay');").await;
+    assert_eq!(browser.text("#session-state").await, "Read only");
+    browser.click("#replay").await;
+    browser.until("the sign-in form", "return !document.getElementById('login').hidden;").await;
+    let refusal = browser.text("#toast").await;
+    assert!(refusal.contains("401"), "{refusal}");
+    assert_eq!(state(&it, target).await, "quarantined", "nothing changed without the token");
+    browser.fill("#login-token", "not-the-token-but-long-enough").await;
+    browser.click("#login-form button[type=submit]").await;
+    browser.until("the wrong token refused", "return document.getElementById('login-error').textContent === 'That is not the API token.';").await;
+    browser.fill("#login-token", TOKEN).await;
+    browser.click("#login-form button[type=submit]").await;
+    browser
+        .until(
+            "signed in",
+            "return document.getElementById('session-state').textContent === 'Signed in';",
+        )
+        .await;
+    let url = browser.client.current_url().await.unwrap();
+    assert!(!url.as_str().contains(TOKEN), "the token is in the URL: {url}");
+    assert_eq!(browser.js("return document.cookie;").await, json!(""), "no cookie holds it");
+    browser.screenshot("job-quarantined").await;
+    browser.click("#replay").await;
+    browser.until("the replayed job to succeed on its page", "const s = document.querySelector('#job-state [data-state]'); return s && s.dataset.state === 'succeeded';").await;
+    assert_eq!(state(&it, target).await, "succeeded");
+    assert_eq!(writes(&it, target).await, 1, "one business write");
+    let kinds = browser
+        .js("return [...document.querySelectorAll('tr[data-event]')].map(r => r.dataset.event);")
+        .await;
+    assert!(kinds.as_array().unwrap().contains(&json!("ReplayRequested")), "{kinds}");
+
+    // --- Bulk replay: counted first, then confirmed. ---
+    browser.goto(&format!("{ui}#/quarantine?reason=until%20replayed")).await;
+    browser
+        .until(
+            "the two still quarantined",
+            "return document.querySelectorAll('tr[data-job]').length === 2;",
+        )
+        .await;
+    browser.screenshot("quarantine").await;
+    browser.click("#bulk-count").await;
+    let matched = browser
+        .until(
+            "the count",
+            "const m = document.getElementById('bulk-matched'); return m && m.dataset.matched;",
+        )
+        .await;
+    assert_eq!(matched, json!("2"));
+    for id in &seeded.quarantined[1..] {
+        assert_eq!(state(&it, *id).await, "quarantined", "counting replays nothing");
+    }
+    browser.click("#bulk-yes").await;
+    for id in &seeded.quarantined[1..] {
+        let id = *id;
+        eventually(Duration::from_secs(60), "a bulk-replayed job to succeed", || async {
+            state(&it, id).await == "succeeded"
+        })
+        .await;
+        assert_eq!(writes(&it, id).await, 1);
+    }
+
+    // --- Dead letters: shown as text, re-injected once its cause is fixed, deleted. ---
+    browser.goto(&format!("{ui}#/dead-letters")).await;
+    browser
+        .until(
+            "the dead letter",
+            "return document.querySelectorAll('tr[data-dead-letter]').length === 1;",
+        )
+        .await;
+    assert!(browser.text("tr[data-dead-letter] .error-text").await.contains("late-kind"));
+    browser.screenshot("dead-letters").await;
+    browser.click("tr[data-dead-letter] a").await;
+    let value = browser.until("the value", "const v = document.querySelector('[data-field=value_text]'); return v && v.textContent;").await;
+    assert!(value.as_str().unwrap().contains("doc-html"), "{value}");
+    assert!(value.as_str().unwrap().contains("<script>"), "the bytes as text: {value}");
+    assert_eq!(browser.js(INJECTED).await, json!({ "pwned": null, "elements": 0 }));
+    browser.screenshot("dead-letter").await;
+    // The fix: the kind's handler is deployed.
+    sqlx::query("INSERT INTO job_kinds (kind, registered_by) VALUES ('late-kind', 'deploy')")
+        .execute(&it.pool)
+        .await
+        .unwrap();
+    browser.click("#reinject").await;
+    browser
+        .until(
+            "the re-inject answer",
+            "return document.getElementById('toast').textContent.startsWith('Sent back');",
+        )
+        .await;
+    eventually(Duration::from_secs(60), "the re-injected request to become a job", || async {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT count(*) FROM jobs WHERE kind = 'late-kind' AND document_id = $1",
+        )
+        .bind(HTML_DOCUMENT)
+        .fetch_one(&it.pool)
+        .await
+        .unwrap()
+            == 1
+    })
+    .await;
+    let id = browser.js("return location.hash.split('/').pop();").await;
+    browser.click("#delete").await;
+    browser.click("#delete-yes").await;
+    browser.until("the list again", "return location.hash === '#/dead-letters';").await;
+    let (status, _) = running.get(&format!("/v1/dead-letters/{}", id.as_str().unwrap())).await;
+    assert_eq!(status, 404, "deleted");
+
+    // --- Mutations from another origin are refused, token or not. ---
+    let evil = http_client()
+        .post(running.url(&format!("/v1/jobs/{}/cancel", seeded.ok[0])))
+        .bearer_auth(TOKEN)
+        .header("origin", "http://evil.example")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(evil.status(), 403);
+    let same = http_client()
+        .post(running.url("/v1/auth"))
+        .bearer_auth(TOKEN)
+        .header("origin", format!("http://127.0.0.1:{}", running.http))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(same.status(), 204);
+    let page = http_client().get(&ui).send().await.unwrap();
+    let policy = page.headers()["content-security-policy"].to_str().unwrap();
+    assert!(policy.contains("script-src 'self'"), "{policy}");
+
+    // --- A phone's width: nothing wider than the screen. ---
+    browser.client.set_window_size(390, 844).await.unwrap();
+    browser.goto(&format!("{ui}#/")).await;
+    browser
+        .until(
+            "the overview",
+            "return document.getElementById('updated').textContent.startsWith('Updated');",
+        )
+        .await;
+    assert!(browser.fits_width().await, "the overview is wider than a phone");
+    browser.screenshot("overview-phone").await;
+    browser.goto(&format!("{ui}#/jobs/{}", seeded.html)).await;
+    browser
+        .until(
+            "the job's events",
+            "return document.querySelectorAll('tr[data-event]').length >= 3;",
+        )
+        .await;
+    assert!(browser.fits_width().await, "the job page is wider than a phone");
+    browser.screenshot("job-phone").await;
+
+    browser.close().await;
+    it.cleanup().await;
+}
