@@ -679,7 +679,7 @@ async function bulkCount(filter) {
     el('span', { id: 'bulk-matched', 'data-matched': counted.matched, text: `${count(counted.matched)} jobs ${described}. Replay them all?` }),
     counted.matched ? el('button', { type: 'button', id: 'bulk-yes', class: 'danger', text: `Replay ${count(counted.matched)} jobs`,
       onclick: () => act('POST', '/v1/quarantine/replay', { ...filter, requested_by: 'console' },
-        (d) => `Replayed ${count(d.replayed)} of ${count(d.matched)} in ${d.batches} batches${d.remaining ? `; ${count(d.remaining)} remain: replay again` : ''}.`) }) : null,
+        (d) => `Replayed ${count(d.replayed)} of ${count(d.matched)} in ${d.batches} ${d.batches === 1 ? 'batch' : 'batches'}${d.remaining ? `; ${count(d.remaining)} remain: replay again` : ''}.`) }) : null,
     el('button', { type: 'button', class: 'secondary', text: 'Never mind', onclick: () => { ask.hidden = true; } }));
   ask.hidden = false;
   (ask.querySelector('#bulk-yes') || ask.querySelector('button')).focus();

@@ -2,7 +2,7 @@
 //! (Postgres, Kafka, the registry, a relay and a processor as processes): the overview shows
 //! what the API returns for a seeded workload and keeps its layout as it refreshes; a job is
 //! found by document and by id; a quarantined job is replayed from its page and succeeds,
-//! once; a bulk replay counts first and asks; a dead letter is shown, re-injected and
+//! once; a bulk replay counts first and asks; a scheduled job is cancelled once confirmed; a dead letter is shown, re-injected and
 //! deleted; HTML and script in user data are shown as text; a change without the token, with
 //! a wrong one, or from another origin is refused; the pages fit a phone and are reachable by
 //! keyboard. Screenshots of each page go to `target/console/`.
@@ -327,6 +327,30 @@ async fn the_console_shows_finds_fixes_and_escapes_in_a_real_browser() {
         .await;
         assert_eq!(writes(&it, id).await, 1);
     }
+
+    // --- Cancel: a job scheduled for later, from its page, once confirmed. ---
+    let mut later = index_job("doc-later", 1, json!({ "text": "not yet" }));
+    later.run_at = Some(Utc::now() + chrono::Duration::hours(1));
+    let later = it.acceptor().await.accept(&it.pool, &later).await.unwrap().job_id;
+    browser.goto(&format!("{ui}#/jobs/{later}")).await;
+    browser.until("the cancel button", "return document.getElementById('cancel');").await;
+    assert!(browser.text("#job-summary").await.contains("Due"), "the due time is shown");
+    browser.click("#cancel").await;
+    browser
+        .until(
+            "the question",
+            "return !document.getElementById('cancel-yes').closest('.ask').hidden;",
+        )
+        .await;
+    assert_eq!(state(&it, later).await, "queued", "asking cancels nothing");
+    browser.click("#cancel-yes").await;
+    browser
+        .until(
+            "the job cancelled on its page",
+            "const s = document.querySelector('#job-state [data-state]'); return s && s.dataset.state === 'cancelled';",
+        )
+        .await;
+    assert_eq!(state(&it, later).await, "cancelled");
 
     // --- Dead letters: shown as text, re-injected once its cause is fixed, deleted. ---
     browser.goto(&format!("{ui}#/dead-letters")).await;
