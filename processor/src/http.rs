@@ -493,10 +493,7 @@ async fn job_input(
     Path(id): Path<String>,
     query: Result<Query<Download>, QueryRejection>,
 ) -> Result<Response, ApiError> {
-    let Query(query) = query.map_err(bad_query)?;
-    let job_id = Uuid::parse_str(&id).map_err(|_| not_found(&id))?;
-    let input = status::input(&state.pool, job_id).await?.ok_or_else(|| not_found(&id))?;
-    Ok(json_document(&input, query.download, format!("{job_id}-input.json")))
+    job_document(&state, &id, query, "input").await
 }
 
 async fn job_result(
@@ -504,13 +501,26 @@ async fn job_result(
     Path(id): Path<String>,
     query: Result<Query<Download>, QueryRejection>,
 ) -> Result<Response, ApiError> {
+    job_document(&state, &id, query, "result").await
+}
+
+/// A job's `input` or its committed `result`, as JSON or as a file to save.
+async fn job_document(
+    state: &ApiState,
+    id: &str,
+    query: Result<Query<Download>, QueryRejection>,
+    which: &'static str,
+) -> Result<Response, ApiError> {
     let Query(query) = query.map_err(bad_query)?;
-    let job_id = Uuid::parse_str(&id).map_err(|_| not_found(&id))?;
-    let result = status::result(&state.pool, job_id).await?.ok_or_else(|| not_found(&id))?;
-    let result = result.ok_or_else(|| {
-        ApiError::new(StatusCode::NOT_FOUND, "no_result", format!("job {id} has no result"))
-    })?;
-    Ok(json_document(&result, query.download, format!("{job_id}-result.json")))
+    let job_id = Uuid::parse_str(id).map_err(|_| not_found(id))?;
+    let document = if which == "input" {
+        status::input(&state.pool, job_id).await?.ok_or_else(|| not_found(id))?
+    } else {
+        status::result(&state.pool, job_id).await?.ok_or_else(|| not_found(id))?.ok_or_else(
+            || ApiError::new(StatusCode::NOT_FOUND, "no_result", format!("job {id} has no result")),
+        )?
+    };
+    Ok(json_document(&document, query.download, format!("{job_id}-{which}.json")))
 }
 
 /// The overview and every partition's lag; a lag Kafka cannot tell now is an error field,
