@@ -523,6 +523,9 @@ async fn job_document(
     Ok(json_document(&document, query.download, format!("{job_id}-{which}.json")))
 }
 
+/// How long the overview waits for the consumer lag.
+const LAG_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// The overview and every partition's lag; a lag Kafka cannot tell now is an error field,
 /// not a failed overview.
 async fn overview(
@@ -530,7 +533,11 @@ async fn overview(
 ) -> Result<axum::Json<serde_json::Value>, ApiError> {
     let overview = status::overview(&state.pool).await?;
     let mut body = serde_json::to_value(overview).unwrap_or_default();
-    match state.lag.read().await {
+    // Postgres's figures do not wait for a broker that is down.
+    let lag = tokio::time::timeout(LAG_WAIT, state.lag.read()).await.unwrap_or_else(|_| {
+        Err(anyhow::anyhow!("Kafka did not answer within {}s", LAG_WAIT.as_secs()))
+    });
+    match lag {
         Ok(lag) => body["consumer_lag"] = json!(lag),
         Err(e) => {
             tracing::warn!(error = %format!("{e:#}"), "Reading the consumer lag failed.");

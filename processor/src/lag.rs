@@ -32,20 +32,19 @@ const FRESH_FOR: Duration = Duration::from_secs(2);
 const BROKER_WAIT: Duration = Duration::from_secs(3);
 
 /// Reads the lag of the processors' group on the events topic and of the intake's group on
-/// the requests topic, through one client made on first use.
+/// the requests topic, through one client per group made on first use. One reading at a
+/// time asks the brokers; a request that comes meanwhile gets the last reading.
 #[derive(Clone)]
 pub struct LagReader {
     config: Arc<Config>,
-    inner: Arc<Mutex<Inner>>,
+    /// The processors' group's client and the intake's (each asks for its own group's
+    /// committed offsets); held while the brokers are asked.
+    clients: Arc<Mutex<Option<[BaseConsumer; 2]>>>,
+    last: Arc<Mutex<Option<Reading>>>,
 }
 
-#[derive(Default)]
-struct Inner {
-    /// The processors' group's client and the intake's (each asks for its own group's
-    /// committed offsets).
-    clients: Option<[BaseConsumer; 2]>,
-    last: Option<(Instant, Vec<PartitionLag>)>,
-}
+/// A reading of every partition's lag, and when it was taken.
+type Reading = (Instant, Vec<PartitionLag>);
 
 impl std::fmt::Debug for LagReader {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -55,10 +54,11 @@ impl std::fmt::Debug for LagReader {
 
 impl LagReader {
     pub fn new(config: Arc<Config>) -> Self {
-        Self { config, inner: Arc::default() }
+        Self { config, clients: Arc::default(), last: Arc::default() }
     }
 
-    /// Every partition of both topics, in group, topic and partition order.
+    /// Every partition of both topics, in group, topic and partition order: read now, or the
+    /// last reading if it is under 2 s old or another reading is under way.
     ///
     /// # Errors
     /// Kafka did not answer in time, or the client could not be made.
@@ -67,28 +67,38 @@ impl LagReader {
         tokio::task::spawn_blocking(move || this.read_blocking()).await?
     }
 
+    fn last(&self, fresh_for: Option<Duration>) -> Option<Vec<PartitionLag>> {
+        let last = self.last.lock().expect("last lag reading");
+        let (at, lag) = last.as_ref()?;
+        fresh_for.is_none_or(|fresh_for| at.elapsed() < fresh_for).then(|| lag.clone())
+    }
+
     fn read_blocking(&self) -> anyhow::Result<Vec<PartitionLag>> {
-        let mut inner = self.inner.lock().expect("lag reader");
-        if let Some((at, lag)) = &inner.last
-            && at.elapsed() < FRESH_FOR
-        {
-            return Ok(lag.clone());
+        if let Some(lag) = self.last(Some(FRESH_FOR)) {
+            return Ok(lag);
         }
-        if inner.clients.is_none() {
+        let Ok(mut clients) = self.clients.try_lock() else {
+            // Another request is asking the brokers (slow while Kafka is down): not a queue
+            // of readings behind it.
+            return self
+                .last(None)
+                .ok_or_else(|| anyhow::anyhow!("Kafka has not answered the first reading yet"));
+        };
+        if clients.is_none() {
             let client = |group: &str| -> anyhow::Result<BaseConsumer> {
                 let mut client = self.config.kafka_client();
                 // Never joins the group: it only asks for its committed offsets.
                 client.set("group.id", group).set("enable.auto.commit", "false");
                 Ok(client.create()?)
             };
-            inner.clients =
+            *clients =
                 Some([client(&self.config.processor.group)?, client(&self.config.intake.group)?]);
         }
-        let [processors, intake] = inner.clients.as_ref().expect("made above");
+        let [processors, intake] = clients.as_ref().expect("made above");
         let mut lag =
             group_lag(processors, &self.config.processor.group, &self.config.topics.events)?;
         lag.extend(group_lag(intake, &self.config.intake.group, &self.config.topics.requests)?);
-        inner.last = Some((Instant::now(), lag.clone()));
+        *self.last.lock().expect("last lag reading") = Some((Instant::now(), lag.clone()));
         Ok(lag)
     }
 }

@@ -443,3 +443,31 @@ async fn the_console_shows_finds_fixes_and_escapes_in_a_real_browser() {
     browser.close().await;
     it.cleanup().await;
 }
+
+/// The overview's Postgres figures do not depend on Kafka: with no broker answering, it still
+/// answers 200 with them, and says why the lag is missing.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_overview_answers_with_kafka_down() {
+    let mut it = Installation::new("console-no-kafka").await;
+    // Nothing listens there.
+    it.config.kafka_brokers = format!("127.0.0.1:{}", jobfold_tests::harness::free_port());
+    let acceptor = it.acceptor().await;
+    acceptor.accept(&it.pool, &index_job("doc-waiting", 1, json!({ "text": "a" }))).await.unwrap();
+    let app = jobfold_processor::http::router(it.api_state().await, 64 * 1024);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    // The second comes while the first reading still waits for the brokers.
+    for _ in 0..2 {
+        let response = http_client().get(format!("{base}/v1/overview")).send().await.unwrap();
+        assert_eq!(response.status(), 200);
+        let overview: Value = response.json().await.unwrap();
+        assert_eq!(overview["unfinished"], 1, "{overview}");
+        assert_eq!(overview["jobs"]["queued"], 1, "{overview}");
+        assert_eq!(overview["consumer_lag"], json!([]), "{overview}");
+        let why = overview["consumer_lag_error"].as_str().unwrap();
+        assert!(why.contains("Kafka"), "{why}");
+    }
+    it.config.kafka_brokers = jobfold_tests::services::kafka_brokers();
+    it.cleanup().await;
+}
