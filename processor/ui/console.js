@@ -461,7 +461,7 @@ function jobPage(id) {
       el('dl', { class: 'summary', id: 'job-summary' })),
     el('section', { 'aria-labelledby': 'timeline-title' },
       el('h2', { id: 'timeline-title', text: 'Events' }),
-      table('Event timeline', ['#', 'Event', 'At', 'Attempt', 'Generation', 'Took', 'Details'], 'job-events')),
+      table('Event timeline', ['#', 'Event', 'At', 'Attempt', 'Generation', 'Duration', 'Details'], 'job-events')),
     el('div', { class: 'columns' },
       payloadPanel('input', 'Input', id),
       payloadPanel('result', 'Result', id)),
@@ -543,15 +543,20 @@ function renderJob(job, events, stateChanged) {
 
 function renderTimeline(events) {
   let leasedAt = null;
+  let previousAt = null;
   const rows = events.map((entry) => {
     const payload = entry.event.payload || {};
     const at = new Date(entry.occurred_at).getTime();
     let took = '';
-    if (payload.type === 'JobLeased') leasedAt = at;
-    else if (leasedAt !== null && ['JobSucceeded', 'JobFailed', 'JobQuarantined', 'JobCancelled'].includes(payload.type)) {
+    if (payload.type === 'JobLeased') {
+      // How long it waited for a worker (or for its retry or due time).
+      if (previousAt !== null) took = `waited ${millis(at - previousAt)}`;
+      leasedAt = at;
+    } else if (leasedAt !== null && ['JobSucceeded', 'JobFailed', 'JobQuarantined', 'JobCancelled'].includes(payload.type)) {
       took = millis(at - leasedAt);
       leasedAt = null;
     }
+    previousAt = at;
     const details = Object.entries(payload)
       .filter(([key, value]) => !['type', 'attempt', 'generation'].includes(key) && value !== null)
       .map(([key, value]) => `${key}: ${typeof value === 'object' ? JSON.stringify(value) : value}`)

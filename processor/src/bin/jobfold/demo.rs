@@ -390,6 +390,7 @@ async fn demo(
         None => ("processor-a", &started.processes[1]),
     };
     println!("\nWhere to look next ({survivor} keeps serving until Ctrl-C):");
+    println!("  console        http://127.0.0.1:{}/ui/#/jobs/{}", a.http, submitted.sample_job);
     println!("  metrics        http://127.0.0.1:{}/metrics", a.metrics);
     println!("  status API     http://127.0.0.1:{}/v1/jobs/{}", a.http, submitted.sample_job);
     println!(
