@@ -198,7 +198,9 @@ function route() {
   const hash = location.hash || '#/';
   const [path, query] = hash.slice(1).split('?');
   const params = new URLSearchParams(query || '');
-  const parts = path.split('/').filter(Boolean).map(decodeURIComponent);
+  const parts = path.split('/').filter(Boolean).map((part) => {
+    try { return decodeURIComponent(part); } catch (e) { return part; }
+  });
   const section = parts[0] || 'overview';
   for (const link of document.querySelectorAll('[data-nav]')) {
     if (link.dataset.nav === section) link.setAttribute('aria-current', 'page');
