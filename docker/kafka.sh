@@ -1,22 +1,26 @@
 #!/usr/bin/env bash
-# The real Apache Kafka broker (KRaft, one combined broker + controller) on 127.0.0.1,
-# from Maven Central jars on Java 17.
+# The real Apache Kafka (KRaft) on 127.0.0.1, from Maven Central jars on Java 17: one combined
+# broker + controller, or with JOBFOLD_KAFKA_NODES=3 a cluster of three such nodes (a
+# three-voter controller quorum; every topic three replicas, min.insync.replicas=2).
 #
-#   docker/kafka.sh start|stop|status|kill
+#   docker/kafka.sh start|stop|kill [NODE]   every node, or node NODE (1-3)
+#   docker/kafka.sh pause|resume NODE        SIGSTOP / SIGCONT, for fault tests
+#   docker/kafka.sh status|brokers|controller
 #
 # start resolves docker/kafka/pom.xml into $JOBFOLD_CACHE_DIR with Maven (once), formats
-# KRaft storage (once), starts kafka.Kafka and waits until it answers a metadata request.
-# It is idempotent: a running broker (by pid) is reused. kill is SIGKILL, for fault tests.
+# each node's KRaft storage (once), starts kafka.Kafka and waits until the node answers a
+# metadata request. It is idempotent: a running node (by pid) is reused. kill is SIGKILL.
+# brokers prints the bootstrap list; controller the active controller's node id.
+#
+# Node n listens on JOBFOLD_KAFKA_PORT + 10(n-1) (controller and SASL/PLAIN listeners likewise
+# from theirs): 9092, 9102, 9112 by default. A cluster keeps its data apart from the single
+# node's, under $JOBFOLD_STATE_DIR/kafka-cluster/node-n.
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 KAFKA_VERSION="$(sed -n 's:.*<kafka.version>\(.*\)</kafka.version>.*:\1:p' "$JOBFOLD_ROOT/docker/kafka/pom.xml")"
 LIBS="$JOBFOLD_CACHE_DIR/kafka-$KAFKA_VERSION/libs"
-DIR="$JOBFOLD_STATE_DIR/kafka"
-DATA="$DIR/data"
-LOG="$DIR/kafka.log"
-PIDFILE="$DIR/kafka.pid"
-CONFIG="$DIR/server.properties"
-BOOTSTRAP="127.0.0.1:$JOBFOLD_KAFKA_PORT"
+NODES="${JOBFOLD_KAFKA_NODES:-1}"
+[[ "$NODES" == 1 || "$NODES" == 3 ]] || die "kafka: JOBFOLD_KAFKA_NODES must be 1 or 3, not $NODES"
 
 find_java() {
     local candidate
@@ -27,15 +31,32 @@ find_java() {
 }
 JAVA="$(find_java)"
 
+# Where node n keeps its data, log, pid and configuration, and its ports.
+node_dir() {
+    if [[ "$NODES" == 1 ]]; then echo "$JOBFOLD_STATE_DIR/kafka"; else echo "$JOBFOLD_STATE_DIR/kafka-cluster/node-$1"; fi
+}
+port() { echo $((JOBFOLD_KAFKA_PORT + 10 * ($1 - 1))); }
+controller_port() { echo $((JOBFOLD_KAFKA_CONTROLLER_PORT + 10 * ($1 - 1))); }
+sasl_port() { echo $((JOBFOLD_KAFKA_SASL_PORT + 10 * ($1 - 1))); }
+pidfile() { echo "$(node_dir "$1")/kafka.pid"; }
+logfile() { echo "$(node_dir "$1")/kafka.log"; }
+name() { if [[ "$NODES" == 1 ]]; then echo kafka; else echo "kafka node $1"; fi; }
+
+bootstrap() {
+    local n list=""
+    for ((n = 1; n <= NODES; n++)); do list+="${list:+,}127.0.0.1:$(port "$n")"; done
+    echo "$list"
+}
+
 resolve_jars() {
     [[ -f "$LIBS/.complete" ]] && return 0
     command -v mvn >/dev/null || die "kafka: Maven is needed to fetch the broker (apt-get install maven)"
     say "kafka: resolving org.apache.kafka:kafka_2.13:$KAFKA_VERSION from Maven Central into $LIBS"
     rm -rf "$LIBS"
-    mkdir -p "$LIBS"
+    mkdir -p "$LIBS" "$JOBFOLD_STATE_DIR/kafka"
     mvn -q -B -f "$JOBFOLD_ROOT/docker/kafka/pom.xml" dependency:copy-dependencies \
-        -DoutputDirectory="$LIBS" -DincludeScope=runtime >"$DIR/maven.log" 2>&1 \
-        || { log_tail maven "$DIR/maven.log"; die "kafka: Maven could not resolve the broker"; }
+        -DoutputDirectory="$LIBS" -DincludeScope=runtime >"$JOBFOLD_STATE_DIR/kafka/maven.log" 2>&1 \
+        || { log_tail maven "$JOBFOLD_STATE_DIR/kafka/maven.log"; die "kafka: Maven could not resolve the broker"; }
     touch "$LIBS/.complete"
 }
 
@@ -43,60 +64,149 @@ kafka_java() { "$JAVA" -cp "$LIBS/*" -Dlog4j2.configurationFile="$JOBFOLD_ROOT/d
 
 broker_version() {
     local v
-    v="$(sed -n 's/.*Kafka version: \([^ ]*\).*/\1/p' "$LOG" 2>/dev/null | tail -n 1)"
+    v="$(sed -n 's/.*Kafka version: \([^ ]*\).*/\1/p' "$(logfile "$1")" 2>/dev/null | tail -n 1)"
     echo "Apache Kafka ${v:-$KAFKA_VERSION}"
 }
 
 answers_metadata() {
-    port_open "$JOBFOLD_KAFKA_PORT" \
-        && kafka_java org.apache.kafka.tools.TopicCommand --bootstrap-server "$BOOTSTRAP" --list
+    port_open "$(port "$1")" \
+        && kafka_java org.apache.kafka.tools.TopicCommand --bootstrap-server "127.0.0.1:$(port "$1")" --list
+}
+
+# configure N: node N's server.properties, and its storage formatted once with the cluster's id.
+configure() {
+    local n="$1" dir voters="" m replicas=1 min_isr=1
+    dir="$(node_dir "$n")"
+    mkdir -p "$dir"
+    for ((m = 1; m <= NODES; m++)); do voters+="${voters:+,}$m@127.0.0.1:$(controller_port "$m")"; done
+    if [[ "$NODES" == 3 ]]; then replicas=3 min_isr=2; fi
+    sed -e "s|@NODE_ID@|$n|g" -e "s|@VOTERS@|$voters|g" \
+        -e "s|@REPLICAS@|$replicas|g" -e "s|@MIN_ISR@|$min_isr|g" \
+        -e "s|@PORT@|$(port "$n")|g" -e "s|@CONTROLLER_PORT@|$(controller_port "$n")|g" \
+        -e "s|@SASL_PORT@|$(sasl_port "$n")|g" -e "s|@SASL_USER@|$JOBFOLD_KAFKA_SASL_USER|g" \
+        -e "s|@SASL_PASSWORD@|$JOBFOLD_KAFKA_SASL_PASSWORD|g" \
+        -e "s|@DATA@|$dir/data|g" "$JOBFOLD_ROOT/docker/kafka/server.properties" >"$dir/server.properties"
+    chmod 600 "$dir/server.properties"
+    [[ -f "$dir/data/meta.properties" ]] && return 0
+    # Every node of a cluster is formatted with the same id, made once.
+    local id_file="$(dirname "$dir")/cluster.id" cluster_id
+    [[ "$NODES" == 1 ]] && id_file="$dir/cluster.id"
+    if [[ ! -s "$id_file" ]]; then
+        kafka_java kafka.tools.StorageTool random-uuid 2>/dev/null | tail -n 1 >"$id_file"
+    fi
+    cluster_id="$(cat "$id_file")"
+    kafka_java kafka.tools.StorageTool format -t "$cluster_id" -c "$dir/server.properties" >"$dir/format.log" 2>&1 \
+        || { log_tail "kafka storage format" "$dir/format.log"; die "kafka: formatting node $n's KRaft storage failed"; }
+}
+
+# launch N: starts node N's JVM unless it runs; prints nothing.
+launch() {
+    local n="$1" dir
+    dir="$(node_dir "$n")"
+    pid_alive "$(pidfile "$n")" && return 0
+    port_open "$(port "$n")" && die "kafka: 127.0.0.1:$(port "$n") is taken by another process (set JOBFOLD_KAFKA_PORT)"
+    configure "$n"
+    local heap="-Xms256m -Xmx1g"
+    [[ "$NODES" == 3 ]] && heap="-Xms128m -Xmx512m"
+    # shellcheck disable=SC2086 # the heap options are words on purpose
+    setsid "$JAVA" ${KAFKA_HEAP_OPTS:-$heap} -XX:+UseG1GC -Djava.awt.headless=true \
+        -Dlog4j2.configurationFile="$JOBFOLD_ROOT/docker/kafka/log4j2.yaml" \
+        -cp "$LIBS/*" kafka.Kafka "$dir/server.properties" >>"$dir/kafka.log" 2>&1 </dev/null &
+    echo $! >"$(pidfile "$n")"
+}
+
+# nodes [N]: N, or every node.
+nodes() {
+    if [[ -n "${1:-}" ]]; then
+        [[ "$1" =~ ^[1-9]$ && "$1" -le "$NODES" ]] || die "kafka: no node $1 (JOBFOLD_KAFKA_NODES=$NODES)"
+        echo "$1"
+    else
+        seq 1 "$NODES"
+    fi
 }
 
 start() {
-    if pid_alive "$PIDFILE"; then
-        say "kafka: $(broker_version) already running (pid $(cat "$PIDFILE")) on $BOOTSTRAP, log $LOG"
-        return 0
-    fi
-    port_open "$JOBFOLD_KAFKA_PORT" && die "kafka: $BOOTSTRAP is taken by another process (set JOBFOLD_KAFKA_PORT)"
-    local t0=$SECONDS
-    mkdir -p "$DIR"
+    local t0=$SECONDS n fresh=()
     resolve_jars
-    sed -e "s|@PORT@|$JOBFOLD_KAFKA_PORT|g" -e "s|@CONTROLLER_PORT@|$JOBFOLD_KAFKA_CONTROLLER_PORT|g" \
-        -e "s|@SASL_PORT@|$JOBFOLD_KAFKA_SASL_PORT|g" -e "s|@SASL_USER@|$JOBFOLD_KAFKA_SASL_USER|g" \
-        -e "s|@SASL_PASSWORD@|$JOBFOLD_KAFKA_SASL_PASSWORD|g" \
-        -e "s|@DATA@|$DATA|g" "$JOBFOLD_ROOT/docker/kafka/server.properties" >"$CONFIG"
-    chmod 600 "$CONFIG"
-    if [[ ! -f "$DATA/meta.properties" ]]; then
-        local cluster_id
-        cluster_id="$(kafka_java kafka.tools.StorageTool random-uuid 2>/dev/null | tail -n 1)"
-        kafka_java kafka.tools.StorageTool format -t "$cluster_id" -c "$CONFIG" >"$DIR/format.log" 2>&1 \
-            || { log_tail "kafka storage format" "$DIR/format.log"; die "kafka: formatting KRaft storage failed"; }
+    for n in $(nodes "${1:-}"); do
+        if pid_alive "$(pidfile "$n")"; then
+            say "kafka: $(name "$n"), $(broker_version "$n"), already running (pid $(cat "$(pidfile "$n")")) on 127.0.0.1:$(port "$n"), log $(logfile "$n")"
+        else
+            launch "$n"
+            fresh+=("$n")
+        fi
+    done
+    # The nodes of a cluster start together: none answers before a quorum of them runs.
+    for n in "${fresh[@]}"; do
+        wait_until 120 "$(name "$n")" "$(logfile "$n")" "$(pidfile "$n")" answers_metadata "$n"
+        say "kafka: $(name "$n"), $(broker_version "$n") (KRaft, broker+controller), started in $((SECONDS - t0))s (pid $(cat "$(pidfile "$n")")) on 127.0.0.1:$(port "$n"), log $(logfile "$n")"
+    done
+    if [[ -z "${1:-}" ]]; then
+        say "kafka: JOBFOLD_KAFKA_BROKERS=$(bootstrap) (SASL/PLAIN on 127.0.0.1:$JOBFOLD_KAFKA_SASL_PORT)"
     fi
-    KAFKA_HEAP_OPTS="${KAFKA_HEAP_OPTS:--Xms256m -Xmx1g}"
-    # shellcheck disable=SC2086 # the heap options are words on purpose
-    setsid "$JAVA" $KAFKA_HEAP_OPTS -XX:+UseG1GC -Djava.awt.headless=true \
-        -Dlog4j2.configurationFile="$JOBFOLD_ROOT/docker/kafka/log4j2.yaml" \
-        -cp "$LIBS/*" kafka.Kafka "$CONFIG" >>"$LOG" 2>&1 </dev/null &
-    echo $! >"$PIDFILE"
-    wait_until 120 kafka "$LOG" "$PIDFILE" answers_metadata
-    say "kafka: $(broker_version) (KRaft, broker+controller) started in $((SECONDS - t0))s (pid $(cat "$PIDFILE")) on $BOOTSTRAP, log $LOG"
-    say "kafka: JOBFOLD_KAFKA_BROKERS=$BOOTSTRAP (SASL/PLAIN on 127.0.0.1:$JOBFOLD_KAFKA_SASL_PORT)"
+}
+
+stop() {
+    local n
+    if [[ -n "${1:-}" ]]; then
+        stop_pid "$(name "$1")" "$(pidfile "$1")" 60
+        return
+    fi
+    # Whatever runs, of either layout: the single node and a cluster's nodes.
+    stop_pid kafka "$JOBFOLD_STATE_DIR/kafka/kafka.pid" 60
+    for n in 1 2 3; do
+        [[ -f "$JOBFOLD_STATE_DIR/kafka-cluster/node-$n/kafka.pid" ]] &&
+            stop_pid "kafka node $n" "$JOBFOLD_STATE_DIR/kafka-cluster/node-$n/kafka.pid" 60
+    done
+    return 0
+}
+
+signal() {
+    local sig="$1" n="$2"
+    pid_alive "$(pidfile "$n")" || die "kafka: $(name "$n") is not running"
+    kill "-$sig" "$(cat "$(pidfile "$n")")"
 }
 
 status() {
-    if pid_alive "$PIDFILE"; then
-        say "kafka: $(broker_version) running (pid $(cat "$PIDFILE")) on $BOOTSTRAP, log $LOG"
-    else
-        say "kafka: not running"; return 1
-    fi
+    local n rc=0
+    for n in $(nodes); do
+        if pid_alive "$(pidfile "$n")"; then
+            say "kafka: $(name "$n"), $(broker_version "$n"), running (pid $(cat "$(pidfile "$n")")) on 127.0.0.1:$(port "$n"), log $(logfile "$n")"
+        else
+            say "kafka: $(name "$n") not running"; rc=1
+        fi
+    done
+    return $rc
+}
+
+# The active controller: the leader of the KRaft quorum, asked of any running controller.
+controller() {
+    local n out
+    for n in $(nodes); do
+        pid_alive "$(pidfile "$n")" || continue
+        out="$(kafka_java org.apache.kafka.tools.MetadataQuorumCommand \
+            --bootstrap-controller "127.0.0.1:$(controller_port "$n")" describe --status 2>/dev/null)" || continue
+        out="$(sed -n 's/^LeaderId:[[:space:]]*\([0-9]*\).*/\1/p' <<<"$out")"
+        [[ -n "$out" ]] && { echo "$out"; return 0; }
+    done
+    die "kafka: no controller answers"
 }
 
 case "${1:-}" in
-    start) start ;;
-    stop) stop_pid kafka "$PIDFILE" 60 ;;
+    start) start "${2:-}" ;;
+    stop) stop "${2:-}" ;;
     kill)
-        pid_alive "$PIDFILE" || die "kafka: not running"
-        kill -KILL "$(cat "$PIDFILE")"; rm -f "$PIDFILE"; say "kafka: killed" ;;
+        for n in $(nodes "${2:-}"); do
+            if pid_alive "$(pidfile "$n")"; then
+                signal KILL "$n"; rm -f "$(pidfile "$n")"; say "kafka: $(name "$n") killed"
+            elif [[ -n "${2:-}" ]]; then
+                die "kafka: $(name "$n") is not running"
+            fi
+        done ;;
+    pause) [[ -n "${2:-}" ]] || die "usage: $0 pause NODE"; signal STOP "$2"; say "kafka: $(name "$2") paused" ;;
+    resume) [[ -n "${2:-}" ]] || die "usage: $0 resume NODE"; signal CONT "$2"; say "kafka: $(name "$2") resumed" ;;
     status) status ;;
-    *) die "usage: $0 start|stop|status|kill" ;;
+    brokers) bootstrap ;;
+    controller) controller ;;
+    *) die "usage: $0 start|stop|kill [NODE] | pause|resume NODE | status|brokers|controller" ;;
 esac

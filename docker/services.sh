@@ -4,6 +4,9 @@
 #
 #   docker/services.sh start|stop|status
 #
+# JOBFOLD_KAFKA_NODES=3 runs Kafka as a cluster of three (docker/kafka.sh), and services.env
+# then asks for topics with three replicas, written to two before an event counts.
+#
 # start reuses what already runs and writes the addresses to $JOBFOLD_STATE_DIR/services.env
 # (source it to point the binaries at these services).
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
@@ -19,13 +22,19 @@ case "${1:-}" in
         "$HERE/registry.sh" start
         cat >"$JOBFOLD_STATE_DIR/services.env" <<ENV
 export JOBFOLD_DATABASE_URL=postgres://jobfold:jobfold@127.0.0.1:$JOBFOLD_PG_PORT/jobfold
-export JOBFOLD_KAFKA_BROKERS=127.0.0.1:$JOBFOLD_KAFKA_PORT
+export JOBFOLD_KAFKA_BROKERS=$("$HERE/kafka.sh" brokers)
 export JOBFOLD_SCHEMA_REGISTRY_URL=http://127.0.0.1:$JOBFOLD_REGISTRY_PORT/apis/ccompat/v7
 # The broker's SASL/PLAIN listener, for running with credentials.
 export JOBFOLD_SASL_BROKERS=127.0.0.1:$JOBFOLD_KAFKA_SASL_PORT
 export JOBFOLD_SASL_USERNAME=$JOBFOLD_KAFKA_SASL_USER
 export JOBFOLD_SASL_PASSWORD=$JOBFOLD_KAFKA_SASL_PASSWORD
 ENV
+        if [[ "${JOBFOLD_KAFKA_NODES:-1}" == 3 ]]; then
+            cat >>"$JOBFOLD_STATE_DIR/services.env" <<ENV
+export JOBFOLD_TOPICS__REPLICATION_FACTOR=3
+export JOBFOLD_TOPICS__MIN_INSYNC_REPLICAS=2
+ENV
+        fi
         say "services: ready; addresses in $JOBFOLD_STATE_DIR/services.env"
         ;;
     stop)

@@ -159,7 +159,12 @@ pub struct Topics {
     pub requests: String,
     /// Partitions for topics the relay creates.
     pub partitions: i32,
+    /// Replicas of each partition: at start, a topic with fewer is refused.
     pub replication_factor: i32,
+    /// Replicas that must have an event before the broker acknowledges it (the relay
+    /// produces with `acks=all`): set on topics the relay creates, and at start a topic
+    /// with a lower `min.insync.replicas` is refused. At most `replication_factor`.
+    pub min_insync_replicas: i32,
     /// `retention.ms` of the events topic; `-1` keeps events forever.
     pub events_retention_ms: i64,
 }
@@ -606,6 +611,14 @@ impl Config {
         }
         if self.topics.replication_factor < 1 {
             return invalid("topics.replication_factor", "must be at least 1");
+        }
+        if self.topics.min_insync_replicas < 1
+            || self.topics.min_insync_replicas > self.topics.replication_factor
+        {
+            return invalid(
+                "topics.min_insync_replicas",
+                "must be at least 1 and at most topics.replication_factor",
+            );
         }
         if self.relay.batch_size == 0 || self.relay.batch_size > 100_000 {
             return invalid("relay.batch_size", "must be between 1 and 100000");

@@ -1,5 +1,6 @@
 //! Kafka administration shared by the binaries and the tests.
 
+use std::collections::HashMap;
 use std::time::Duration;
 
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
@@ -86,27 +87,131 @@ pub const EVENT_ENVELOPE_BYTES: usize = 16 * 1024;
 /// librdkafka's default `message.max.bytes`.
 const LIBRDKAFKA_MESSAGE_MAX_BYTES: usize = 1_000_000;
 
-/// The events topic's `max.message.bytes`: the largest record batch the broker takes.
+/// One topic as the brokers describe it.
+#[derive(Debug, Clone, Default)]
+pub struct TopicSettings {
+    /// Its configuration (`max.message.bytes`, `min.insync.replicas`, ...); empty where the
+    /// broker does not describe configurations.
+    pub config: HashMap<String, String>,
+    /// Replicas of its least-replicated partition.
+    pub replicas: usize,
+}
+
+/// How `topics` are set up on the cluster: one metadata request and one DescribeConfigs.
+/// Where the broker does not describe configurations (no DescribeConfigs right, librdkafka's
+/// mock cluster) the settings come back empty and that is logged.
 ///
 /// # Errors
-/// The broker cannot be reached or does not describe the topic.
-pub async fn max_message_bytes(config: &Config, topic: &str) -> anyhow::Result<usize> {
+/// The brokers cannot be reached, or a topic is missing.
+pub async fn describe_topics(
+    config: &Config,
+    topics: &[&str],
+) -> anyhow::Result<HashMap<String, TopicSettings>> {
     use rdkafka::admin::ResourceSpecifier;
+    let client = config.kafka_client();
+    let names: Vec<String> = topics.iter().map(|t| (*t).to_owned()).collect();
+    let mut described = tokio::task::spawn_blocking(move || {
+        let consumer: BaseConsumer = client.create()?;
+        let metadata = consumer.fetch_metadata(None, BROKERS_AT_START)?;
+        let mut found = HashMap::new();
+        for name in names {
+            let topic = metadata
+                .topics()
+                .iter()
+                .find(|t| t.name() == name && t.error().is_none())
+                .with_context(|| format!("the cluster has no topic {name}"))?;
+            let replicas = topic.partitions().iter().map(|p| p.replicas().len()).min();
+            found.insert(
+                name,
+                TopicSettings { config: HashMap::new(), replicas: replicas.unwrap_or(0) },
+            );
+        }
+        anyhow::Ok(found)
+    })
+    .await??;
     let admin: AdminClient<DefaultClientContext> = config.kafka_client().create()?;
-    // A broker answers in milliseconds; one that cannot describe configurations (librdkafka's
-    // mock cluster) should not hold the start up for long.
+    // A broker answers in milliseconds; one that cannot describe configurations should not
+    // hold the start up for long.
     let options = AdminOptions::new().request_timeout(Some(Duration::from_secs(5)));
-    let described = admin.describe_configs(&[ResourceSpecifier::Topic(topic)], &options).await?;
-    let resource = described
-        .into_iter()
-        .next()
-        .context("no answer describing the topic")?
-        .map_err(|code| anyhow::anyhow!("describing topic {topic}: {code}"))?;
-    let value = resource
-        .get("max.message.bytes")
-        .and_then(|entry| entry.value.clone())
-        .with_context(|| format!("topic {topic} has no max.message.bytes"))?;
-    value.parse().with_context(|| format!("topic {topic}: max.message.bytes {value:?}"))
+    let resources: Vec<_> = topics.iter().map(|t| ResourceSpecifier::Topic(t)).collect();
+    match admin.describe_configs(&resources, &options).await {
+        Ok(answers) => {
+            for (topic, answer) in topics.iter().zip(answers) {
+                match answer {
+                    Ok(resource) => {
+                        let settings = described.get_mut(*topic).expect("described above");
+                        settings.config = resource
+                            .entries
+                            .into_iter()
+                            .filter_map(|e| Some((e.name, e.value?)))
+                            .collect();
+                    }
+                    Err(code) => tracing::warn!(topic = %topic, error = %code,
+                        "Cannot read the topic's configuration; its settings are not checked."),
+                }
+            }
+        }
+        Err(e) => tracing::warn!(error = %e,
+            "Cannot read the topics' configuration; their settings are not checked."),
+    }
+    Ok(described)
+}
+
+/// Refuses a topic on which a published event could be lost with one broker: fewer
+/// replicas than `topics.replication_factor`, a `min.insync.replicas` below
+/// `topics.min_insync_replicas` (or above the replicas, where nothing could be written), or
+/// unclean leader election on (a replica that fell behind made leader drops what the others
+/// acknowledged). Settings the broker did not describe are not checked.
+///
+/// # Errors
+/// [`ConfigError::Named`], naming the key or the topic's setting; binaries exit with status 2.
+pub fn check_durability(
+    config: &Config,
+    topic: &str,
+    settings: &TopicSettings,
+) -> Result<(), ConfigError> {
+    let wanted = usize::try_from(config.topics.replication_factor).unwrap_or(1);
+    if settings.replicas < wanted {
+        return Err(ConfigError::Named {
+            key: "key `topics.replication_factor`".into(),
+            problem: format!(
+                "topic {topic} has {} replica(s) of a partition, fewer than the {wanted}                  configured: losing one broker could lose published events; add replicas                  (kafka-reassign-partitions) or lower topics.replication_factor",
+                settings.replicas
+            ),
+        });
+    }
+    if let Some(value) = settings.config.get("min.insync.replicas") {
+        let isr: usize = value.parse().map_err(|_| ConfigError::Named {
+            key: format!("topic {topic}'s min.insync.replicas"),
+            problem: format!("{value:?} is not a number"),
+        })?;
+        let wanted = usize::try_from(config.topics.min_insync_replicas).unwrap_or(1);
+        if isr < wanted {
+            return Err(ConfigError::Named {
+                key: "key `topics.min_insync_replicas`".into(),
+                problem: format!(
+                    "topic {topic} has min.insync.replicas={isr}, below the {wanted}                      configured: an event acknowledged by fewer replicas is lost with them;                      set the topic's min.insync.replicas to {wanted} (kafka-configs --alter)"
+                ),
+            });
+        }
+        if isr > settings.replicas {
+            return Err(ConfigError::Named {
+                key: format!("topic {topic}'s min.insync.replicas"),
+                problem: format!(
+                    "{isr} is more than its {} replica(s): no event could ever be written",
+                    settings.replicas
+                ),
+            });
+        }
+    }
+    if settings.config.get("unclean.leader.election.enable").is_some_and(|v| v == "true") {
+        return Err(ConfigError::Named {
+            key: format!("topic {topic}'s unclean.leader.election.enable"),
+            problem: "is true: a replica that fell behind could become leader and drop events                       the others acknowledged; set it false"
+                .into(),
+        });
+    }
+    Ok(())
 }
 
 /// The largest event the relay may produce to a topic whose `max.message.bytes` is
@@ -159,28 +264,25 @@ pub fn check_event_limits(config: &Config, topic_limit: usize) -> Result<(), Con
     Ok(())
 }
 
-/// Reads the events topic's limit and checks the configured sizes against it
-/// ([`check_event_limits`]); returns the largest event the relay may produce. Where the
-/// broker does not describe topic configurations, the producer's limit stands alone.
+/// Checks jobfold's topics as the cluster has them: each one's durability
+/// ([`check_durability`]), and the configured sizes against the events topic's
+/// `max.message.bytes` ([`check_event_limits`]). Returns the largest event the relay may
+/// produce; where the broker does not describe topic configurations, the producer's limit
+/// stands alone (and the relay still parks what is over it).
 ///
 /// # Errors
-/// [`ConfigError`].
-pub async fn checked_event_limit(config: &Config) -> anyhow::Result<usize> {
-    let topic = &config.topics.events;
-    let topic_limit = match max_message_bytes(config, topic).await {
-        Ok(limit) => limit,
-        // A broker that does not describe topic configurations (no DescribeConfigs right,
-        // librdkafka's mock cluster): the producer's own limit is the one checked, and the
-        // relay still parks what is over it.
-        Err(e) => {
-            tracing::warn!(
-                topic = %topic,
-                error = %format!("{e:#}"),
-                "Cannot read the topic's max.message.bytes; checking sizes against the \
-                 producer's message.max.bytes alone."
-            );
-            usize::MAX
-        }
+/// [`ConfigError`], or the brokers cannot be reached.
+pub async fn check_topics(config: &Config) -> anyhow::Result<usize> {
+    let t = &config.topics;
+    let described = describe_topics(config, &[&t.events, &t.requests]).await?;
+    for topic in [&t.events, &t.requests] {
+        check_durability(config, topic, &described[topic.as_str()])?;
+    }
+    let topic_limit = match described[t.events.as_str()].config.get("max.message.bytes") {
+        Some(value) => value
+            .parse()
+            .with_context(|| format!("topic {}: max.message.bytes {value:?}", t.events))?,
+        None => usize::MAX,
     };
     check_event_limits(config, topic_limit)?;
     Ok(event_limit(config, topic_limit))
@@ -196,7 +298,9 @@ pub struct TopicSpec<'a> {
     pub config: Vec<(&'a str, String)>,
 }
 
-/// jobfold's two topics as configured: the event log (kept forever by default) and intake.
+/// jobfold's two topics as configured: the event log (kept forever by default) and intake,
+/// each written to `topics.min_insync_replicas` replicas before a write counts, and never led
+/// by a replica that fell behind.
 pub fn jobfold_topics(config: &Config) -> Vec<TopicSpec<'_>> {
     let t = &config.topics;
     vec![
@@ -204,13 +308,20 @@ pub fn jobfold_topics(config: &Config) -> Vec<TopicSpec<'_>> {
             name: &t.events,
             partitions: t.partitions,
             replication_factor: t.replication_factor,
-            config: vec![("retention.ms", t.events_retention_ms.to_string())],
+            config: vec![
+                ("retention.ms", t.events_retention_ms.to_string()),
+                ("min.insync.replicas", t.min_insync_replicas.to_string()),
+                ("unclean.leader.election.enable", "false".into()),
+            ],
         },
         TopicSpec {
             name: &t.requests,
             partitions: t.partitions,
             replication_factor: t.replication_factor,
-            config: vec![],
+            config: vec![
+                ("min.insync.replicas", t.min_insync_replicas.to_string()),
+                ("unclean.leader.election.enable", "false".into()),
+            ],
         },
     ]
 }
@@ -273,4 +384,59 @@ pub async fn ensure_topics(config: &Config, topics: &[TopicSpec<'_>]) -> anyhow:
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cluster(rf: i32, isr: i32) -> Config {
+        let mut config = Config::load(None).expect("the defaults load");
+        config.topics.replication_factor = rf;
+        config.topics.min_insync_replicas = isr;
+        config
+    }
+
+    fn topic(replicas: usize, settings: &[(&str, &str)]) -> TopicSettings {
+        TopicSettings {
+            config: settings.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect(),
+            replicas,
+        }
+    }
+
+    fn refused(config: &Config, settings: &TopicSettings) -> String {
+        check_durability(config, "events", settings).expect_err("refused").to_string()
+    }
+
+    #[test]
+    fn a_topic_as_durable_as_configured_passes() {
+        let settings = [("min.insync.replicas", "2"), ("unclean.leader.election.enable", "false")];
+        assert!(check_durability(&cluster(3, 2), "events", &topic(3, &settings)).is_ok());
+        // More than asked for is fine; settings the broker did not describe are not checked.
+        let more = [("min.insync.replicas", "3")];
+        assert!(check_durability(&cluster(3, 2), "events", &topic(5, &more)).is_ok());
+        assert!(check_durability(&cluster(1, 1), "events", &topic(1, &[])).is_ok());
+    }
+
+    #[test]
+    fn a_topic_less_durable_than_configured_is_refused_naming_the_key() {
+        let isr2 = [("min.insync.replicas", "2")];
+        let e = refused(&cluster(3, 2), &topic(1, &isr2));
+        assert!(e.contains("topics.replication_factor") && e.contains("1 replica"), "{e}");
+        let e = refused(&cluster(3, 2), &topic(3, &[("min.insync.replicas", "1")]));
+        assert!(e.contains("topics.min_insync_replicas") && e.contains("=1"), "{e}");
+        let e = refused(&cluster(1, 1), &topic(1, &isr2));
+        assert!(e.contains("min.insync.replicas") && e.contains("no event could ever"), "{e}");
+        let unclean = [("min.insync.replicas", "2"), ("unclean.leader.election.enable", "true")];
+        let e = refused(&cluster(3, 2), &topic(3, &unclean));
+        assert!(e.contains("unclean.leader.election.enable"), "{e}");
+        let e = refused(&cluster(3, 2), &topic(3, &[("min.insync.replicas", "two")]));
+        assert!(e.contains("not a number"), "{e}");
+    }
+
+    #[test]
+    fn min_insync_replicas_above_the_replication_factor_is_invalid() {
+        let e = cluster(1, 2).validate().expect_err("invalid").to_string();
+        assert!(e.contains("topics.min_insync_replicas"), "{e}");
+    }
 }

@@ -162,7 +162,7 @@ async fn serve(
         .await
         .context("creating the topics")?;
     // A result or input the topic could refuse would stall its document on the relay.
-    kafka::checked_event_limit(&config).await?;
+    kafka::check_topics(&config).await?;
     m::describe();
     tracing::info!(?config, "Starting the processor.");
     let settings = registry_settings(&config.schema_registry_url)

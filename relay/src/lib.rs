@@ -72,7 +72,7 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> anyhow::Result<
         .await
         .context("creating the topics")?;
     // The largest event the topic and the producer take: larger ones are parked unsent.
-    let max_bytes = kafka::checked_event_limit(&config).await?;
+    let max_bytes = kafka::check_topics(&config).await?;
     m::describe();
     tracing::info!(?config, max_event_bytes = max_bytes, "Starting the relay.");
     metrics::gauge!(m::RELAY_ACTIVE).set(0.0);

@@ -10,6 +10,8 @@ use jobfold_common::failpoint;
 use jobfold_tests::harness::{
     Installation, Published, Service, events_on_topic, eventually, read_events,
 };
+use rdkafka::admin::{AdminClient, AdminOptions, AlterConfig, ResourceSpecifier};
+use rdkafka::client::DefaultClientContext;
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
@@ -315,6 +317,36 @@ async fn invalid_configuration_exits_2_naming_the_key() {
             "{binary}: {log}"
         );
     }
+
+    // Topics less durable than configured (a one-replica topic where three are asked for,
+    // a topic that lets a replica that fell behind lead): exit 2, naming what differs.
+    let mut replicated = env.clone();
+    replicated.insert("JOBFOLD_TOPICS__REPLICATION_FACTOR".into(), "3".into());
+    replicated.insert("JOBFOLD_TOPICS__MIN_INSYNC_REPLICAS".into(), "2".into());
+    for binary in ["jobfold-relay", "jobfold-processor"] {
+        let mut service = Service::start(binary, &replicated);
+        assert_eq!(service.wait_exit(Duration::from_secs(60)).unwrap().code(), Some(2));
+        let log = service.log_text();
+        assert!(
+            log.contains("topics.replication_factor") && log.contains("1 replica(s)"),
+            "{binary}: {log}"
+        );
+    }
+    let admin: AdminClient<DefaultClientContext> = it.config.kafka_client().create().unwrap();
+    let unclean = AlterConfig::new(ResourceSpecifier::Topic(&it.config.topics.requests))
+        .set("unclean.leader.election.enable", "true");
+    let altered = admin.alter_configs(&[unclean], &AdminOptions::new()).await.unwrap();
+    assert!(altered.iter().all(Result::is_ok), "{altered:?}");
+    let mut relay = Service::start("jobfold-relay", &env);
+    assert_eq!(relay.wait_exit(Duration::from_secs(60)).unwrap().code(), Some(2));
+    let log = relay.log_text();
+    assert!(
+        log.contains(&format!(
+            "{}'s unclean.leader.election.enable",
+            it.config.topics.requests
+        )),
+        "{log}"
+    );
     it.cleanup().await;
 }
 
