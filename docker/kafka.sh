@@ -12,9 +12,9 @@
 # metadata request. It is idempotent: a running node (by pid) is reused. kill is SIGKILL.
 # brokers prints the bootstrap list; controller the active controller's node id.
 #
-# Node n listens on JOBFOLD_KAFKA_PORT + 10(n-1) (controller and SASL/PLAIN listeners likewise
-# from theirs): 9092, 9102, 9112 by default. A cluster keeps its data apart from the single
-# node's, under $JOBFOLD_STATE_DIR/kafka-cluster/node-n.
+# A cluster's node n listens on JOBFOLD_KAFKA_PORT + 10n (controller and SASL/PLAIN listeners
+# likewise from theirs): 9102, 9112, 9122 by default, as docker/compose.yaml's cluster profile.
+# It keeps its data apart from the single node's, under $JOBFOLD_STATE_DIR/kafka-cluster/node-n.
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 KAFKA_VERSION="$(sed -n 's:.*<kafka.version>\(.*\)</kafka.version>.*:\1:p' "$JOBFOLD_ROOT/docker/kafka/pom.xml")"
@@ -35,9 +35,11 @@ JAVA="$(find_java)"
 node_dir() {
     if [[ "$NODES" == 1 ]]; then echo "$JOBFOLD_STATE_DIR/kafka"; else echo "$JOBFOLD_STATE_DIR/kafka-cluster/node-$1"; fi
 }
-port() { echo $((JOBFOLD_KAFKA_PORT + 10 * ($1 - 1))); }
-controller_port() { echo $((JOBFOLD_KAFKA_CONTROLLER_PORT + 10 * ($1 - 1))); }
-sasl_port() { echo $((JOBFOLD_KAFKA_SASL_PORT + 10 * ($1 - 1))); }
+# A cluster's node n is 10n ports above the single node, so either can run beside the other.
+shift_for() { if [[ "$NODES" == 1 ]]; then echo 0; else echo $((10 * $1)); fi; }
+port() { echo $((JOBFOLD_KAFKA_PORT + $(shift_for "$1"))); }
+controller_port() { echo $((JOBFOLD_KAFKA_CONTROLLER_PORT + $(shift_for "$1"))); }
+sasl_port() { echo $((JOBFOLD_KAFKA_SASL_PORT + $(shift_for "$1"))); }
 pidfile() { echo "$(node_dir "$1")/kafka.pid"; }
 logfile() { echo "$(node_dir "$1")/kafka.log"; }
 name() { if [[ "$NODES" == 1 ]]; then echo kafka; else echo "kafka node $1"; fi; }
@@ -104,7 +106,12 @@ launch() {
     local n="$1" dir
     dir="$(node_dir "$n")"
     pid_alive "$(pidfile "$n")" && return 0
-    port_open "$(port "$n")" && die "kafka: 127.0.0.1:$(port "$n") is taken by another process (set JOBFOLD_KAFKA_PORT)"
+    # A node just killed may hold its port for a moment longer.
+    local deadline=$((SECONDS + 10))
+    while port_open "$(port "$n")"; do
+        ((SECONDS < deadline)) || die "kafka: 127.0.0.1:$(port "$n") is taken by another process (set JOBFOLD_KAFKA_PORT)"
+        sleep 0.2
+    done
     configure "$n"
     local heap="-Xms256m -Xmx1g"
     [[ "$NODES" == 3 ]] && heap="-Xms128m -Xmx512m"
@@ -142,23 +149,28 @@ start() {
         say "kafka: $(name "$n"), $(broker_version "$n") (KRaft, broker+controller), started in $((SECONDS - t0))s (pid $(cat "$(pidfile "$n")")) on 127.0.0.1:$(port "$n"), log $(logfile "$n")"
     done
     if [[ -z "${1:-}" ]]; then
-        say "kafka: JOBFOLD_KAFKA_BROKERS=$(bootstrap) (SASL/PLAIN on 127.0.0.1:$JOBFOLD_KAFKA_SASL_PORT)"
+        say "kafka: JOBFOLD_KAFKA_BROKERS=$(bootstrap) (SASL/PLAIN on 127.0.0.1:$(sasl_port 1))"
     fi
 }
 
 stop() {
-    local n
+    local n pidfiles=() pid
     if [[ -n "${1:-}" ]]; then
         stop_pid "$(name "$1")" "$(pidfile "$1")" 60
         return
     fi
-    # Whatever runs, of either layout: the single node and a cluster's nodes.
-    stop_pid kafka "$JOBFOLD_STATE_DIR/kafka/kafka.pid" 60
-    for n in 1 2 3; do
-        [[ -f "$JOBFOLD_STATE_DIR/kafka-cluster/node-$n/kafka.pid" ]] &&
-            stop_pid "kafka node $n" "$JOBFOLD_STATE_DIR/kafka-cluster/node-$n/kafka.pid" 60
+    # Whatever runs, of either layout: the single node and a cluster's nodes. A cluster's
+    # nodes are stopped together: the last one left alone would wait for a controller quorum
+    # to shut down cleanly.
+    for pid in "$JOBFOLD_STATE_DIR/kafka/kafka.pid" "$JOBFOLD_STATE_DIR"/kafka-cluster/node-*/kafka.pid; do
+        if pid_alive "$pid"; then pidfiles+=("$pid"); kill -TERM "$(cat "$pid")"; else rm -f "$pid"; fi
     done
-    return 0
+    ((${#pidfiles[@]})) || { say "kafka: not running"; return 0; }
+    for pid in "${pidfiles[@]}"; do
+        n="$(basename "$(dirname "$pid")")"
+        [[ "$n" == kafka ]] && n="" || n=" ${n/-/ }"
+        stop_pid "kafka$n" "$pid" 60
+    done
 }
 
 signal() {
@@ -198,7 +210,11 @@ case "${1:-}" in
     kill)
         for n in $(nodes "${2:-}"); do
             if pid_alive "$(pidfile "$n")"; then
-                signal KILL "$n"; rm -f "$(pidfile "$n")"; say "kafka: $(name "$n") killed"
+                pid="$(cat "$(pidfile "$n")")"
+                signal KILL "$n"; rm -f "$(pidfile "$n")"
+                # Gone, its ports closed, before this returns (a restart must find them free).
+                gone "$pid" 30 || die "kafka: $(name "$n") (pid $pid) outlived SIGKILL by 30s"
+                say "kafka: $(name "$n") killed"
             elif [[ -n "${2:-}" ]]; then
                 die "kafka: $(name "$n") is not running"
             fi

@@ -70,6 +70,16 @@ wait_until() {
     done
 }
 
+# gone PID SECONDS: waits until PID has exited (a process in uninterruptible I/O dies only
+# once it returns); fails if it still runs after SECONDS.
+gone() {
+    local deadline=$((SECONDS + $2))
+    while kill -0 "$1" 2>/dev/null; do
+        ((SECONDS < deadline)) || return 1
+        sleep 0.1
+    done
+}
+
 # stop_pid NAME PIDFILE [SECONDS]: SIGTERM the process, SIGKILL it if it outlives SECONDS.
 stop_pid() {
     local name="$1" pidfile="$2" seconds="${3:-30}" pid
@@ -85,6 +95,7 @@ stop_pid() {
         if ((SECONDS >= deadline)); then
             say "$name: still running after ${seconds}s, sending SIGKILL to $pid"
             kill -KILL "$pid" 2>/dev/null || true
+            gone "$pid" 30 || true
             break
         fi
         sleep 0.2

@@ -12,6 +12,10 @@
 //!   `failpoint <name>`);
 //! - `pause-processor`: SIGSTOP past its lease expiry, then SIGCONT (a zombie worker);
 //! - `restart-kafka`: SIGKILL of the broker, restart;
+//! - on a three-broker cluster ([`Plan::brokers`] = 3) instead: SIGKILL of the leader of the
+//!   busiest events partition, of the processors' group coordinator or of the active
+//!   controller, each restarted; a broker paused past its session; a rolling restart of all
+//!   three; two brokers down at once (under `min.insync.replicas`) — see [`broker_fault`];
 //! - `restart-postgres`: immediate-mode stop (no checkpoint) and restart;
 //! - `add-processor`, `remove-processor`: consumer group rebalances.
 //!
@@ -55,7 +59,8 @@ pub struct Plan {
     pub gap_ms: (u64, u64),
     /// Jobs each producer submits per second.
     pub rate: f64,
-    /// Port base: Postgres on base+1, Kafka on base+2..4, the registry on base+5.
+    /// Port base: Postgres on base+1, Kafka on base+2..4 (a cluster's node n 10n above),
+    /// the registry on base+5.
     pub port_base: u16,
     /// Time to drain after the last fault.
     pub drain_timeout: Duration,
@@ -74,6 +79,9 @@ pub struct Plan {
     /// The quiet stretch's length after the busy document comes (it comes one
     /// `fault_window` after the last fault before it).
     pub quiet: Duration,
+    /// Kafka brokers: 1, or 3 (a KRaft cluster, topics with three replicas and
+    /// `min.insync.replicas=2`, and broker faults instead of the one broker's restart).
+    pub brokers: u8,
 }
 
 impl Plan {
@@ -91,7 +99,13 @@ impl Plan {
             delay_bound: Duration::from_secs(15),
             fault_window: Duration::from_secs(25),
             quiet: Duration::from_secs(30),
+            brokers: 1,
         }
+    }
+
+    /// The CI size on a three-broker cluster, on ports of its own.
+    pub fn short_cluster(seed: u64) -> Self {
+        Self { brokers: 3, port_base: 25_500, ..Self::short(seed) }
     }
 
     /// The long run: `faults` faults.
@@ -194,6 +208,8 @@ impl Services {
             ("JOBFOLD_KAFKA_CONTROLLER_PORT".into(), (b + 3).to_string()),
             ("JOBFOLD_KAFKA_SASL_PORT".into(), (b + 4).to_string()),
             ("JOBFOLD_REGISTRY_PORT".into(), (b + 5).to_string()),
+            // Node n of a cluster listens 10n ports above these (docker/kafka.sh).
+            ("JOBFOLD_KAFKA_NODES".into(), plan.brokers.to_string()),
         ];
         Self { root, env }
     }
@@ -212,6 +228,25 @@ impl Services {
             String::from_utf8_lossy(&output.stderr)
         );
         Ok(())
+    }
+
+    /// `docker/<service>.sh args...` without holding a runtime thread; its standard output.
+    async fn run(&self, service: &str, args: &[&str]) -> anyhow::Result<String> {
+        let output = tokio::process::Command::new("bash")
+            .arg(self.root.join(format!("docker/{service}.sh")))
+            .args(args)
+            .envs(self.env.iter().cloned())
+            .stdin(std::process::Stdio::null())
+            .output()
+            .await?;
+        anyhow::ensure!(
+            output.status.success(),
+            "docker/{service}.sh {} failed: {}{}",
+            args.join(" "),
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        );
+        Ok(String::from_utf8_lossy(&output.stdout).into_owned())
     }
 
     fn port(&self, n: u16) -> u16 {
@@ -310,6 +345,21 @@ impl Fleet {
     fn bank(&mut self, i: usize) {
         for (name, value) in std::mem::take(&mut self.slots[i].last) {
             *self.banked.entry(name).or_default() += value;
+        }
+    }
+
+    /// A long fault's end: its window runs from here too (a broker back, its replicas
+    /// catching up, leaders moving back).
+    fn mark_end(&mut self, kind: &str) {
+        self.timeline.push((chrono::Utc::now(), format!("{kind} (over)")));
+    }
+
+    /// Waits `time`, tending the fleet meanwhile (a fault that lasts).
+    async fn wait(&mut self, rng: &mut StdRng, time: Duration) {
+        let until = Instant::now() + time;
+        while Instant::now() < until {
+            self.tend(rng, true).await;
+            tokio::time::sleep(Duration::from_millis(100)).await;
         }
     }
 
@@ -431,7 +481,11 @@ pub async fn run(plan: &Plan) -> anyhow::Result<Outcome> {
         "postgres://jobfold:jobfold@127.0.0.1:{}/jobfold",
         services.port(1)
     ));
-    config.kafka_brokers = format!("127.0.0.1:{}", services.port(2));
+    config.kafka_brokers = services.run("kafka", &["brokers"]).await?.trim().to_owned();
+    if plan.brokers == 3 {
+        config.topics.replication_factor = 3;
+        config.topics.min_insync_replicas = 2;
+    }
     config.schema_registry_url = format!("http://127.0.0.1:{}/apis/ccompat/v7", services.port(5));
     let pool = jobfold_common::db::connect(&config, 8).await?;
     crate::handlers::migrate(&pool).await?;
@@ -442,11 +496,29 @@ pub async fn run(plan: &Plan) -> anyhow::Result<Outcome> {
     let mut topics: Vec<_> = jobfold_common::kafka::jobfold_topics(&config).into_iter().collect();
     topics[0].config.push(("max.message.bytes", (64 * 1024).to_string()));
     jobfold_common::kafka::ensure_topics(&config, &topics).await?;
+    if plan.brokers == 3 {
+        // What a broker's loss must not cost, as the binaries check it at start.
+        let t = &config.topics;
+        let described =
+            jobfold_common::kafka::describe_topics(&config, &[&t.events, &t.requests]).await?;
+        for (topic, settings) in &described {
+            anyhow::ensure!(
+                settings.replicas == 3
+                    && settings.config.get("min.insync.replicas").map(String::as_str) == Some("2")
+                    && settings.config.get("unclean.leader.election.enable").map(String::as_str)
+                        == Some("false"),
+                "topic {topic} is not as the cluster campaign needs it: {settings:?}"
+            );
+            jobfold_common::kafka::check_durability(&config, topic, settings)?;
+        }
+    }
 
     let env: std::collections::HashMap<String, String> = [
         ("JOBFOLD_DATABASE_URL", config.database_url.expose().clone()),
         ("JOBFOLD_KAFKA_BROKERS", config.kafka_brokers.clone()),
         ("JOBFOLD_SCHEMA_REGISTRY_URL", config.schema_registry_url.clone()),
+        ("JOBFOLD_TOPICS__REPLICATION_FACTOR", config.topics.replication_factor.to_string()),
+        ("JOBFOLD_TOPICS__MIN_INSYNC_REPLICAS", config.topics.min_insync_replicas.to_string()),
         ("JOBFOLD_PROCESSOR__LEASE_TTL", "3s".into()),
         ("JOBFOLD_PROCESSOR__HEARTBEAT", "1s".into()),
         ("JOBFOLD_PROCESSOR__RETRY_BASE", "100ms".into()),
@@ -573,7 +645,7 @@ pub async fn run(plan: &Plan) -> anyhow::Result<Outcome> {
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
         }
-        inject(&mut fleet, &services, &mut rng).await?;
+        inject(&mut fleet, &services, &config, plan.brokers, &mut rng).await?;
         injected += 1;
         next_fault =
             Instant::now() + Duration::from_millis(rng.random_range(plan.gap_ms.0..=plan.gap_ms.1));
@@ -583,6 +655,8 @@ pub async fn run(plan: &Plan) -> anyhow::Result<Outcome> {
     // resume first: a producer finishes only once its request in flight is answered, and
     // with every processor paused nothing would answer it.
     stop.store(true, Ordering::SeqCst);
+    // Every broker runs (a fault that failed half-way may have left one down).
+    services.run("kafka", &["start"]).await?;
     for i in 0..fleet.slots.len() {
         if fleet.slots[i].paused_until.take().is_some()
             && let Some(s) = &fleet.slots[i].service
@@ -743,9 +817,24 @@ async fn settled(pool: &PgPool, acknowledged: &Acknowledged) -> anyhow::Result<b
     Ok(missing == 0 && unfinished == 0 && unpublished == 0)
 }
 
-async fn inject(fleet: &mut Fleet, services: &Services, rng: &mut StdRng) -> anyhow::Result<()> {
+async fn inject(
+    fleet: &mut Fleet,
+    services: &Services,
+    config: &Config,
+    brokers: u8,
+    rng: &mut StdRng,
+) -> anyhow::Result<()> {
     fleet.landing = Some(chrono::Utc::now());
     let roll = rng.random_range(0..100);
+    // On a cluster, half the faults strike Kafka; the process faults keep their proportions.
+    if brokers == 3 && roll >= 50 {
+        broker_fault(fleet, services, config, rng).await?;
+        fleet.landing = None;
+        return Ok(());
+    }
+    let roll = if brokers == 3 { roll * 2 } else { roll };
+    // (The one broker's restart has no place on a cluster: a processor is killed instead.)
+    let roll = if brokers == 3 && (60..=69).contains(&roll) { roll - 60 } else { roll };
     let processors = fleet.live("jobfold-test-processor");
     let relays = fleet.live("jobfold-relay");
     match roll {
@@ -812,6 +901,93 @@ async fn inject(fleet: &mut Fleet, services: &Services, rng: &mut StdRng) -> any
     }
     fleet.landing = None;
     Ok(())
+}
+
+/// One fault on the three-broker cluster. Each one that takes a broker down brings it back
+/// before it returns, so no two overlap; the fault's window also runs from its end.
+async fn broker_fault(
+    fleet: &mut Fleet,
+    services: &Services,
+    config: &Config,
+    rng: &mut StdRng,
+) -> anyhow::Result<()> {
+    let kind = match rng.random_range(0..100) {
+        0..=23 => {
+            let node = crate::cluster::busiest_partition_leader(config, &config.topics.events)
+                .await?
+                .to_string();
+            kill_and_restart(fleet, services, rng, &[&node]).await?;
+            "Kafka: kill -9 the leader of the busiest events partition, restart"
+        }
+        24..=43 => {
+            let node = crate::cluster::coordinator(config, &config.processor.group).await?;
+            kill_and_restart(fleet, services, rng, &[&node.to_string()]).await?;
+            "Kafka: kill -9 the processors' group coordinator, restart"
+        }
+        44..=59 => {
+            let node = services.run("kafka", &["controller"]).await?.trim().to_owned();
+            kill_and_restart(fleet, services, rng, &[&node]).await?;
+            "Kafka: kill -9 the active controller, restart"
+        }
+        60..=75 => {
+            // Past broker.session.timeout.ms (9 s): the controller fences the broker and
+            // moves its leaderships; when it resumes it finds itself behind.
+            let node = rng.random_range(1..=3).to_string();
+            services.run("kafka", &["pause", &node]).await?;
+            let paused = Duration::from_millis(rng.random_range(11_000..15_000));
+            fleet.wait(rng, paused).await;
+            services.run("kafka", &["resume", &node]).await?;
+            "Kafka: SIGSTOP a broker past its session, SIGCONT"
+        }
+        76..=87 => {
+            // As an operator upgrades: one at a time, each back and caught up before the next.
+            for node in ["1", "2", "3"] {
+                services.run("kafka", &["stop", node]).await?;
+                services.run("kafka", &["start", node]).await?;
+                caught_up(fleet, config, rng).await;
+                fleet.mark_end("Kafka: rolling restart, one broker");
+            }
+            "Kafka: rolling restart of all three brokers"
+        }
+        _ => {
+            // Under min.insync.replicas: no event can be published and the group may lose its
+            // coordinator; the relay waits, nothing is lost.
+            let mut nodes = vec!["1", "2", "3"];
+            nodes.remove(rng.random_range(0..3));
+            kill_and_restart(fleet, services, rng, &nodes).await?;
+            "Kafka: kill -9 two brokers at once (under min.insync.replicas), restart"
+        }
+    };
+    fleet.count(kind);
+    fleet.mark_end(kind);
+    Ok(())
+}
+
+/// SIGKILL of `nodes`, 1–8 s down, then started again (all at once: two of three controllers
+/// are a quorum only together).
+async fn kill_and_restart(
+    fleet: &mut Fleet,
+    services: &Services,
+    rng: &mut StdRng,
+    nodes: &[&str],
+) -> anyhow::Result<()> {
+    for node in nodes {
+        services.run("kafka", &["kill", node]).await?;
+    }
+    let down = Duration::from_millis(rng.random_range(1_000..8_000));
+    fleet.wait(rng, down).await;
+    services.run("kafka", &["start"]).await?;
+    Ok(())
+}
+
+/// Waits (at most a minute) until every replica has caught up again.
+async fn caught_up(fleet: &mut Fleet, config: &Config, rng: &mut StdRng) {
+    let until = Instant::now() + Duration::from_secs(60);
+    while Instant::now() < until
+        && !crate::cluster::fully_replicated(config).await.unwrap_or(false)
+    {
+        fleet.wait(rng, Duration::from_millis(500)).await;
+    }
 }
 
 fn pace(plan: &Plan) -> Duration {

@@ -16,11 +16,13 @@
 //! - [`bad`]: the bad jobs the campaign mixes in.
 //! - [`browser`]: a real headless Chromium over WebDriver, for the console's tests.
 //! - [`campaign`]: the fault campaign (also the `jobfold-campaign` command), and
-//!   [`history`]: the checker of what a run left in Postgres and on the topic.
+//!   [`history`]: the checker of what a run left in Postgres and on the topic;
+//!   [`cluster`]: what it asks a three-broker Kafka cluster before striking a broker.
 
 pub mod bad;
 pub mod browser;
 pub mod campaign;
+pub mod cluster;
 pub mod handlers;
 pub mod harness;
 pub mod history;

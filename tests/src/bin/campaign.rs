@@ -3,6 +3,7 @@
 //! ```sh
 //! cargo run -p jobfold-tests --bin jobfold-campaign -- --faults 200          # a random seed
 //! cargo run -p jobfold-tests --bin jobfold-campaign -- --seed 42 --faults 20 # replay a run
+//! cargo run -p jobfold-tests --bin jobfold-campaign -- --brokers 3 --faults 100 # on a cluster
 //! ```
 //!
 //! It starts its own Postgres, Kafka and registry on ports from `--port-base` (the
@@ -34,6 +35,18 @@ struct Args {
     /// Bad jobs, as a share of all the jobs submitted.
     #[arg(long, default_value_t = 0.1)]
     bad_share: f64,
+    /// Kafka brokers: 1, or 3 for a KRaft cluster with replicated topics and broker faults
+    /// (leader, coordinator and controller kills, a paused broker, rolling restarts).
+    #[arg(long, default_value_t = 1, value_parser = brokers)]
+    brokers: u8,
+}
+
+fn brokers(value: &str) -> Result<u8, String> {
+    match value {
+        "1" => Ok(1),
+        "3" => Ok(3),
+        _ => Err(format!("{value:?}: 1 or 3")),
+    }
 }
 
 #[tokio::main]
@@ -46,6 +59,7 @@ async fn main() -> ExitCode {
         rate: args.rate,
         port_base: args.port_base,
         bad_share: args.bad_share.clamp(0.0, 0.9),
+        brokers: args.brokers,
         ..Plan::long(seed, args.faults)
     };
     match campaign::run(&plan).await {
