@@ -8,8 +8,7 @@
 #   docker/kafka.sh status|brokers|controller
 #
 # start resolves docker/kafka/pom.xml into $JOBFOLD_CACHE_DIR with Maven (once), formats
-# each node's KRaft storage (once), starts kafka.Kafka and waits until the node answers a
-# metadata request. It is idempotent: a running node (by pid) is reused. kill is SIGKILL.
+# each node's KRaft storage (once), starts kafka.Kafka and waits until the node is serving. It is idempotent: a running node (by pid) is reused. kill is SIGKILL.
 # brokers prints the bootstrap list; controller the active controller's node id.
 #
 # A cluster's node n listens on JOBFOLD_KAFKA_PORT + 10n (controller and SASL/PLAIN listeners
@@ -70,9 +69,13 @@ broker_version() {
     echo "Apache Kafka ${v:-$KAFKA_VERSION}"
 }
 
-answers_metadata() {
-    port_open "$(port "$1")" \
-        && kafka_java org.apache.kafka.tools.TopicCommand --bootstrap-server "127.0.0.1:$(port "$1")" --list
+# started N LINES: node N logged, past the first LINES lines of its log, that it is unfenced and
+# serving (after it caught up with the cluster's metadata), and its port answers. A log line
+# rather than a client's metadata request: a JVM per poll would compete with the starting node
+# for the cores.
+started() {
+    tail -n "+$(($2 + 1))" "$(logfile "$1")" 2>/dev/null | grep -q 'Kafka Server started' \
+        && port_open "$(port "$1")"
 }
 
 # configure N: node N's server.properties, and its storage formatted once with the cluster's id.
@@ -139,13 +142,16 @@ start() {
         if pid_alive "$(pidfile "$n")"; then
             say "kafka: $(name "$n"), $(broker_version "$n"), already running (pid $(cat "$(pidfile "$n")")) on 127.0.0.1:$(port "$n"), log $(logfile "$n")"
         else
+            mkdir -p "$(node_dir "$n")"
+            fresh+=("$n:$( { wc -l <"$(logfile "$n")"; } 2>/dev/null || echo 0)")
             launch "$n"
-            fresh+=("$n")
         fi
     done
     # The nodes of a cluster start together: none answers before a quorum of them runs.
-    for n in "${fresh[@]}"; do
-        wait_until 120 "$(name "$n")" "$(logfile "$n")" "$(pidfile "$n")" answers_metadata "$n"
+    local entry lines
+    for entry in "${fresh[@]}"; do
+        n="${entry%%:*}" lines="${entry#*:}"
+        wait_until 120 "$(name "$n")" "$(logfile "$n")" "$(pidfile "$n")" started "$n" "$lines"
         say "kafka: $(name "$n"), $(broker_version "$n") (KRaft, broker+controller), started in $((SECONDS - t0))s (pid $(cat "$(pidfile "$n")")) on 127.0.0.1:$(port "$n"), log $(logfile "$n")"
     done
     if [[ -z "${1:-}" ]]; then
@@ -154,7 +160,7 @@ start() {
 }
 
 stop() {
-    local n pidfiles=() pid
+    local n pidfiles=() pidfile pid
     if [[ -n "${1:-}" ]]; then
         stop_pid "$(name "$1")" "$(pidfile "$1")" 60
         return
@@ -162,14 +168,20 @@ stop() {
     # Whatever runs, of either layout: the single node and a cluster's nodes. A cluster's
     # nodes are stopped together: the last one left alone would wait for a controller quorum
     # to shut down cleanly.
-    for pid in "$JOBFOLD_STATE_DIR/kafka/kafka.pid" "$JOBFOLD_STATE_DIR"/kafka-cluster/node-*/kafka.pid; do
-        if pid_alive "$pid"; then pidfiles+=("$pid"); kill -TERM "$(cat "$pid")"; else rm -f "$pid"; fi
+    for pidfile in "$JOBFOLD_STATE_DIR/kafka/kafka.pid" "$JOBFOLD_STATE_DIR"/kafka-cluster/node-*/kafka.pid; do
+        if pid_alive "$pidfile"; then pidfiles+=("$pidfile"); kill -TERM "$(cat "$pidfile")"; else rm -f "$pidfile"; fi
     done
     ((${#pidfiles[@]})) || { say "kafka: not running"; return 0; }
-    for pid in "${pidfiles[@]}"; do
-        n="$(basename "$(dirname "$pid")")"
+    for pidfile in "${pidfiles[@]}"; do
+        pid="$(cat "$pidfile")" n="$(basename "$(dirname "$pidfile")")"
         [[ "$n" == kafka ]] && n="" || n=" ${n/-/ }"
-        stop_pid "kafka$n" "$pid" 60
+        if ! gone "$pid" 60; then
+            say "kafka$n: still running after 60s, sending SIGKILL to $pid"
+            kill -KILL "$pid" 2>/dev/null || true
+            gone "$pid" 30 || true
+        fi
+        rm -f "$pidfile"
+        say "kafka$n: stopped (pid $pid)"
     done
 }
 

@@ -56,7 +56,8 @@ pub async fn busiest_partition_leader(config: &Config, topic: &str) -> anyhow::R
 /// The partition of `__consumer_offsets` that holds `group`'s offsets, as the broker picks
 /// it: the group id's Java `hashCode`, made non-negative, modulo the partition count.
 pub fn offsets_partition(group: &str, partitions: i32) -> i32 {
-    let hash = group.encode_utf16().fold(0i32, |h, c| h.wrapping_mul(31).wrapping_add(i32::from(c)));
+    let hash =
+        group.encode_utf16().fold(0i32, |h, c| h.wrapping_mul(31).wrapping_add(i32::from(c)));
     // Kafka's Utils.abs: Integer.MIN_VALUE becomes 0.
     let abs = if hash == i32::MIN { 0 } else { hash.abs() };
     abs % partitions.max(1)
@@ -93,7 +94,9 @@ pub async fn fully_replicated(config: &Config) -> anyhow::Result<bool> {
     with_metadata(config, |_, metadata| {
         Ok(metadata.brokers().len() >= 3
             && metadata.topics().iter().all(|t| {
-                t.partitions().iter().all(|p| p.leader() >= 0 && p.isr().len() == p.replicas().len())
+                t.partitions()
+                    .iter()
+                    .all(|p| p.leader() >= 0 && p.isr().len() == p.replicas().len())
             }))
     })
     .await

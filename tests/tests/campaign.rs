@@ -1,20 +1,26 @@
-//! The short fault campaign CI runs: a fixed seed, then a random one (printed), each with
-//! about 20 faults. `jobfold-campaign --faults 200` runs the long one.
+//! The short fault campaigns CI runs: a fixed seed on one broker (20 faults), then a random
+//! one (printed) on a three-broker cluster (12 faults, every second one striking Kafka). `jobfold-campaign --faults 200` (and `--brokers 3 --faults 100`) runs the long ones.
 
-use jobfold_tests::campaign::{self, Plan};
+use jobfold_tests::campaign::{self, Outcome, Plan};
 
-async fn campaign(seed: u64) {
-    println!("campaign seed {seed}");
-    let outcome = campaign::run(&Plan::short(seed)).await.expect("the campaign runs");
+async fn campaign(plan: Plan) -> Outcome {
+    let seed = plan.seed;
+    println!("campaign seed {seed}, {} broker(s)", plan.brokers);
+    let outcome = campaign::run(&plan).await.expect("the campaign runs");
     println!("{outcome}");
     assert!(outcome.held(), "the campaign with seed {seed} found problems:\n{outcome}");
-    assert!(outcome.faults.values().sum::<u64>() >= 20, "{outcome}");
+    outcome
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_short_fault_campaign_loses_nothing_and_duplicates_nothing() {
-    campaign(20_261_129).await;
-    campaign(rand::random()).await;
+    let outcome = campaign(Plan::short(20_261_129)).await;
+    assert!(outcome.faults.values().sum::<u64>() >= 20, "{outcome}");
+    let outcome = campaign(Plan::short_cluster(rand::random())).await;
+    let broker_faults: u64 =
+        outcome.faults.iter().filter(|(kind, _)| kind.starts_with("Kafka:")).map(|(_, n)| n).sum();
+    assert!(outcome.faults.values().sum::<u64>() >= 12, "{outcome}");
+    assert!(broker_faults >= 6, "every second fault strikes Kafka:\n{outcome}");
 }
 
 /// Each fix the campaign was shown to catch, as a patch that reverts it

@@ -341,10 +341,7 @@ async fn invalid_configuration_exits_2_naming_the_key() {
     assert_eq!(relay.wait_exit(Duration::from_secs(60)).unwrap().code(), Some(2));
     let log = relay.log_text();
     assert!(
-        log.contains(&format!(
-            "{}'s unclean.leader.election.enable",
-            it.config.topics.requests
-        )),
+        log.contains(&format!("{}'s unclean.leader.election.enable", it.config.topics.requests)),
         "{log}"
     );
     it.cleanup().await;
