@@ -442,6 +442,14 @@ impl Config {
         }
     }
 
+    /// The shortest heartbeat of any kind: how often a processor's heartbeat statement runs.
+    pub fn shortest_heartbeat(&self) -> Duration {
+        self.kinds
+            .values()
+            .filter_map(|k| k.heartbeat)
+            .fold(self.processor.heartbeat, Duration::min)
+    }
+
     /// The policy an [`crate::accept::Acceptor`] applies.
     pub fn accept_policy(&self) -> AcceptPolicy {
         AcceptPolicy {

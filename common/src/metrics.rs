@@ -59,6 +59,14 @@ pub const DUPLICATES_SKIPPED_TOTAL: &str = "jobfold_duplicates_skipped_total";
 pub const TRANSACTION_JOBS: &str = "jobfold_transaction_jobs";
 /// Completions discarded because another generation held the job (zombie workers).
 pub const FENCED_COMPLETIONS_TOTAL: &str = "jobfold_fenced_completions_total";
+/// Heartbeat statements: one a beat renews every lease of this processor that is due.
+pub const HEARTBEAT_STATEMENTS_TOTAL: &str = "jobfold_heartbeat_statements_total";
+/// Gauge: leases this processor holds and keeps alive.
+pub const LEASES_HELD: &str = "jobfold_leases_held";
+/// How long a lease still had to run when its heartbeat renewed it.
+pub const LEASE_MARGIN_SECONDS: &str = "jobfold_lease_margin_seconds";
+/// Gauge: the least of those margins at the last heartbeat (near 0: leases about to lapse).
+pub const LEASE_MARGIN_MIN_SECONDS: &str = "jobfold_lease_margin_min_seconds";
 /// Handler runs started (compare with completions: the difference is crashes and fencing).
 pub const HANDLER_RUNS_TOTAL: &str = "jobfold_handler_runs_total";
 /// Handler duration by kind.
@@ -173,6 +181,22 @@ pub fn describe() {
         TRANSACTION_JOBS,
         Unit::Count,
         "Jobs per lease or completion transaction, by transaction."
+    );
+    describe_counter!(
+        HEARTBEAT_STATEMENTS_TOTAL,
+        Unit::Count,
+        "Heartbeat statements, each renewing every lease of this processor that was due."
+    );
+    describe_gauge!(LEASES_HELD, Unit::Count, "Leases this processor holds and keeps alive.");
+    describe_histogram!(
+        LEASE_MARGIN_SECONDS,
+        Unit::Seconds,
+        "How long a lease still had to run when its heartbeat renewed it."
+    );
+    describe_gauge!(
+        LEASE_MARGIN_MIN_SECONDS,
+        Unit::Seconds,
+        "The least time a lease renewed by the last heartbeat still had to run."
     );
     describe_counter!(
         FENCED_COMPLETIONS_TOTAL,

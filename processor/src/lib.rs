@@ -31,6 +31,7 @@ pub mod complete;
 pub mod console;
 pub mod dead_letter;
 pub mod handler;
+pub mod heartbeat;
 pub mod http;
 pub mod intake;
 pub mod lag;

@@ -569,27 +569,69 @@ pub async fn take_leases(
     Ok(())
 }
 
-/// Extends the lease if this generation still holds it. False: the lease is lost.
+/// What one heartbeat statement found of the leases it was given.
+#[derive(Debug, Default)]
+pub struct Renewed {
+    /// Extended by their TTL from now.
+    pub renewed: Vec<(Uuid, i64)>,
+    /// Still held by their generation, but their row was locked by another transaction (a
+    /// completion, a cancel, a lease by another generation not yet committed): not renewed
+    /// this time, tried again at the next beat rather than waited for.
+    pub busy: Vec<(Uuid, i64)>,
+}
+
+/// Extends each of `leases` (job, generation, TTL) whose generation still holds the job
+/// leased, in one statement; a lease neither renewed nor busy is lost (another generation
+/// took the job, or it was cancelled or ended).
 ///
 /// # Errors
 /// The database failed.
 pub async fn heartbeat(
-    conn: &mut PgConnection,
-    job_id: Uuid,
-    generation: i64,
-    ttl: std::time::Duration,
-) -> Result<bool, sqlx::Error> {
+    pool: &sqlx::PgPool,
+    leases: &[(Uuid, i64, std::time::Duration)],
+) -> Result<Renewed, sqlx::Error> {
+    let ids: Vec<Uuid> = leases.iter().map(|l| l.0).collect();
+    let generations: Vec<i64> = leases.iter().map(|l| l.1).collect();
+    let ttls: Vec<f64> = leases.iter().map(|l| l.2.as_secs_f64()).collect();
+    // Rows another transaction holds are skipped, not waited for: one job's slow completion
+    // must not hold every other lease's heartbeat.
     // language=PostgreSQL
-    let done = sqlx::query(
-        "UPDATE jobs SET lease_until = now() + make_interval(secs => $3) \
-         WHERE job_id = $1 AND generation = $2 AND state = 'leased'",
+    let renewed: Vec<(Uuid, i64)> = sqlx::query_as(
+        "WITH held AS ( \
+             SELECT j.job_id, w.ttl FROM jobs j \
+             JOIN unnest($1::uuid[], $2::bigint[], $3::float8[]) AS w(job_id, generation, ttl) \
+               ON j.job_id = w.job_id AND j.generation = w.generation \
+             WHERE j.state = 'leased' \
+             FOR UPDATE OF j SKIP LOCKED) \
+         UPDATE jobs j SET lease_until = now() + make_interval(secs => held.ttl) \
+         FROM held WHERE j.job_id = held.job_id \
+         RETURNING j.job_id, j.generation",
     )
-    .bind(job_id)
-    .bind(generation)
-    .bind(ttl.as_secs_f64())
-    .execute(conn)
+    .bind(&ids)
+    .bind(&generations)
+    .bind(&ttls)
+    .fetch_all(pool)
     .await?;
-    Ok(done.rows_affected() == 1)
+    if renewed.len() == leases.len() {
+        return Ok(Renewed { renewed, busy: Vec::new() });
+    }
+    // The rest: still held (locked just now), or lost. A plain read does not wait for locks.
+    let done: std::collections::HashSet<&(Uuid, i64)> = renewed.iter().collect();
+    let missing: Vec<(Uuid, i64)> =
+        leases.iter().map(|l| (l.0, l.1)).filter(|l| !done.contains(l)).collect();
+    let (ids, generations): (Vec<Uuid>, Vec<i64>) = missing.iter().copied().unzip();
+    // language=PostgreSQL
+    let busy: Vec<(Uuid, i64)> = sqlx::query_as(
+        "SELECT j.job_id, j.generation FROM jobs j \
+         JOIN unnest($1::uuid[], $2::bigint[]) AS w(job_id, generation) \
+           ON j.job_id = w.job_id AND j.generation = w.generation \
+         WHERE j.state = 'leased'",
+    )
+    .bind(&ids)
+    .bind(&generations)
+    .fetch_all(pool)
+    .await?;
+    Ok(Renewed { renewed, busy })
 }
 
 /// Marks the job superseded by `newer` and appends `JobSuperseded`.

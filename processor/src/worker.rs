@@ -52,12 +52,12 @@ use rdkafka::{ClientContext, Message, Statistics};
 use sqlx::PgPool;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
-use tokio_util::task::AbortOnDropHandle;
 use tracing::Instrument;
 
 use crate::buffer::{Bounds, Buffer};
 use crate::complete::{Attempt, Completed, Completer};
 use crate::handler::{HandlerError, Handlers, JobContext};
+use crate::heartbeat::Heartbeats;
 use crate::lease::{Dispatch, Leased, Leaser};
 use crate::offsets::{Ticket, Tracker};
 use crate::store::{self, Consumed, Events};
@@ -180,6 +180,8 @@ struct Shared {
     leaser: Leaser,
     /// Commits finished attempts, several to a transaction.
     completer: Completer,
+    /// Keeps every running attempt's lease alive, one statement a beat.
+    heartbeats: Heartbeats,
     tracker: Arc<Mutex<Tracker>>,
     /// Per document: messages waiting behind the one running.
     queues: Mutex<HashMap<String, VecDeque<Queued>>>,
@@ -235,6 +237,7 @@ pub async fn run(
         .iter()
         .filter_map(|(kind, k)| Some((kind.clone(), Arc::new(Semaphore::new(k.concurrency?)))))
         .collect();
+    let heartbeats = Heartbeats::start(pool.clone(), config.shortest_heartbeat());
     let shared = Arc::new(Shared {
         config: config.clone(),
         pool,
@@ -248,6 +251,7 @@ pub async fn run(
         buffer,
         leaser,
         completer,
+        heartbeats,
         tracker,
         queues: Mutex::new(HashMap::new()),
         shutdown: shutdown.clone(),
@@ -664,17 +668,16 @@ async fn attempt(
 
     // 2. Run, with heartbeats. The handler's token fires when the lease is lost or the
     //    processor shuts down; the heartbeat stops with the run, whatever the handler does
-    //    (returns, panics), as its task is aborted when its handle drops.
+    //    (returns, panics), as the lease's registration drops.
     let kind = shared.config.kind(&job.kind);
     let cancel = shared.shutdown.child_token();
-    let heartbeat = AbortOnDropHandle::new(tokio::spawn(heartbeat(
-        shared.pool.clone(),
+    let lease = shared.heartbeats.register(
         job.job_id,
         job.generation,
         kind.heartbeat,
         kind.lease_ttl,
         cancel.clone(),
-    )));
+    );
     let started = std::time::Instant::now();
     let run = std::panic::AssertUnwindSafe(handler.run_boxed(&context, cancel.clone()))
         .catch_unwind()
@@ -706,7 +709,7 @@ async fn attempt(
         .record(started.elapsed().as_secs_f64());
     metrics::counter!(pm::HANDLER_RUNS_TOTAL).increment(1);
     failpoint::hit(failpoint::PROCESSOR_IN_HANDLER);
-    drop(heartbeat);
+    drop(lease);
     if result.is_err() && shared.shutdown.is_cancelled() {
         // Cut short by the shutdown, not the job's fault: no attempt is spent. The lease
         // runs out and the job runs again (redelivery, or the reaper).
@@ -823,30 +826,6 @@ pub fn backoff(config: &Config, kind: &str, attempt: i32) -> Duration {
     let ceiling = k.retry_base.saturating_mul(1 << exp).min(k.retry_cap);
     let millis = u64::try_from(ceiling.as_millis()).unwrap_or(u64::MAX);
     Duration::from_millis(rand::rng().random_range(0..=millis))
-}
-
-/// Extends the lease every `interval`; cancels `lost` when the lease is gone.
-async fn heartbeat(
-    pool: PgPool,
-    job_id: uuid::Uuid,
-    generation: i64,
-    interval: Duration,
-    ttl: Duration,
-    lost: CancellationToken,
-) {
-    loop {
-        tokio::time::sleep(interval).await;
-        let Ok(mut conn) = pool.acquire().await else { continue };
-        match store::heartbeat(&mut conn, job_id, generation, ttl).await {
-            Ok(true) => {}
-            Ok(false) => {
-                tracing::warn!(%job_id, generation, "Lease lost: cancelling the handler.");
-                lost.cancel();
-                return;
-            }
-            Err(e) => tracing::warn!(error = %e, %job_id, "Heartbeat failed; retrying."),
-        }
-    }
 }
 
 #[cfg(test)]

@@ -614,6 +614,98 @@ async fn heartbeats_keep_a_long_job_leased_by_one_generation() {
     it.cleanup().await;
 }
 
+/// One statement a beat keeps all of a processor's leases alive: 200 leases renewed together
+/// carry one `lease_until` (one statement's `now()`); a row another transaction holds is
+/// skipped, neither waited for (the others are renewed on time) nor taken as lost; a lease
+/// another generation took fires its token alone; a dropped registration is renewed no more.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_heartbeat_statement_keeps_every_lease_alive_and_a_locked_row_holds_none_back() {
+    use jobfold_processor::heartbeat::Heartbeats;
+    let (it, acceptor) = fast_installation("proc-beats").await;
+    let jobs: Vec<NewJob> =
+        (0..200).map(|n| job(&format!("doc-beat-{n}"), 1, json!({ "text": "x" }))).collect();
+    let ids = accept_all(&acceptor, &it, &jobs).await;
+    // Leased by generation 1, as a lease transaction leaves them, with 2 s to run.
+    sqlx::query(
+        "UPDATE jobs SET state = 'leased', attempt = 1, generation = 1, lease_owner = 'beats', \
+         lease_until = now() + interval '2 seconds' WHERE job_id = ANY($1)",
+    )
+    .bind(&ids)
+    .execute(&it.pool)
+    .await
+    .unwrap();
+    let until = |ids: Vec<Uuid>| {
+        let pool = it.pool.clone();
+        async move {
+            sqlx::query_as::<_, (Uuid, chrono::DateTime<chrono::Utc>)>(
+                "SELECT job_id, lease_until FROM jobs WHERE job_id = ANY($1)",
+            )
+            .bind(&ids)
+            .fetch_all(&pool)
+            .await
+            .unwrap()
+            .into_iter()
+            .collect::<std::collections::HashMap<_, _>>()
+        }
+    };
+    let before = until(ids.clone()).await;
+
+    let beats = Heartbeats::start(it.pool.clone(), Duration::from_millis(300));
+    let tokens: Vec<CancellationToken> = ids.iter().map(|_| CancellationToken::new()).collect();
+    let mut leases: Vec<_> = ids
+        .iter()
+        .zip(&tokens)
+        .map(|(id, lost)| {
+            beats.register(*id, 1, Duration::from_millis(300), Duration::from_secs(2), lost.clone())
+        })
+        .collect();
+    // Job 0's row is held by another transaction (a slow completion, say) the whole time.
+    let mut holder = it.pool.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM jobs WHERE job_id = $1 FOR UPDATE")
+        .bind(ids[0])
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    eventually(Duration::from_secs(10), "the other leases to be renewed", || async {
+        let now = until(ids.clone()).await;
+        ids[1..].iter().all(|id| now[id] > before[id])
+    })
+    .await;
+    let renewed = until(ids.clone()).await;
+    let times: std::collections::HashSet<_> = ids[1..].iter().map(|id| renewed[id]).collect();
+    assert_eq!(times.len(), 1, "199 leases renewed by {} statements, not one", times.len());
+    assert_eq!(renewed[&ids[0]], before[&ids[0]], "the locked row was written");
+    assert!(!tokens[0].is_cancelled(), "a lease whose row was busy was taken as lost");
+    holder.rollback().await.unwrap();
+    eventually(Duration::from_secs(10), "the freed lease to be renewed", || async {
+        until(vec![ids[0]]).await[&ids[0]] > before[&ids[0]]
+    })
+    .await;
+
+    // Another generation takes job 1: its handler's token fires, and no other.
+    sqlx::query("UPDATE jobs SET generation = 2 WHERE job_id = $1")
+        .bind(ids[1])
+        .execute(&it.pool)
+        .await
+        .unwrap();
+    eventually(Duration::from_secs(10), "the lost lease's token", || async {
+        tokens[1].is_cancelled()
+    })
+    .await;
+    assert_eq!(tokens.iter().filter(|t| t.is_cancelled()).count(), 1);
+
+    // Registrations dropped: their leases are left to run out.
+    leases.truncate(100);
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    let dropped = until(ids[100..].to_vec()).await;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(until(ids[100..].to_vec()).await, dropped, "dropped leases were still renewed");
+    let kept = until(ids[2..100].to_vec()).await;
+    assert!(ids[2..100].iter().all(|id| kept[id] > dropped.values().max().copied().unwrap()));
+    drop(leases);
+    it.cleanup().await;
+}
+
 #[tokio::test]
 async fn an_append_after_another_write_of_its_transaction_is_refused() {
     let it = Installation::new("proc-order").await;

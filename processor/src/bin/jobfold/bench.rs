@@ -12,6 +12,7 @@ use futures::StreamExt;
 use hdrhistogram::Histogram;
 use jobfold_common::accept::{Acceptor, NewJob};
 use jobfold_common::config::{Config, Sensitive};
+use jobfold_common::metrics as pm;
 use jobfold_schemas::codec::registry_settings;
 use jobfold_schemas::{Codec, JobEvent};
 use serde_json::json;
@@ -47,7 +48,7 @@ impl Sizes {
             batch: 100,
             steady_secs: 5,
             e2e_jobs: 5_000,
-            slow_jobs: 200,
+            slow_jobs: 1_000,
             slow_ms: 10_000,
             relay_backlog: 1_000_000,
             settle: Duration::from_secs(60),
@@ -81,7 +82,7 @@ impl Sizes {
             batch: 100,
             steady_secs: 30,
             e2e_jobs: 50_000,
-            slow_jobs: 200,
+            slow_jobs: 1_000,
             slow_ms: 10_000,
             relay_backlog: 5_000_000,
             settle: Duration::from_secs(60),
@@ -548,6 +549,8 @@ async fn measure_processing(
         .await?;
     let mut config = config.clone();
     config.processor.group = format!("jobfold-bench-processors-{}", uuid::Uuid::new_v4().simple());
+    // Room for every slow job at once, as a deployment of slow jobs would set it.
+    config.processor.max_in_flight = config.processor.max_in_flight.max(sizes.slow_jobs + 24);
     let config = &config;
     let codec = event_codec(config).await?;
     let acceptor = Acceptor::new(codec, config.accept_policy(), "bench");
@@ -633,7 +636,9 @@ async fn measure_processing(
             .note(format!("accept -> succeeded, {} jobs", latencies.len())),
     );
 
-    // Slow jobs: how many run at once (10 s handler, 200 documents).
+    // Slow jobs: how many run at once (10 s handler, a document each), and what keeping
+    // their leases alive costs: heartbeat statements a second, and the least time a lease
+    // had left when renewed (read from the processor, sampled as the jobs run).
     let slow = sizes.slow_jobs;
     let jobs: Vec<NewJob> = (0..slow)
         .map(|i| NewJob {
@@ -642,10 +647,12 @@ async fn measure_processing(
             ..job(offset + i)
         })
         .collect();
+    let beats = |port| crate::demo::metric_sum(port, pm::HEARTBEAT_STATEMENTS_TOTAL, "");
+    let beats_before = beats(a.metrics).await.unwrap_or(0.0);
     let started = Instant::now();
     acceptor.accept_batch(&pool, &jobs).await?;
     offset += slow;
-    let mut peak = 0i64;
+    let (mut peak, mut least_margin) = (0i64, f64::INFINITY);
     loop {
         let (leased, unfinished): (i64, i64) = sqlx::query_as(
             "SELECT count(*) FILTER (WHERE state = 'leased'), count(*) FROM jobs \
@@ -654,6 +661,13 @@ async fn measure_processing(
         .fetch_one(&pool)
         .await?;
         peak = peak.max(leased);
+        if let Some(margin) =
+            crate::demo::metric_sum(a.metrics, pm::LEASE_MARGIN_MIN_SECONDS, "").await
+            && leased > 0
+            && margin > 0.0
+        {
+            least_margin = least_margin.min(margin);
+        }
         if unfinished == 0 {
             break;
         }
@@ -661,6 +675,13 @@ async fn measure_processing(
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let secs = started.elapsed().as_secs_f64();
+    let statements = beats(a.metrics).await.unwrap_or(0.0) - beats_before;
+    // A lease that lapsed under its running job shows as a second generation.
+    let expired: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM jobs WHERE kind = 'summarize-conversation' AND generation > 1",
+    )
+    .fetch_one(&pool)
+    .await?;
     rows.push(
         Row::new(format!(
             "slow jobs, {} s handler, {} partitions",
@@ -669,7 +690,15 @@ async fn measure_processing(
         ))
         .rate(slow as f64 / secs)
         .versus(peak as f64, config.processor.max_in_flight as f64, "processor.max_in_flight")
-        .note(format!("{peak} jobs in flight at the peak; {slow} jobs in {secs:.1} s")),
+        .note(format!(
+            "{peak} jobs in flight at the peak; {slow} jobs in {secs:.1} s; their leases kept by \
+             {:.1} heartbeat statements/s (one per beat for all of them, heartbeat {} s, lease \
+             TTL {} s), least margin left at a renewal {}, {expired} leased again",
+            statements / secs,
+            crate::demo::HEARTBEAT.as_secs_f64(),
+            crate::demo::LEASE_TTL.as_secs_f64(),
+            if least_margin.is_finite() { format!("{least_margin:.2} s") } else { "–".into() },
+        )),
     );
     for (name, pid) in [("processor peak RSS", a_pid), ("relay peak RSS, end to end", relay_pid)] {
         let rss = peak_rss_mib(pid)?;

@@ -29,6 +29,8 @@ use tokio::process::{Child, Command};
 
 /// The processors' lease in the demo: a dead worker's jobs move on within seconds.
 pub(crate) const LEASE_TTL: Duration = Duration::from_secs(4);
+/// The processes' heartbeat: a quarter of [`LEASE_TTL`].
+pub(crate) const HEARTBEAT: Duration = Duration::from_secs(1);
 /// How long both processors may take to hold partitions before the workload starts.
 const GROUP_SETTLE: Duration = Duration::from_secs(45);
 /// How long the submissions are spread over, so the kill lands while jobs run however fast
@@ -543,13 +545,14 @@ pub(crate) fn spawn(
         .env("JOBFOLD_TOPICS__EVENTS", &config.topics.events)
         .env("JOBFOLD_TOPICS__REQUESTS", &config.topics.requests)
         .env("JOBFOLD_PROCESSOR__GROUP", &config.processor.group)
+        .env("JOBFOLD_PROCESSOR__MAX_IN_FLIGHT", config.processor.max_in_flight.to_string())
         .env("JOBFOLD_INTAKE__GROUP", &config.intake.group)
         .env("JOBFOLD_RELAY__LOCK_KEY", config.relay.lock_key.to_string())
         .env("JOBFOLD_HTTP_ADDR", format!("127.0.0.1:{http}"))
         .env("JOBFOLD_METRICS_ADDR", format!("127.0.0.1:{metrics}"))
         // Demo timings: a dead worker's jobs move on within seconds.
         .env("JOBFOLD_PROCESSOR__LEASE_TTL", format!("{}s", LEASE_TTL.as_secs()))
-        .env("JOBFOLD_PROCESSOR__HEARTBEAT", "1s")
+        .env("JOBFOLD_PROCESSOR__HEARTBEAT", format!("{}ms", HEARTBEAT.as_millis()))
         .env("JOBFOLD_PROCESSOR__REAPER_INTERVAL", "1s")
         .env("JOBFOLD_PROCESSOR__REAPER_GRACE", "1s")
         .env("JOBFOLD_PROCESSOR__RETRY_BASE", "200ms")
