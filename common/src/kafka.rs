@@ -159,7 +159,7 @@ pub async fn describe_topics(
 
 /// Refuses a topic on which a published event could be lost with one broker: fewer
 /// replicas than `topics.replication_factor`, a `min.insync.replicas` below
-/// `topics.min_insync_replicas` (or above the replicas, where nothing could be written), or
+/// `topics.min_insync_replicas` (or above the replicas, which the broker bounds it to), or
 /// unclean leader election on (a replica that fell behind made leader drops what the others
 /// acknowledged). Settings the broker did not describe are not checked.
 ///
@@ -198,7 +198,8 @@ pub fn check_durability(
             return Err(ConfigError::Named {
                 key: format!("topic {topic}'s min.insync.replicas"),
                 problem: format!(
-                    "{isr} is more than its {} replica(s): no event could ever be written",
+                    "{isr} is more than its {} replica(s): the broker holds it to the replica \
+                     count, so an event counts as written with fewer copies than it says",
                     settings.replicas
                 ),
             });
@@ -426,7 +427,7 @@ mod tests {
         let e = refused(&cluster(3, 2), &topic(3, &[("min.insync.replicas", "1")]));
         assert!(e.contains("topics.min_insync_replicas") && e.contains("=1"), "{e}");
         let e = refused(&cluster(1, 1), &topic(1, &isr2));
-        assert!(e.contains("min.insync.replicas") && e.contains("no event could ever"), "{e}");
+        assert!(e.contains("min.insync.replicas") && e.contains("replica count"), "{e}");
         let unclean = [("min.insync.replicas", "2"), ("unclean.leader.election.enable", "true")];
         let e = refused(&cluster(3, 2), &topic(3, &unclean));
         assert!(e.contains("unclean.leader.election.enable"), "{e}");

@@ -38,6 +38,7 @@ use jobfold_common::{db, failpoint, gauges, kafka};
 use sqlx::postgres::{PgConnectOptions, PgListener};
 use sqlx::{Connection, PgConnection, PgPool};
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::AbortOnDropHandle;
 
 /// The channel `outbox_notify()` signals on, when the relay sleeps.
 pub const NOTIFY_CHANNEL: &str = "jobfold_outbox";
@@ -141,7 +142,11 @@ async fn relay(
 ) -> anyhow::Result<()> {
     let mut listener = PgListener::connect_with(pool).await?;
     listener.listen(NOTIFY_CHANNEL).await?;
-    let mut gauges_at = Instant::now() - GAUGE_INTERVAL;
+    // The backlog gauges come from a task of their own: a pass that waits on Kafka (a broker
+    // outage, fewer replicas in sync than min.insync.replicas) must still show the backlog
+    // and its age growing, for the alert to fire.
+    let _gauges = AbortOnDropHandle::new(tokio::spawn(publish_gauges(pool.clone())));
+    let mut horizon_at = Instant::now() - GAUGE_INTERVAL;
     let mut prune_at = Instant::now();
     let mut horizon = horizon::Watch::default();
     let mut active = Active { config, conn, producer, shutdown, max_bytes };
@@ -163,15 +168,9 @@ async fn relay(
             return Ok(());
         }
         let conn = &mut active.conn;
-        if gauges_at.elapsed() >= GAUGE_INTERVAL {
-            let (count, age) = gauges::relay_backlog(&mut *conn).await?;
-            metrics::gauge!(m::RELAY_BACKLOG).set(count as f64);
-            metrics::gauge!(m::RELAY_OLDEST_UNPUBLISHED_AGE_SECONDS).set(age);
-            let (parked, documents) = gauges::relay_parked(&mut *conn).await?;
-            metrics::gauge!(m::RELAY_PARKED).set(parked as f64);
-            metrics::gauge!(m::RELAY_PARKED_DOCUMENTS).set(documents as f64);
+        if horizon_at.elapsed() >= GAUGE_INTERVAL {
             horizon.check(&mut *conn, config.relay.horizon_warn_after).await?;
-            gauges_at = Instant::now();
+            horizon_at = Instant::now();
         }
         if prune_at.elapsed() >= config.relay.prune_interval && !config.relay.prune_after.is_zero()
         {
@@ -219,6 +218,25 @@ async fn relay(
             }
             _ = tokio::time::sleep(wait) => {}
         }
+    }
+}
+
+/// Refreshes the backlog and park gauges every [`GAUGE_INTERVAL`] while this relay is
+/// active, whatever its pass is waiting for; a failed reading is skipped.
+async fn publish_gauges(pool: PgPool) {
+    loop {
+        match gauges::relay_backlog(&pool).await {
+            Ok((count, age)) => {
+                metrics::gauge!(m::RELAY_BACKLOG).set(count as f64);
+                metrics::gauge!(m::RELAY_OLDEST_UNPUBLISHED_AGE_SECONDS).set(age);
+            }
+            Err(e) => tracing::debug!(error = %e, "Cannot read the relay's backlog."),
+        }
+        if let Ok((parked, documents)) = gauges::relay_parked(&pool).await {
+            metrics::gauge!(m::RELAY_PARKED).set(parked as f64);
+            metrics::gauge!(m::RELAY_PARKED_DOCUMENTS).set(documents as f64);
+        }
+        tokio::time::sleep(GAUGE_INTERVAL).await;
     }
 }
 

@@ -29,9 +29,10 @@ struct Args {
     /// Jobs per second from each of the three producers.
     #[arg(long, default_value_t = 5.0)]
     rate: f64,
-    /// Ports of the campaign's own services start above this one.
-    #[arg(long, default_value_t = 25_400)]
-    port_base: u16,
+    /// Ports of the campaign's own services start above this one (default 25400; 25500 on
+    /// a cluster).
+    #[arg(long)]
+    port_base: Option<u16>,
     /// Bad jobs, as a share of all the jobs submitted.
     #[arg(long, default_value_t = 0.1)]
     bad_share: f64,
@@ -54,13 +55,17 @@ async fn main() -> ExitCode {
     let args = Args::parse();
     let seed = args.seed.unwrap_or_else(rand::random);
     println!("campaign seed {seed}, {} faults", args.faults);
+    let base = if args.brokers == 3 {
+        Plan::cluster(seed, args.faults)
+    } else {
+        Plan::long(seed, args.faults)
+    };
     let plan = Plan {
         gap_ms: (args.gap_ms[0], *args.gap_ms.get(1).unwrap_or(&args.gap_ms[0])),
         rate: args.rate,
-        port_base: args.port_base,
         bad_share: args.bad_share.clamp(0.0, 0.9),
-        brokers: args.brokers,
-        ..Plan::long(seed, args.faults)
+        port_base: args.port_base.unwrap_or(base.port_base),
+        ..base
     };
     match campaign::run(&plan).await {
         Ok(outcome) => {
