@@ -42,6 +42,8 @@ sasl_port() { echo $((JOBFOLD_KAFKA_SASL_PORT + $(shift_for "$1"))); }
 pidfile() { echo "$(node_dir "$1")/kafka.pid"; }
 logfile() { echo "$(node_dir "$1")/kafka.log"; }
 name() { if [[ "$NODES" == 1 ]]; then echo kafka; else echo "kafka node $1"; fi; }
+# who N: how a line names node N: "kafka:" alone, or "kafka node N:".
+who() { echo "$(name "$1"):"; }
 
 bootstrap() {
     local n list=""
@@ -140,7 +142,7 @@ start() {
     resolve_jars
     for n in $(nodes "${1:-}"); do
         if pid_alive "$(pidfile "$n")"; then
-            say "kafka: $(name "$n"), $(broker_version "$n"), already running (pid $(cat "$(pidfile "$n")")) on 127.0.0.1:$(port "$n"), log $(logfile "$n")"
+            say "$(who "$n") $(broker_version "$n") already running (pid $(cat "$(pidfile "$n")")) on 127.0.0.1:$(port "$n"), log $(logfile "$n")"
         else
             mkdir -p "$(node_dir "$n")"
             fresh+=("$n:$( { wc -l <"$(logfile "$n")"; } 2>/dev/null || echo 0)")
@@ -152,7 +154,7 @@ start() {
     for entry in "${fresh[@]}"; do
         n="${entry%%:*}" lines="${entry#*:}"
         wait_until 120 "$(name "$n")" "$(logfile "$n")" "$(pidfile "$n")" started "$n" "$lines"
-        say "kafka: $(name "$n"), $(broker_version "$n") (KRaft, broker+controller), started in $((SECONDS - t0))s (pid $(cat "$(pidfile "$n")")) on 127.0.0.1:$(port "$n"), log $(logfile "$n")"
+        say "$(who "$n") $(broker_version "$n") (KRaft, broker+controller) started in $((SECONDS - t0))s (pid $(cat "$(pidfile "$n")")) on 127.0.0.1:$(port "$n"), log $(logfile "$n")"
     done
     if [[ -z "${1:-}" ]]; then
         say "kafka: JOBFOLD_KAFKA_BROKERS=$(bootstrap) (SASL/PLAIN on 127.0.0.1:$(sasl_port 1))"
@@ -195,9 +197,9 @@ status() {
     local n rc=0
     for n in $(nodes); do
         if pid_alive "$(pidfile "$n")"; then
-            say "kafka: $(name "$n"), $(broker_version "$n"), running (pid $(cat "$(pidfile "$n")")) on 127.0.0.1:$(port "$n"), log $(logfile "$n")"
+            say "$(who "$n") $(broker_version "$n") running (pid $(cat "$(pidfile "$n")")) on 127.0.0.1:$(port "$n"), log $(logfile "$n")"
         else
-            say "kafka: $(name "$n") not running"; rc=1
+            say "$(who "$n") not running"; rc=1
         fi
     done
     return $rc
@@ -226,13 +228,13 @@ case "${1:-}" in
                 signal KILL "$n"; rm -f "$(pidfile "$n")"
                 # Gone, its ports closed, before this returns (a restart must find them free).
                 gone "$pid" 30 || die "kafka: $(name "$n") (pid $pid) outlived SIGKILL by 30s"
-                say "kafka: $(name "$n") killed"
+                say "$(who "$n") killed"
             elif [[ -n "${2:-}" ]]; then
                 die "kafka: $(name "$n") is not running"
             fi
         done ;;
-    pause) [[ -n "${2:-}" ]] || die "usage: $0 pause NODE"; signal STOP "$2"; say "kafka: $(name "$2") paused" ;;
-    resume) [[ -n "${2:-}" ]] || die "usage: $0 resume NODE"; signal CONT "$2"; say "kafka: $(name "$2") resumed" ;;
+    pause) [[ -n "${2:-}" ]] || die "usage: $0 pause NODE"; signal STOP "$2"; say "$(who "$2") paused" ;;
+    resume) [[ -n "${2:-}" ]] || die "usage: $0 resume NODE"; signal CONT "$2"; say "$(who "$2") resumed" ;;
     status) status ;;
     brokers) bootstrap ;;
     controller) controller ;;
