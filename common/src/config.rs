@@ -375,6 +375,18 @@ pub struct Kind {
     /// registered in code runs it.
     #[serde(default)]
     pub url: Option<String>,
+    /// The provider's request quota: attempts of this kind started per second, by all of
+    /// the group's processors together (else no limit).
+    #[serde(default)]
+    pub rate_per_second: Option<f64>,
+    /// The provider's cost quota: cost units (a model's tokens, say; each job's from its
+    /// handler) per minute, by all of the group's processors together (else no limit).
+    #[serde(default)]
+    pub cost_per_minute: Option<f64>,
+    /// For a kind run at `url`: where a job's cost is in its input, as a JSON pointer
+    /// (`/estimated_tokens`); a job without one costs 1.
+    #[serde(default)]
+    pub cost_pointer: Option<String>,
 }
 
 /// One kind's settings with the global defaults filled in.
@@ -390,6 +402,8 @@ pub struct KindSettings {
     pub retry_cap: Duration,
     pub max_output_bytes: usize,
     pub owner: String,
+    pub rate_per_second: Option<f64>,
+    pub cost_per_minute: Option<f64>,
 }
 
 /// What accepting a job needs: the input limit and each kind's budgets.
@@ -439,6 +453,8 @@ impl Config {
             retry_cap: k.retry_cap.unwrap_or(p.retry_cap),
             max_output_bytes: k.max_output_bytes.unwrap_or(p.max_output_bytes),
             owner: k.owner.unwrap_or_else(|| p.default_owner.clone()),
+            rate_per_second: k.rate_per_second,
+            cost_per_minute: k.cost_per_minute,
         }
     }
 
@@ -748,6 +764,18 @@ impl Config {
         if k.owner.trim().is_empty() {
             return invalid("owner", "must not be empty");
         }
+        let positive = |rate: Option<f64>| rate.is_none_or(|r| r.is_finite() && r > 0.0);
+        if !positive(k.rate_per_second) {
+            return invalid("rate_per_second", "must be a number above zero");
+        }
+        if !positive(k.cost_per_minute) {
+            return invalid("cost_per_minute", "must be a number above zero");
+        }
+        if let Some(pointer) = self.kinds.get(name).and_then(|k| k.cost_pointer.as_ref())
+            && !pointer.starts_with('/')
+        {
+            return invalid("cost_pointer", "must be a JSON pointer, starting with /");
+        }
         if let Some(url) = self.kinds.get(name).and_then(|k| k.url.as_ref()) {
             let parsed = url::Url::parse(url);
             if !parsed
@@ -940,6 +968,10 @@ mod tests {
             (Kind { max_attempts: Some(0), ..Kind::default() }, "max_attempts"),
             (Kind { url: Some("ftp://host/run".into()), ..Kind::default() }, "url"),
             (Kind { url: Some("not a url".into()), ..Kind::default() }, "url"),
+            (Kind { rate_per_second: Some(0.0), ..Kind::default() }, "rate_per_second"),
+            (Kind { rate_per_second: Some(f64::NAN), ..Kind::default() }, "rate_per_second"),
+            (Kind { cost_per_minute: Some(-5.0), ..Kind::default() }, "cost_per_minute"),
+            (Kind { cost_pointer: Some("tokens".into()), ..Kind::default() }, "cost_pointer"),
         ] {
             let mut config = defaults();
             config.kinds.insert("bad".into(), kind);

@@ -67,6 +67,15 @@ pub const LEASES_HELD: &str = "jobfold_leases_held";
 pub const LEASE_MARGIN_SECONDS: &str = "jobfold_lease_margin_seconds";
 /// Gauge: the least of those margins at the last heartbeat (near 0: leases about to lapse).
 pub const LEASE_MARGIN_MIN_SECONDS: &str = "jobfold_lease_margin_min_seconds";
+/// Gauge, by kind: jobs waiting for their kind's quota (rate limit or a 429's pause) in this
+/// processor; they hold no slot and have spent no attempt.
+pub const QUOTA_WAITING: &str = "jobfold_quota_waiting";
+/// Counter, by kind and unit (`requests`, `cost`): quota this processor took.
+pub const QUOTA_TAKEN_TOTAL: &str = "jobfold_quota_taken_total";
+/// Gauge, by kind: the share of its rate limits in force, 1 unless 429s cut it.
+pub const QUOTA_RATE_FACTOR: &str = "jobfold_quota_rate_factor";
+/// Counter, by kind: attempts refused for an outside service's quota (429).
+pub const THROTTLED_TOTAL: &str = "jobfold_throttled_total";
 /// Handler runs started (compare with completions: the difference is crashes and fencing).
 pub const HANDLER_RUNS_TOTAL: &str = "jobfold_handler_runs_total";
 /// Handler duration by kind.
@@ -197,6 +206,26 @@ pub fn describe() {
         LEASE_MARGIN_MIN_SECONDS,
         Unit::Seconds,
         "The least time a lease renewed by the last heartbeat still had to run."
+    );
+    describe_gauge!(
+        QUOTA_WAITING,
+        Unit::Count,
+        "Jobs waiting for their kind's quota in this processor (no slot held, no attempt spent)."
+    );
+    describe_counter!(
+        QUOTA_TAKEN_TOTAL,
+        Unit::Count,
+        "Quota this processor took, by kind and unit."
+    );
+    describe_gauge!(
+        QUOTA_RATE_FACTOR,
+        Unit::Count,
+        "The share of a kind's rate limits in force: 1 unless its outside service answered 429."
+    );
+    describe_counter!(
+        THROTTLED_TOTAL,
+        Unit::Count,
+        "Attempts refused for an outside service's quota (429), by kind."
     );
     describe_counter!(
         FENCED_COMPLETIONS_TOTAL,

@@ -75,7 +75,20 @@ fn messages(input: &Value) -> Result<&[Value], HandlerError> {
     Ok(messages)
 }
 
+/// Tokens a summary's answer is counted at, on top of the conversation's.
+const ANSWER_TOKENS: u64 = 256;
+
 impl Handler for Summarize {
+    /// What a call costs against `cost_per_minute` (a model's tokens a minute): the
+    /// conversation at about four characters a token, the instruction and the answer.
+    fn cost(&self, input: &Value) -> u64 {
+        let characters: usize = input
+            .get("messages")
+            .and_then(Value::as_array)
+            .map_or(0, |m| m.iter().filter_map(|m| m["content"].as_str()).map(str::len).sum());
+        ((characters + INSTRUCTION.len()) / 4) as u64 + ANSWER_TOKENS
+    }
+
     async fn run(
         &self,
         job: &JobContext,

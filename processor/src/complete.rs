@@ -193,12 +193,26 @@ impl Batch<'_> {
                         Outcome::Superseded { newer: newer_version }
                     }
                 },
-                Err(e) => Outcome::Failed { class: e.class, message: e.message.clone() },
+                Err(e) => Outcome::Failed {
+                    class: e.class,
+                    message: e.message.clone(),
+                    throttled: e.throttled,
+                },
             };
-            // An outside service's Retry-After is a floor under the backoff.
-            let floor = attempt.result.as_ref().err().and_then(|e| e.retry_after);
-            let backoff = crate::worker::backoff(self.config, &job.kind, job.attempt)
-                .max(floor.unwrap_or_default());
+            let error = attempt.result.as_ref().err();
+            let backoff = if error.is_some_and(|e| e.throttled) {
+                // Throttled: its kind's pause (Retry-After, else retry_base), spread over
+                // one retry_base so the jobs throttled together do not come back together.
+                crate::worker::throttled_delay(
+                    self.config,
+                    &job.kind,
+                    error.and_then(|e| e.retry_after),
+                )
+            } else {
+                // An outside service's Retry-After is a floor under the backoff.
+                crate::worker::backoff(self.config, &job.kind, job.attempt)
+                    .max(error.and_then(|e| e.retry_after).unwrap_or_default())
+            };
             let retry_at = Utc::now() + chrono::Duration::from_std(backoff)?;
             let owner = self.config.quarantine_owner(&job.kind);
             let trace = attempt.trace.clone();

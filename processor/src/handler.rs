@@ -64,17 +64,38 @@ pub struct HandlerError {
     /// For a retryable failure: wait at least this long before the next attempt (an
     /// outside service's `Retry-After`), even when the backoff is shorter.
     pub retry_after: Option<std::time::Duration>,
+    /// The outside service refused for its quota (HTTP 429): the attempt is not counted
+    /// against the job's budget, and the whole kind backs off ([`crate::quota`]).
+    pub throttled: bool,
 }
 
 impl HandlerError {
     /// May succeed later: retried with backoff while the budgets last.
     pub fn retryable(message: impl Into<String>) -> Self {
-        Self { class: ErrorClass::Retryable, message: message.into(), retry_after: None }
+        Self {
+            class: ErrorClass::Retryable,
+            message: message.into(),
+            retry_after: None,
+            throttled: false,
+        }
     }
 
     /// Will not succeed: quarantined at once.
     pub fn permanent(message: impl Into<String>) -> Self {
-        Self { class: ErrorClass::Permanent, message: message.into(), retry_after: None }
+        Self {
+            class: ErrorClass::Permanent,
+            message: message.into(),
+            retry_after: None,
+            throttled: false,
+        }
+    }
+
+    /// Refused for the outside service's quota (HTTP 429): retried without spending an
+    /// attempt of the job's budget (its time budget still runs), and every processor holds
+    /// the kind back — it waits `retry_after` (else the kind's `retry_base`) and its rate
+    /// limits halve, growing back over a minute.
+    pub fn throttled(message: impl Into<String>) -> Self {
+        Self { throttled: true, ..Self::retryable(message) }
     }
 
     /// The next attempt waits at least `delay` (the backoff, if longer, wins).
@@ -86,7 +107,12 @@ impl HandlerError {
 
     /// The input itself is wrong: quarantined at once, never retried.
     pub fn invalid_input(message: impl Into<String>) -> Self {
-        Self { class: ErrorClass::InvalidInput, message: message.into(), retry_after: None }
+        Self {
+            class: ErrorClass::InvalidInput,
+            message: message.into(),
+            retry_after: None,
+            throttled: false,
+        }
     }
 }
 
@@ -109,6 +135,14 @@ pub trait Handler: Send + Sync + 'static {
         job: &JobContext,
         cancel: CancellationToken,
     ) -> impl Future<Output = Result<Value, HandlerError>> + Send;
+
+    /// What a job of this input costs against its kind's `cost_per_minute` quota (a model's
+    /// tokens, say), taken before its attempt starts. Only asked for kinds with that limit;
+    /// a cost above the limit's minute counts as the whole minute. The default: 1.
+    fn cost(&self, input: &Value) -> u64 {
+        let _ = input;
+        1
+    }
 
     /// Writes the business result in the completion transaction (already fenced by the
     /// generation check). The default writes nothing: the result is stored in `job_results`.
@@ -136,6 +170,9 @@ pub trait ErasedHandler: Send + Sync + 'static {
         cancel: CancellationToken,
     ) -> BoxFuture<'a, Result<Value, HandlerError>>;
 
+    /// [`Handler::cost`].
+    fn cost_of(&self, input: &Value) -> u64;
+
     /// [`Handler::commit`], boxed.
     fn commit_boxed<'a>(
         &'a self,
@@ -152,6 +189,10 @@ impl<H: Handler> ErasedHandler for H {
         cancel: CancellationToken,
     ) -> BoxFuture<'a, Result<Value, HandlerError>> {
         Box::pin(self.run(job, cancel))
+    }
+
+    fn cost_of(&self, input: &Value) -> u64 {
+        self.cost(input)
     }
 
     fn commit_boxed<'a>(

@@ -37,6 +37,7 @@ pub mod intake;
 pub mod lag;
 pub mod lease;
 pub mod offsets;
+pub mod quota;
 pub mod reaper;
 pub mod remote;
 pub mod retention;
@@ -136,7 +137,8 @@ impl Processor {
                 && handlers.get(kind).is_none()
             {
                 let remote = remote::Remote::new(url, self.config.kind(kind).max_output_bytes)
-                    .with_context(|| format!("the handler of kind {kind} at {url}"))?;
+                    .with_context(|| format!("the handler of kind {kind} at {url}"))?
+                    .with_cost_pointer(settings.cost_pointer.clone());
                 handlers = handlers.with(kind.clone(), remote);
             }
         }

@@ -8,7 +8,8 @@
 //! | --- | --- |
 //! | 2xx with a JSON body | succeeds; the body is the result |
 //! | 422 | invalid input: quarantined, never retried |
-//! | 408, 429, 5xx, a time-out, a refused or broken connection | retryable, not before `Retry-After` |
+//! | 429 | throttled: retried without spending an attempt; the kind backs off (`Retry-After`) |
+//! | 408, 5xx, a time-out, a refused or broken connection | retryable, not before `Retry-After` |
 //! | any other 4xx, or a 2xx whose body is not JSON | permanent: quarantined |
 //!
 //! The processor's heartbeats go on while the call runs; a lost lease or shutdown drops the
@@ -30,6 +31,8 @@ pub struct Remote {
     url: reqwest::Url,
     client: reqwest::Client,
     max_output_bytes: usize,
+    /// Where a job's cost is in its input (a JSON pointer), for `cost_per_minute`.
+    cost_pointer: Option<String>,
 }
 
 impl Remote {
@@ -42,7 +45,15 @@ impl Remote {
             .connect_timeout(Duration::from_secs(10))
             .user_agent(concat!("jobfold-processor/", env!("CARGO_PKG_VERSION")))
             .build()?;
-        Ok(Self { url: url.parse()?, client, max_output_bytes })
+        Ok(Self { url: url.parse()?, client, max_output_bytes, cost_pointer: None })
+    }
+
+    /// A job's cost is the unsigned integer at `pointer` in its input (`/usage/tokens`), or 1
+    /// where there is none: `[kinds.<kind>] cost_pointer`.
+    #[must_use]
+    pub fn with_cost_pointer(mut self, pointer: Option<String>) -> Self {
+        self.cost_pointer = pointer;
+        self
     }
 
     /// The request's body: everything the remote handler is given.
@@ -114,7 +125,7 @@ impl Remote {
 }
 
 /// The attempt's failure for an answer that is not a success, by the protocol's table:
-/// 422 invalid input; 408, 429 and 5xx retryable (not before `retry_after`); any other
+/// 422 invalid input; 429 throttled; 408 and 5xx retryable (not before `retry_after`); any other
 /// status permanent. `body` is kept in the message, trimmed. For handlers that call HTTP
 /// services themselves, too.
 pub fn failure(
@@ -135,7 +146,11 @@ pub fn failure(
     match status.as_u16() {
         422 => HandlerError::invalid_input(message),
         408 | 429 | 500..=599 => {
-            let error = HandlerError::retryable(message);
+            let error = if status.as_u16() == 429 {
+                HandlerError::throttled(message)
+            } else {
+                HandlerError::retryable(message)
+            };
             match retry_after {
                 Some(delay) => error.retry_after(delay),
                 None => error,
@@ -146,6 +161,14 @@ pub fn failure(
 }
 
 impl Handler for Remote {
+    fn cost(&self, input: &Value) -> u64 {
+        self.cost_pointer
+            .as_deref()
+            .and_then(|p| input.pointer(p))
+            .and_then(Value::as_u64)
+            .unwrap_or(1)
+    }
+
     async fn run(
         &self,
         job: &JobContext,

@@ -800,14 +800,25 @@ fn states_of(
 /// What an attempt produced, to be committed.
 #[derive(Debug, Clone)]
 pub enum Outcome {
-    Succeeded { result: serde_json::Value },
-    Superseded { newer: i64 },
-    Failed { class: ErrorClass, message: String },
+    Succeeded {
+        result: serde_json::Value,
+    },
+    Superseded {
+        newer: i64,
+    },
+    /// `throttled`: refused for an outside service's quota (429), so the attempt is given
+    /// back to the job's budget when it is retried.
+    Failed {
+        class: ErrorClass,
+        message: String,
+        throttled: bool,
+    },
 }
 
 /// Completes an attempt whose fence (state `leased`, same generation) was checked by the
 /// caller in this transaction: result row, state, events; a retryable failure with budget
-/// left schedules a `RetryDue` at `retry_at`.
+/// left schedules a `RetryDue` at `retry_at`. A throttled one gives its attempt back first:
+/// its `JobRetryScheduled` carries the attempt count before it, and so does the job.
 ///
 /// # Errors
 /// The database failed, or an event did not encode.
@@ -830,7 +841,7 @@ pub async fn complete(
             supersede(tx, events, job, newer, trace).await?;
             Ok("superseded")
         }
-        Outcome::Failed { class, message } => {
+        Outcome::Failed { class, message, throttled } => {
             let failed = Payload::JobFailed(JobFailed {
                 generation: job.generation,
                 attempt: job.attempt,
@@ -838,6 +849,10 @@ pub async fn complete(
                 message: message.clone(),
             });
             events.append(tx, job, failed, None, trace.clone()).await?;
+            let refunded = throttled && class == ErrorClass::Retryable;
+            if refunded {
+                job.attempt -= 1;
+            }
             let budget_left = job.attempt < job.max_attempts;
             let in_time = job.deadline.is_none_or(|d| retry_at < d);
             if class == ErrorClass::Retryable && budget_left && in_time {
@@ -853,16 +868,17 @@ pub async fn complete(
                 events.append(tx, job, due, Some(retry_at), trace).await?;
                 // language=PostgreSQL
                 sqlx::query(
-                    "UPDATE jobs SET state = $4::job_state, lease_until = NULL, \
+                    "UPDATE jobs SET state = $4::job_state, lease_until = NULL, attempt = $5, \
                      lease_owner = NULL, next_attempt_at = $2, last_error = $3 WHERE job_id = $1",
                 )
                 .bind(job.job_id)
                 .bind(retry_at)
                 .bind(&message)
                 .bind(job.state.as_str())
+                .bind(job.attempt)
                 .execute(&mut *tx)
                 .await?;
-                return Ok("retry_scheduled");
+                return Ok(if refunded { "throttled" } else { "retry_scheduled" });
             }
             let reason = match class {
                 ErrorClass::Retryable if !budget_left => {

@@ -182,6 +182,8 @@ struct Shared {
     completer: Completer,
     /// Keeps every running attempt's lease alive, one statement a beat.
     heartbeats: Heartbeats,
+    /// The kinds' rate limits and 429 pauses, shared with the group's other processors.
+    quotas: Arc<crate::quota::Quotas>,
     tracker: Arc<Mutex<Tracker>>,
     /// Per document: messages waiting behind the one running.
     queues: Mutex<HashMap<String, VecDeque<Queued>>>,
@@ -238,6 +240,7 @@ pub async fn run(
         .filter_map(|(kind, k)| Some((kind.clone(), Arc::new(Semaphore::new(k.concurrency?)))))
         .collect();
     let heartbeats = Heartbeats::start(pool.clone(), config.shortest_heartbeat());
+    let quotas = crate::quota::Quotas::start(&config, pool.clone(), shutdown.clone());
     let shared = Arc::new(Shared {
         config: config.clone(),
         pool,
@@ -252,6 +255,7 @@ pub async fn run(
         leaser,
         completer,
         heartbeats,
+        quotas,
         tracker,
         queues: Mutex::new(HashMap::new()),
         shutdown: shutdown.clone(),
@@ -364,27 +368,35 @@ struct Slot {
 }
 
 impl Slot {
-    /// Waits for a slot of `kind` (if it has its own `concurrency`), then for one of the
-    /// process's — the kind's first, so jobs waiting for their kind hold none of the
-    /// process's slots. `None` if the shutdown or `revoked` came first.
-    async fn acquire(shared: &Shared, kind: &str, revoked: &CancellationToken) -> Option<Self> {
+    /// Waits for a slot of `kind` (if it has its own `concurrency`), then for its kind's
+    /// quota ([`crate::quota`]), then for one of the process's slots — the kind's first, so
+    /// jobs waiting for their kind or its quota hold none of the process's slots.
+    /// `Ok(None)` if the shutdown or `revoked` came first.
+    async fn acquire(
+        shared: &Shared,
+        kind: &str,
+        cost: u64,
+        revoked: &CancellationToken,
+    ) -> anyhow::Result<Option<Self>> {
         let wait = async {
             let of_kind = match shared.kind_slots.get(kind) {
-                Some(slots) => Some(Arc::clone(slots).acquire_owned().await.ok()?),
+                Some(slots) => Some(Arc::clone(slots).acquire_owned().await?),
                 None => None,
             };
-            let own = Arc::clone(&shared.slots).acquire_owned().await.ok()?;
-            Some((of_kind, own))
+            let admitted = shared.quotas.admit(kind, &shared.handlers.label(kind), cost).await?;
+            let own = Arc::clone(&shared.slots).acquire_owned().await?;
+            drop(admitted);
+            anyhow::Ok((of_kind, own))
         };
         let permits = tokio::select! {
             biased;
-            _ = shared.shutdown.cancelled() => return None,
-            _ = revoked.cancelled() => return None,
+            _ = shared.shutdown.cancelled() => return Ok(None),
+            _ = revoked.cancelled() => return Ok(None),
             permits = wait => permits?,
         };
         let max = shared.config.processor.max_in_flight;
         metrics::gauge!(pm::IN_FLIGHT).set((max - shared.slots.available_permits()) as f64);
-        Some(Self { _permits: permits, slots: Arc::clone(&shared.slots), max })
+        Ok(Some(Self { _permits: permits, slots: Arc::clone(&shared.slots), max }))
     }
 }
 
@@ -410,7 +422,8 @@ async fn drain_key(shared: Arc<Shared>, key: String, first: Queued) {
         // After shutdown or revoke, queued messages are left for redelivery.
         let current = !shared.shutdown.is_cancelled()
             && shared.tracker.lock().expect("tracker").is_current(&ticket);
-        let finished = current && handle(&shared, &queued.message, &ticket).await;
+        // Boxed: allocated while a message is handled, not for as long as its queue lives.
+        let finished = current && Box::pin(handle(&shared, &queued.message, &ticket)).await;
         let store = {
             let mut tracker = shared.tracker.lock().expect("tracker");
             if finished {
@@ -507,14 +520,7 @@ async fn handle(shared: &Shared, message: &OwnedMessage, ticket: &Ticket) -> boo
                 let (code, refused) = jobfold_common::db::data_error_in(&e).expect("checked");
                 let reason =
                     format!("the database refused what this event causes ({code}): {refused}");
-                match crate::dead_letter::store(
-                    &shared.pool,
-                    &shared.config.processor.group,
-                    message,
-                    &reason,
-                )
-                .await
-                {
+                match set_aside(shared, message, &reason).await {
                     Ok(()) => return true,
                     Err(e) => {
                         tracing::warn!(error = %e, "Storing the dead letter failed; retrying.")
@@ -556,27 +562,17 @@ async fn try_handle(
     ticket: &Ticket,
 ) -> anyhow::Result<Step> {
     let Some(payload) = message.payload() else {
-        crate::dead_letter::store(
-            &shared.pool,
-            &shared.config.processor.group,
-            message,
-            "message has no value",
-        )
-        .await?;
+        set_aside(shared, message, "message has no value").await?;
         return Ok(Step::Done);
     };
-    let event = match shared.decoder.decode(payload).await {
+    // Boxed, as are the slot's wait and the attempt below: a document's task lives as long
+    // as its queue, so it keeps only what all three have in common inline.
+    let event = match Box::pin(shared.decoder.decode(payload)).await {
         Ok(event) => event,
         Err(e) if e.is_retryable() => return Err(e.into()),
         Err(e) => {
             let error = format!("undecodable: {e}");
-            crate::dead_letter::store(
-                &shared.pool,
-                &shared.config.processor.group,
-                message,
-                &error,
-            )
-            .await?;
+            set_aside(shared, message, &error).await?;
             return Ok(Step::Done);
         }
     };
@@ -592,13 +588,46 @@ async fn try_handle(
     // A slot (the kind's, then the process's) from here to the completion; a revoke or the
     // shutdown while waiting leaves the message for redelivery.
     let revoked = shared.tracker.lock().expect("tracker").revoked(ticket);
-    let Some(_slot) = Slot::acquire(shared, &event.job_kind, &revoked).await else {
+    let cost = if shared.quotas.costs(&event.job_kind) {
+        Box::pin(cost_of(shared, event.job_id, handler.as_ref())).await?
+    } else {
+        1
+    };
+    let Some(_slot) = Box::pin(Slot::acquire(shared, &event.job_kind, cost, &revoked)).await?
+    else {
         return Ok(Step::Interrupted);
     };
     // The attempt's state (lease, run, completion) is allocated once it runs: a document's
     // task waiting for a slot or behind another job stays small, so what the buffer holds
     // costs little memory each.
     Box::pin(attempt(shared, message, event, handler)).await
+}
+
+/// Stores `message` in `dead_letters` with `reason`. Boxed: a rare path whose future would
+/// otherwise be part of every document's task.
+async fn set_aside(shared: &Shared, message: &OwnedMessage, reason: &str) -> anyhow::Result<()> {
+    Ok(Box::pin(crate::dead_letter::store(
+        &shared.pool,
+        &shared.config.processor.group,
+        message,
+        reason,
+    ))
+    .await?)
+}
+
+/// A job's cost against its kind's `cost_per_minute`, from its input.
+async fn cost_of(
+    shared: &Shared,
+    job_id: uuid::Uuid,
+    handler: &dyn crate::handler::ErasedHandler,
+) -> anyhow::Result<u64> {
+    // language=PostgreSQL
+    let input: Option<serde_json::Value> =
+        sqlx::query_scalar("SELECT payload FROM jobs WHERE job_id = $1")
+            .bind(job_id)
+            .fetch_optional(&shared.pool)
+            .await?;
+    Ok(input.map_or(1, |input| handler.cost_of(&input)))
 }
 
 /// Leases, runs and completes the dispatch `event` (its slot held by the caller).
@@ -636,7 +665,9 @@ async fn attempt(
         trace: event.trace.clone(),
         consumed: consumed.clone(),
     };
-    let job = match shared.leaser.submit(dispatch).await? {
+    // The lease's and the completion's waits are boxed: each lives only while it waits, not
+    // for the whole run as part of the attempt (a thousand slow jobs in flight).
+    let job = match Box::pin(shared.leaser.submit(dispatch)).await? {
         Leased::Run(job) => *job,
         Leased::Done => return Ok(Step::Done),
         Leased::WaitUntil(until) => return Ok(Step::WaitUntil(until)),
@@ -710,6 +741,13 @@ async fn attempt(
     metrics::counter!(pm::HANDLER_RUNS_TOTAL).increment(1);
     failpoint::hit(failpoint::PROCESSOR_IN_HANDLER);
     drop(lease);
+    if let Err(e) = &result
+        && e.throttled
+    {
+        // The kind backs off at once, here and in the group's other processors.
+        let label = shared.handlers.label(&job.kind);
+        Box::pin(shared.quotas.throttled(&job.kind, &label, e.retry_after)).await;
+    }
     if result.is_err() && shared.shutdown.is_cancelled() {
         // Cut short by the shutdown, not the job's fault: no attempt is spent. The lease
         // runs out and the job runs again (redelivery, or the reaper).
@@ -726,7 +764,7 @@ async fn attempt(
     let generation = attempt.job.generation;
     let mut backoff = RETRY_MIN;
     let done = loop {
-        match shared.completer.submit(attempt.clone()).await {
+        match Box::pin(shared.completer.submit(attempt.clone())).await {
             Ok(done) => break done,
             // About this attempt's own rows: its event is set aside by the caller.
             Err(e) if jobfold_common::db::data_error_in(&e).is_some() => return Err(e),
@@ -810,7 +848,7 @@ pub fn bounded(
 /// Counts a committed outcome; an ended job also records its acceptance-to-end time.
 pub(crate) fn completed(job: &store::JobRow, outcome: &'static str, handlers: &Handlers) {
     metrics::counter!(pm::COMPLETED_TOTAL, "outcome" => outcome).increment(1);
-    if outcome != "retry_scheduled" {
+    if outcome != "retry_scheduled" && outcome != "throttled" {
         let took = (Utc::now() - job.accepted_at).to_std().unwrap_or_default();
         let kind = handlers.label(&job.kind);
         metrics::histogram!(pm::ACCEPT_TO_COMPLETE_SECONDS, "kind" => kind, "outcome" => outcome)
@@ -826,6 +864,14 @@ pub fn backoff(config: &Config, kind: &str, attempt: i32) -> Duration {
     let ceiling = k.retry_base.saturating_mul(1 << exp).min(k.retry_cap);
     let millis = u64::try_from(ceiling.as_millis()).unwrap_or(u64::MAX);
     Duration::from_millis(rand::rng().random_range(0..=millis))
+}
+
+/// When a throttled job of `kind` runs again: after the pause (`retry_after`, else the
+/// kind's `retry_base`) plus up to one `retry_base` of jitter.
+pub fn throttled_delay(config: &Config, kind: &str, retry_after: Option<Duration>) -> Duration {
+    let base = config.kind(kind).retry_base;
+    let millis = u64::try_from(base.as_millis()).unwrap_or(u64::MAX);
+    retry_after.unwrap_or(base) + Duration::from_millis(rand::rng().random_range(0..=millis))
 }
 
 #[cfg(test)]

@@ -447,21 +447,24 @@ impl JobState {
                         "a retry follows a retryable JobFailed of the current lease",
                     ));
                 }
-                if retry.attempt != self.attempt {
+                // The attempt count the retry leaves: the current one, or one less when the
+                // failed attempt was throttled (an outside service's 429) and given back.
+                if retry.attempt != self.attempt && retry.attempt != self.attempt - 1 {
                     return Err(self.illegal(
                         event,
                         format!(
-                            "attempt {} is not the current attempt {}",
+                            "attempt {} is neither the current attempt {} nor the one before",
                             retry.attempt, self.attempt
                         ),
                     ));
                 }
-                if self.attempt >= self.max_attempts {
+                if retry.attempt >= self.max_attempts {
                     return Err(self.illegal(
                         event,
                         format!("the budget of {} attempts is spent", self.max_attempts),
                     ));
                 }
+                self.attempt = retry.attempt;
                 self.status = RetryWait;
                 self.lease = None;
                 self.next_attempt_at = Some(retry.next_attempt_at);

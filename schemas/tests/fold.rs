@@ -137,6 +137,46 @@ fn retries_stop_at_the_attempt_budget() {
     assert_eq!(b.state.status, Status::Quarantined);
 }
 
+/// A throttled attempt (an outside service's 429) is given back: its retry carries one
+/// attempt less, the next lease repeats its number, and even the last attempt's throttling
+/// schedules a retry. Giving back more than the one attempt is refused.
+#[test]
+fn a_throttled_attempt_is_given_back() {
+    let mut b = builder();
+    for _ in 0..MAX_ATTEMPTS - 1 {
+        b.step(0);
+        b.step(2);
+    }
+    b.step(0); // the last attempt
+    assert_eq!(b.state.attempt, MAX_ATTEMPTS);
+    let throttled = next(
+        &b.state,
+        Payload::JobFailed(JobFailed {
+            generation: b.state.generation,
+            attempt: b.state.attempt,
+            error_class: ErrorClass::Retryable,
+            message: "429 Too Many Requests".into(),
+        }),
+    );
+    let failed = b.state.clone().applied(&throttled).unwrap();
+    let retry = |attempt| {
+        next(
+            &failed,
+            Payload::JobRetryScheduled(JobRetryScheduled {
+                attempt,
+                next_attempt_at: chrono::Utc::now(),
+            }),
+        )
+    };
+    let err = failed.clone().apply(&retry(MAX_ATTEMPTS - 2)).unwrap_err();
+    assert!(err.to_string().contains("nor the one before"), "{err}");
+    let waiting = failed.clone().applied(&retry(MAX_ATTEMPTS - 1)).unwrap();
+    assert_eq!((waiting.status, waiting.attempt), (Status::RetryWait, MAX_ATTEMPTS - 1));
+    let again = next(&waiting, leased(waiting.generation + 1, MAX_ATTEMPTS));
+    let again = waiting.applied(&again).unwrap();
+    assert_eq!((again.status, again.attempt), (Status::Leased, MAX_ATTEMPTS));
+}
+
 /// The last attempt died with its process: no JobFailed, the lease ran out, and the lease
 /// transaction quarantines the job. Short of its budget, the same is refused.
 #[test]

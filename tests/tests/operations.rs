@@ -81,6 +81,7 @@ async fn into_retry_wait(it: &Installation, job_id: Uuid) {
     let failed = store::Outcome::Failed {
         class: ErrorClass::Retryable,
         message: "the upstream is down".into(),
+        throttled: false,
     };
     let later = Utc::now() + chrono::Duration::hours(1);
     store::complete(&mut tx, &events, job, failed, later, "test", None).await.unwrap();

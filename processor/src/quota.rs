@@ -1,0 +1,279 @@
+//! Provider quotas: per-kind rate limits held by all of a group's processors together, and a
+//! kind backing off when its outside service answers 429.
+//!
+//! - **Limits** (`[kinds.<kind>] rate_per_second`, `cost_per_minute`): two token buckets per
+//!   kind in Postgres (`kind_quotas`), shared by every processor. A job takes one request
+//!   and its cost ([`crate::handler::Handler::cost`]) *before* its lease: a job waiting for
+//!   quota has spent no attempt and holds none of the process's slots. One statement per
+//!   job of a limited kind (`take_kind_quota`); kinds without limits cost nothing here.
+//! - **Throttling**: an attempt that failed with [`HandlerError::throttled`] (a remote
+//!   handler's 429) is retried without spending an attempt, and its kind waits for the
+//!   `Retry-After` (else its `retry_base`) in every processor; its limits halve (at most
+//!   once a second, down to 1/16) and grow back linearly over [`RECOVERY`]. Processors
+//!   learn of each other's pauses by polling the table once a [`POLL`].
+//!
+//! In one processor, a kind's jobs wait for quota one at a time, in order (a gate): the job
+//! at the gate holds it until it also has its process slot, so that quota is never taken
+//! far ahead of the work and let out in a burst.
+//!
+//! [`HandlerError::throttled`]: crate::handler::HandlerError::throttled
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use jobfold_common::config::Config;
+use jobfold_common::metrics as pm;
+use sqlx::PgPool;
+use tokio::sync::OwnedMutexGuard;
+use tokio_util::sync::CancellationToken;
+
+/// How long a kind's limits take to grow back from a halving to the full rate.
+pub const RECOVERY: Duration = Duration::from_secs(60);
+/// How often a processor reads the pauses and factors the others set.
+pub const POLL: Duration = Duration::from_secs(1);
+/// The longest a waiting job sleeps before asking again (a pause may end early).
+const LONGEST_NAP: Duration = Duration::from_secs(5);
+
+/// A kind's configured limits, per second.
+#[derive(Debug, Clone, Copy)]
+struct Limit {
+    requests_per_second: f64,
+    cost_per_second: f64,
+    /// A bucket holds a second's requests (at least one) and a minute's cost.
+    requests_cap: f64,
+    cost_cap: f64,
+}
+
+/// The quotas of the kinds one processor runs.
+pub struct Quotas {
+    pool: PgPool,
+    limits: HashMap<String, Limit>,
+    /// Per limited kind: the gate its jobs pass one at a time.
+    gates: HashMap<String, Arc<tokio::sync::Mutex<()>>>,
+    /// Kinds paused by a 429, here or (as last polled) in another processor.
+    paused: Mutex<HashMap<String, Instant>>,
+    /// Per kind: jobs waiting here, for the gauge.
+    waiting: Mutex<HashMap<String, i64>>,
+    retry_base: HashMap<String, Duration>,
+    default_retry_base: Duration,
+}
+
+impl std::fmt::Debug for Quotas {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Quotas").field("limits", &self.limits).finish_non_exhaustive()
+    }
+}
+
+/// Held from a job's admission until it has its process slot; then dropped.
+#[derive(Debug)]
+pub struct Admitted {
+    _gate: Option<OwnedMutexGuard<()>>,
+}
+
+impl Quotas {
+    /// The limits of `config`'s kinds; polls the shared pauses until `shutdown`.
+    pub fn start(config: &Config, pool: PgPool, shutdown: CancellationToken) -> Arc<Self> {
+        let mut limits = HashMap::new();
+        for kind in config.kinds.keys() {
+            let k = config.kind(kind);
+            if k.rate_per_second.is_none() && k.cost_per_minute.is_none() {
+                continue;
+            }
+            let requests_per_second = k.rate_per_second.unwrap_or(0.0);
+            let cost_per_minute = k.cost_per_minute.unwrap_or(0.0);
+            limits.insert(
+                kind.clone(),
+                Limit {
+                    requests_per_second,
+                    cost_per_second: cost_per_minute / 60.0,
+                    requests_cap: if requests_per_second > 0.0 {
+                        requests_per_second.max(1.0)
+                    } else {
+                        0.0
+                    },
+                    cost_cap: cost_per_minute,
+                },
+            );
+        }
+        let quotas = Arc::new(Self {
+            pool,
+            gates: limits.keys().map(|k| (k.clone(), Arc::default())).collect(),
+            limits,
+            paused: Mutex::default(),
+            waiting: Mutex::default(),
+            retry_base: config
+                .kinds
+                .keys()
+                .map(|k| (k.clone(), config.kind(k).retry_base))
+                .collect(),
+            default_retry_base: config.processor.retry_base,
+        });
+        tokio::spawn(Arc::clone(&quotas).poll(shutdown));
+        quotas
+    }
+
+    /// Whether jobs of `kind` have a cost to compute before their admission.
+    pub fn costs(&self, kind: &str) -> bool {
+        self.limits.get(kind).is_some_and(|l| l.cost_per_second > 0.0)
+    }
+
+    /// Waits until a job of `kind` costing `cost` may start: its kind not paused, and
+    /// (for a limited kind) a request and `cost` taken from the shared buckets. Dropping
+    /// the future gives up the wait, having taken nothing.
+    ///
+    /// # Errors
+    /// The database failed.
+    pub async fn admit(&self, kind: &str, label: &str, cost: u64) -> anyhow::Result<Admitted> {
+        let limited = self.limits.contains_key(kind);
+        if !limited && !self.paused.lock().expect("paused").contains_key(kind) {
+            return Ok(Admitted { _gate: None });
+        }
+        let _waiting = Waiting::new(self, label);
+        let gate = match self.gates.get(kind) {
+            Some(gate) => Some(Arc::clone(gate).lock_owned().await),
+            None => None,
+        };
+        loop {
+            let paused = self.paused.lock().expect("paused").get(kind).copied();
+            if let Some(until) = paused.filter(|until| *until > Instant::now()) {
+                tokio::time::sleep_until(until.into()).await;
+                continue;
+            }
+            let Some(limit) = self.limits.get(kind) else { break };
+            // A job costing more than the bucket holds waits for a full bucket.
+            let cost =
+                if limit.cost_per_second > 0.0 { (cost as f64).min(limit.cost_cap) } else { 0.0 };
+            let requests = if limit.requests_per_second > 0.0 { 1.0 } else { 0.0 };
+            // language=PostgreSQL
+            let wait: f64 =
+                sqlx::query_scalar("SELECT take_kind_quota($1, $2, $3, $4, $5, $6, $7, $8)")
+                    .bind(kind)
+                    .bind(requests)
+                    .bind(cost)
+                    .bind(limit.requests_cap)
+                    .bind(limit.requests_per_second)
+                    .bind(limit.cost_cap)
+                    .bind(limit.cost_per_second)
+                    .bind(RECOVERY.as_secs_f64())
+                    .fetch_one(&self.pool)
+                    .await?;
+            if wait <= 0.0 {
+                if requests > 0.0 {
+                    metrics::counter!(pm::QUOTA_TAKEN_TOTAL, "kind" => label.to_owned(), "unit" => "requests").increment(1);
+                }
+                if cost > 0.0 {
+                    metrics::counter!(pm::QUOTA_TAKEN_TOTAL, "kind" => label.to_owned(), "unit" => "cost")
+                        .increment(cost as u64);
+                }
+                break;
+            }
+            tokio::time::sleep(Duration::from_secs_f64(wait).min(LONGEST_NAP)).await;
+        }
+        Ok(Admitted { _gate: gate })
+    }
+
+    /// An attempt of `kind` was throttled: it waits `retry_after` (else the kind's
+    /// `retry_base`) here at once and, through the table, in every processor; its limits
+    /// halve. Returns the pause.
+    pub async fn throttled(
+        &self,
+        kind: &str,
+        label: &str,
+        retry_after: Option<Duration>,
+    ) -> Duration {
+        let pause = retry_after.unwrap_or_else(|| {
+            self.retry_base.get(kind).copied().unwrap_or(self.default_retry_base)
+        });
+        self.pause(kind, Instant::now() + pause);
+        metrics::counter!(pm::THROTTLED_TOTAL, "kind" => label.to_owned()).increment(1);
+        // language=PostgreSQL
+        let factor = sqlx::query_scalar::<_, f64>("SELECT throttle_kind($1, $2, $3)")
+            .bind(kind)
+            .bind(pause.as_secs_f64())
+            .bind(RECOVERY.as_secs_f64())
+            .fetch_one(&self.pool)
+            .await;
+        match factor {
+            Ok(factor) => {
+                tracing::info!(
+                    kind,
+                    ?pause,
+                    factor,
+                    "Kind throttled by its outside service; backing off."
+                );
+            }
+            // This processor still backs off; the others find out from their own 429s.
+            Err(e) => tracing::warn!(kind, error = %e, "Recording the throttled kind failed."),
+        }
+        pause
+    }
+
+    fn pause(&self, kind: &str, until: Instant) {
+        let mut paused = self.paused.lock().expect("paused");
+        let at = paused.entry(kind.to_owned()).or_insert(until);
+        *at = (*at).max(until);
+    }
+
+    /// Reads the pauses and factors in force, once a [`POLL`], until `shutdown`.
+    async fn poll(self: Arc<Self>, shutdown: CancellationToken) {
+        loop {
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = tokio::time::sleep(POLL) => {}
+            }
+            // language=PostgreSQL
+            let rows = sqlx::query_as::<_, (String, f64, f64)>(
+                "SELECT kind, greatest(0, extract(epoch FROM paused_until - clock_timestamp()))::float8, \
+                        kind_quota_factor(q, clock_timestamp(), $1) FROM kind_quotas q",
+            )
+            .bind(RECOVERY.as_secs_f64())
+            .fetch_all(&self.pool)
+            .await;
+            let rows = match rows {
+                Ok(rows) => rows,
+                Err(e) => {
+                    tracing::debug!(error = %e, "Reading the kinds' quotas failed.");
+                    continue;
+                }
+            };
+            let now = Instant::now();
+            for (kind, pause, factor) in rows {
+                if pause > 0.0 {
+                    self.pause(&kind, now + Duration::from_secs_f64(pause));
+                }
+                if self.retry_base.contains_key(&kind) || self.limits.contains_key(&kind) {
+                    metrics::gauge!(pm::QUOTA_RATE_FACTOR, "kind" => kind).set(factor);
+                }
+            }
+            self.paused.lock().expect("paused").retain(|_, until| *until > now);
+        }
+    }
+}
+
+/// Counts a job as waiting for quota while it lives.
+struct Waiting<'a> {
+    quotas: &'a Quotas,
+    label: String,
+}
+
+impl<'a> Waiting<'a> {
+    fn new(quotas: &'a Quotas, label: &str) -> Self {
+        let waiting = Self { quotas, label: label.to_owned() };
+        waiting.add(1);
+        waiting
+    }
+
+    fn add(&self, delta: i64) {
+        let mut waiting = self.quotas.waiting.lock().expect("waiting");
+        let count = waiting.entry(self.label.clone()).or_default();
+        *count += delta;
+        metrics::gauge!(pm::QUOTA_WAITING, "kind" => self.label.clone()).set(*count as f64);
+    }
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.add(-1);
+    }
+}

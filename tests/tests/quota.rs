@@ -1,0 +1,216 @@
+//! Provider quotas, with two shipped processors in one group over real Postgres, Kafka and
+//! the registry, and a server on 127.0.0.1 standing in for the provider:
+//!
+//! - a kind's `rate_per_second` and `cost_per_minute` hold for the group as a whole: in
+//!   every stretch of time, the provider sees no more requests and no more cost than the
+//!   token buckets allow, though both processors call it;
+//! - a 429 holds the whole kind back for its `Retry-After`, in both processors, and the
+//!   throttled jobs succeed later on their first attempt's budget (`max_attempts = 1`).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::http::StatusCode;
+use axum::response::IntoResponse;
+use jobfold_common::accept::NewJob;
+use jobfold_tests::harness::{Installation, Service, eventually, fold_mismatches, metric_value};
+use serde_json::{Value, json};
+use uuid::Uuid;
+
+/// When the provider saw each call (its own clock, seconds since the first), and its cost.
+type Calls = Arc<Mutex<Vec<(f64, u64)>>>;
+
+/// The provider: `/metered` answers 200 to every call; `/busy` answers 429 with
+/// `Retry-After: 2` to its calls number 6 and 7, and 200 to the others.
+async fn provider() -> (String, Calls, Calls) {
+    let (metered, busy): (Calls, Calls) = Default::default();
+    let (m, b) = (Arc::clone(&metered), Arc::clone(&busy));
+    let start = std::time::Instant::now();
+    let app = axum::Router::new()
+        .route(
+            "/metered",
+            axum::routing::post(move |body: axum::Json<Value>| async move {
+                let cost = body["input"]["tokens"].as_u64().unwrap_or(1);
+                m.lock().unwrap().push((start.elapsed().as_secs_f64(), cost));
+                axum::Json(json!({"ok": true}))
+            }),
+        )
+        .route(
+            "/busy",
+            axum::routing::post(move || async move {
+                let call = {
+                    let mut calls = b.lock().unwrap();
+                    calls.push((start.elapsed().as_secs_f64(), 1));
+                    calls.len()
+                };
+                if (6..=7).contains(&call) {
+                    (StatusCode::TOO_MANY_REQUESTS, [("retry-after", "2")], "slow down")
+                        .into_response()
+                } else {
+                    axum::Json(json!({"ok": true})).into_response()
+                }
+            }),
+        );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    (url, metered, busy)
+}
+
+/// Two processors of one group, both holding partitions, with `kinds` as their
+/// configuration file; and the relay.
+async fn group(it: &Installation, kinds: &str) -> (Vec<Service>, std::path::PathBuf) {
+    let file = std::env::temp_dir().join(format!("jobfold-quota-{}.toml", Uuid::new_v4().simple()));
+    std::fs::write(&file, kinds).unwrap();
+    let mut env = it.fast_env(&jobfold_tests::kafka::unique_name("quota"));
+    env.insert("JOBFOLD_CONFIG".into(), file.display().to_string());
+    let services = vec![
+        Service::start("jobfold-relay", &env),
+        Service::start("jobfold-processor", &env),
+        Service::start("jobfold-processor", &env),
+    ];
+    for processor in &services[1..] {
+        eventually(Duration::from_secs(90), "each processor to hold partitions", || async {
+            processor.metric("jobfold_assigned_partitions").await.unwrap_or(0.0) > 0.0
+        })
+        .await;
+    }
+    (services, file)
+}
+
+fn job(kind: &str, n: usize, input: Value) -> NewJob {
+    NewJob {
+        document_id: format!("{kind}-{n}"),
+        kind: kind.into(),
+        input_version: 1,
+        input,
+        idempotency_key: None,
+        trace: None,
+        run_at: None,
+    }
+}
+
+async fn succeeded(it: &Installation, kind: &str) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM jobs WHERE kind = $1 AND state = 'succeeded'")
+        .bind(kind)
+        .fetch_one(&it.pool)
+        .await
+        .unwrap()
+}
+
+/// A token bucket of `cap` refilled at `rate` a second lets at most `cap + rate * T` through
+/// in any stretch of length T. Checked for every stretch between two calls, with half a
+/// second of slack for a call's way from its grant to the provider: the quota is taken
+/// before the lease, whose shared transaction comes between (a debug build on a loaded
+/// machine). The limits below are low enough that the slack is worth one call.
+fn within_bucket(calls: &[(f64, u64)], cap: f64, rate: f64, amount: impl Fn(u64) -> f64) {
+    for i in 0..calls.len() {
+        let mut sum = 0.0;
+        for j in i..calls.len() {
+            sum += amount(calls[j].1);
+            let stretch = calls[j].0 - calls[i].0 + 0.5;
+            assert!(
+                sum <= cap + rate * stretch + 1e-9,
+                "calls {i}..={j}: {sum} in {stretch:.3} s, past the bucket ({cap} + {rate}/s): {calls:?}"
+            );
+        }
+    }
+}
+
+/// 14 jobs of 10 tokens against 2 requests a second and 120 tokens a minute (2 a second):
+/// the first dozen go at the request rate, the rest at the token rate. Both processors
+/// take quota; the provider never sees more than either bucket allows (without the
+/// limits, all 14 would come within a second and fail both checks).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_kinds_rate_limits_hold_across_the_processors_of_a_group() {
+    let it = Installation::new("quota_rate").await;
+    it.create_topics().await;
+    let (url, metered, _) = provider().await;
+    let (services, file) = group(
+        &it,
+        &format!(
+            "[kinds.metered]\nurl = \"{url}/metered\"\nrate_per_second = 2\n\
+             cost_per_minute = 120\ncost_pointer = \"/tokens\"\n"
+        ),
+    )
+    .await;
+    let acceptor = it.acceptor().await;
+    let jobs: Vec<NewJob> = (0..14).map(|n| job("metered", n, json!({"tokens": 10}))).collect();
+    acceptor.accept_batch(&it.pool, &jobs).await.unwrap();
+    eventually(Duration::from_secs(90), "every metered job to succeed", || async {
+        succeeded(&it, "metered").await == 14
+    })
+    .await;
+    let calls = metered.lock().unwrap().clone();
+    assert_eq!(calls.len(), 14, "each job called once");
+    within_bucket(&calls, 2.0, 2.0, |_| 1.0);
+    within_bucket(&calls, 120.0, 2.0, |cost| cost as f64);
+    // Both processors took their share of the one quota.
+    let mut taken = Vec::new();
+    for processor in &services[1..] {
+        let text = processor.scrape().await.unwrap_or_default();
+        let labels = [("kind", "metered"), ("unit", "requests")];
+        taken.push(metric_value(&text, "jobfold_quota_taken_total", &labels).unwrap_or(0.0));
+    }
+    assert!(taken.iter().all(|t| *t > 0.0), "requests taken by each processor: {taken:?}");
+    assert_eq!(taken.iter().sum::<f64>(), 14.0);
+    assert_eq!(fold_mismatches(&it).await, Vec::<String>::new());
+    drop(services);
+    let _ = std::fs::remove_file(file);
+    it.cleanup().await;
+}
+
+/// The provider answers 429 (Retry-After: 2) to two calls of a kind limited to 4 a second:
+/// no call of the kind comes from either processor between 0.6 s after the first 429 (what
+/// was already on its way) and the pause's end, although the rate alone would have sent
+/// several; the kind's rate halves; and every job succeeds although its
+/// budget is one attempt — on attempt 1, with the log folding cleanly.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_429_holds_the_kind_back_everywhere_without_spending_attempts() {
+    let it = Installation::new("quota_429").await;
+    it.create_topics().await;
+    let (url, _, busy) = provider().await;
+    let (services, file) = group(
+        &it,
+        &format!("[kinds.busy]\nurl = \"{url}/busy\"\nrate_per_second = 4\nmax_attempts = 1\n"),
+    )
+    .await;
+    let acceptor = it.acceptor().await;
+    let jobs: Vec<NewJob> = (0..16).map(|n| job("busy", n, json!({}))).collect();
+    let ids: Vec<Uuid> =
+        acceptor.accept_batch(&it.pool, &jobs).await.unwrap().iter().map(|a| a.job_id).collect();
+    eventually(Duration::from_secs(90), "every busy job to succeed", || async {
+        succeeded(&it, "busy").await == 16
+    })
+    .await;
+    let calls = busy.lock().unwrap().clone();
+    assert_eq!(calls.len(), 18, "16 jobs, two of them called twice: {calls:?}");
+    let throttled_at = calls[5].0;
+    let quiet: Vec<f64> = calls
+        .iter()
+        .map(|c| c.0 - throttled_at)
+        .filter(|after| (0.6..1.9).contains(after))
+        .collect();
+    assert!(quiet.is_empty(), "calls during the pause, seconds after the 429: {quiet:?}");
+    for id in &ids {
+        assert_eq!(it.state_and_attempt(*id).await, ("succeeded".into(), 1));
+    }
+    let (throttles, factor): (i64, f64) =
+        sqlx::query_as("SELECT throttles, factor FROM kind_quotas WHERE kind = 'busy'")
+            .fetch_one(&it.pool)
+            .await
+            .unwrap();
+    assert_eq!(throttles, 2);
+    assert!(factor <= 0.5, "the kind's rate after the 429s: {factor}");
+    assert_eq!(fold_mismatches(&it).await, Vec::<String>::new());
+    let mut throttled = HashMap::new();
+    for (i, processor) in services[1..].iter().enumerate() {
+        let text = processor.scrape().await.unwrap_or_default();
+        throttled.insert(i, metric_value(&text, "jobfold_throttled_total", &[("kind", "busy")]));
+    }
+    assert_eq!(throttled.values().map(|t| t.unwrap_or(0.0)).sum::<f64>(), 2.0, "{throttled:?}");
+    drop(services);
+    let _ = std::fs::remove_file(file);
+    it.cleanup().await;
+}
