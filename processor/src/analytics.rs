@@ -414,7 +414,7 @@ impl Folder {
 }
 
 /// Reads raw event frames in batches from one of the sources.
-enum Reader {
+pub(crate) enum Reader {
     Kafka {
         consumer: StreamConsumer,
         /// Partition → the offset to stop before (the high watermark at start).
@@ -429,7 +429,7 @@ enum Reader {
 
 impl Reader {
     /// Opens the source; returns the reader and an estimate of the events to read.
-    async fn open(
+    pub(crate) async fn open(
         config: &Config,
         pool: &PgPool,
         source: Source,
@@ -523,7 +523,7 @@ impl Reader {
     }
 
     /// The next batch of frames; `None` at the end.
-    async fn next(&mut self) -> anyhow::Result<Option<Vec<(Position, Vec<u8>)>>> {
+    pub(crate) async fn next(&mut self) -> anyhow::Result<Option<Vec<(Position, Vec<u8>)>>> {
         match self {
             Self::Postgres { pool, after, since } => {
                 // language=PostgreSQL

@@ -27,6 +27,7 @@
 pub mod analytics;
 pub mod batch;
 pub mod buffer;
+pub mod capacity;
 pub mod complete;
 pub mod console;
 pub mod dead_letter;

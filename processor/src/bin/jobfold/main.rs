@@ -177,6 +177,34 @@ enum Command {
         #[arg(long)]
         exit: bool,
     },
+    /// Capacity from the event log: per kind, over a window, the arrival rate, service time
+    /// (p50/p90/p99), retry share, jobs in service (Little's law, and at the peak) and queue
+    /// wait; with --wait, the concurrency each kind needs to meet that waiting-time
+    /// objective (a simulation driven by the window's own dispatches), next to what is
+    /// configured.
+    Capacity {
+        /// Where to read the log: the events topic, or the job_events table.
+        #[arg(long, value_enum, default_value_t = From::Postgres)]
+        from: From,
+        /// The window's start (RFC 3339); else the log's start.
+        #[arg(long)]
+        since: Option<chrono::DateTime<chrono::Utc>>,
+        /// The window's end (RFC 3339); else the log's end.
+        #[arg(long)]
+        until: Option<chrono::DateTime<chrono::Utc>>,
+        /// The waiting-time objective: queue waits at most this long (2s, 500ms) ...
+        #[arg(long, value_parser = humantime::parse_duration)]
+        wait: Option<std::time::Duration>,
+        /// ... at this quantile.
+        #[arg(long, default_value_t = 0.99, requires = "wait")]
+        quantile: f64,
+        /// Also write the figures to this file, as JSON.
+        #[arg(long)]
+        json: Option<PathBuf>,
+        /// Also plot arrivals, jobs in service and queue waits over the window to this SVG.
+        #[arg(long)]
+        plot: Option<PathBuf>,
+    },
     /// Measure this machine's Postgres and Kafka limits, then accept, the relay, end-to-end
     /// processing, slow jobs, recovery after kill -9 and peak memory next to them, in
     /// databases and topics of their own; prints a markdown table.
@@ -479,6 +507,37 @@ async fn run(config: Config, command: Command) -> anyhow::Result<()> {
                     report.difference_count,
                     report.anomaly_count
                 );
+            }
+        }
+        Command::Capacity { from, since, until, wait, quantile, json, plot } => {
+            use jobfold_processor::analytics::Source;
+            use jobfold_processor::capacity::{self, Objective, Options};
+            if !(quantile > 0.0 && quantile <= 1.0) {
+                eprintln!("jobfold: --quantile must be above 0 and at most 1");
+                std::process::exit(EXIT_CONFIG);
+            }
+            let pool = db::connect(&config, 2).await?;
+            let decoder = jobfold_schemas::Decoder::<JobEvent>::new(registry_settings(
+                &config.schema_registry_url,
+            )?);
+            let options = Options {
+                source: match from {
+                    From::Kafka => Source::Kafka,
+                    From::Postgres => Source::Postgres,
+                },
+                since,
+                until,
+                objective: wait.map(|w| Objective { wait: w.as_secs_f64(), quantile }),
+            };
+            let report = capacity::measure(&config, &pool, &decoder, &options).await?;
+            print!("{report}");
+            if let Some(path) = &json {
+                report.write_json(path)?;
+                println!("figures written to {}", path.display());
+            }
+            if let Some(path) = &plot {
+                report.write_plot(path)?;
+                println!("plot written to {}", path.display());
             }
         }
         Command::Demo { short, documents, kafka, exit } => {
