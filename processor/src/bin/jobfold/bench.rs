@@ -83,7 +83,8 @@ impl Sizes {
             steady_secs: 30,
             e2e_jobs: 50_000,
             slow_jobs: 1_000,
-            slow_ms: 10_000,
+            // The long run's slow jobs hold their leases through sixty heartbeats.
+            slow_ms: 60_000,
             relay_backlog: 5_000_000,
             settle: Duration::from_secs(60),
         }
@@ -584,61 +585,10 @@ async fn measure_processing(
     let a_pid = a.child.id().context("the processor's pid")?;
     let mut offset = 0;
 
-    // Throughput: a burst, accepted in batches, until every job succeeded. Its end is read
-    // from the processor's counter, so the wait loads neither Postgres nor the processor's
-    // hot path; one count confirms it.
-    let burst = sizes.e2e_jobs;
-    let relay_pid = relay.child.id().context("the relay's pid")?;
-    let settled = settle(sizes.settle).await;
-    let cpu = CpuByComponent::now(relay_pid, a_pid);
-    let started = Instant::now();
-    for chunk in (0..burst).collect::<Vec<_>>().chunks(sizes.batch) {
-        let jobs: Vec<NewJob> = chunk.iter().map(|i| job(offset + i)).collect();
-        acceptor.accept_batch(&pool, &jobs).await?;
-    }
-    wait_succeeded(a.metrics, burst, Duration::from_secs(900)).await?;
-    let burst_rate = burst as f64 / started.elapsed().as_secs_f64();
-    let cpu = cpu.zip(CpuByComponent::now(relay_pid, a_pid));
-    wait_finished(&pool, burst, Duration::from_secs(60)).await?;
-    offset += burst;
-    let burst_row = rows.len();
-    let mut burst_note = String::new();
-    if let Some((before, after)) = cpu {
-        burst_note = format!("; CPU per job: {}", before.per_job(&after, burst as f64));
-        if let Some(waited) = settled {
-            write!(
-                burst_note,
-                " (started once the machine was idle, after {:.0} s)",
-                waited.as_secs_f64()
-            )?;
-        }
-    }
-    rows.push(Row::new("end to end, trivial handler, burst").rate(burst_rate));
-
-    // Latency: a steady load at half the burst rate.
-    let steady_rate = (burst_rate / 2.0).max(10.0);
-    let since: chrono::DateTime<chrono::Utc> =
-        sqlx::query_scalar("SELECT now()").fetch_one(&pool).await?;
-    let steady = paced(&acceptor, &pool, offset, steady_rate, sizes.steady_secs, &job).await?;
-    offset += steady;
-    wait_finished(&pool, offset, Duration::from_secs(300)).await?;
-    let latencies: Vec<f64> = sqlx::query_scalar(
-        "SELECT EXTRACT(EPOCH FROM finished_at - accepted_at)::float8 * 1e6 FROM jobs \
-         WHERE accepted_at >= date_trunc('milliseconds', $1::timestamptz)",
-    )
-    .bind(since)
-    .fetch_all(&pool)
-    .await?;
-    let h = histogram_of(latencies.iter().map(|l| *l as u64))?;
-    rows.push(
-        Row::new(format!("end to end, steady {steady_rate:.0} jobs/s"))
-            .latency(&h)
-            .note(format!("accept -> succeeded, {} jobs", latencies.len())),
-    );
-
-    // Slow jobs: how many run at once (10 s handler, a document each), and what keeping
-    // their leases alive costs: heartbeat statements a second, and the least time a lease
-    // had left when renewed (read from the processor, sampled as the jobs run).
+    // Slow jobs, first, in the fresh processor: how many run at once (10 s handler, a
+    // document each), its memory meanwhile, and what keeping their leases alive costs:
+    // heartbeat statements a second, and the least time a lease had left when renewed (read
+    // from the processor, sampled as the jobs run).
     let slow = sizes.slow_jobs;
     let jobs: Vec<NewJob> = (0..slow)
         .map(|i| NewJob {
@@ -652,8 +602,9 @@ async fn measure_processing(
     let started = Instant::now();
     acceptor.accept_batch(&pool, &jobs).await?;
     offset += slow;
-    let (mut peak, mut least_margin) = (0i64, f64::INFINITY);
+    let (mut peak, mut least_margin, mut slow_rss) = (0i64, f64::INFINITY, 0f64);
     loop {
+        slow_rss = slow_rss.max(rss_mib(a_pid)?);
         let (leased, unfinished): (i64, i64) = sqlx::query_as(
             "SELECT count(*) FILTER (WHERE state = 'leased'), count(*) FROM jobs \
              WHERE finished_at IS NULL",
@@ -700,6 +651,68 @@ async fn measure_processing(
             if least_margin.is_finite() { format!("{least_margin:.2} s") } else { "–".into() },
         )),
     );
+    rows.push(
+        Row::new(format!("processor RSS, {peak} slow jobs in flight"))
+            .versus(slow_rss, 64.0, "64 MiB")
+            .note(format!(
+                "{slow_rss:.1} MiB at most (VmRSS, sampled every 100 ms while they ran; the \
+                 slow jobs are the fresh processor's first work)"
+            )),
+    );
+
+    // Throughput: a burst, accepted in batches, until every job succeeded. Its end is read
+    // from the processor's counter, so the wait loads neither Postgres nor the processor's
+    // hot path; one count confirms it.
+    let burst = sizes.e2e_jobs;
+    let relay_pid = relay.child.id().context("the relay's pid")?;
+    let settled = settle(sizes.settle).await;
+    let cpu = CpuByComponent::now(relay_pid, a_pid);
+    let started = Instant::now();
+    for chunk in (0..burst).collect::<Vec<_>>().chunks(sizes.batch) {
+        let jobs: Vec<NewJob> = chunk.iter().map(|i| job(offset + i)).collect();
+        acceptor.accept_batch(&pool, &jobs).await?;
+    }
+    // The slow jobs came first: they count in both.
+    wait_succeeded(a.metrics, offset + burst, Duration::from_secs(900)).await?;
+    let burst_rate = burst as f64 / started.elapsed().as_secs_f64();
+    let cpu = cpu.zip(CpuByComponent::now(relay_pid, a_pid));
+    wait_finished(&pool, offset + burst, Duration::from_secs(60)).await?;
+    offset += burst;
+    let burst_row = rows.len();
+    let mut burst_note = String::new();
+    if let Some((before, after)) = cpu {
+        burst_note = format!("; CPU per job: {}", before.per_job(&after, burst as f64));
+        if let Some(waited) = settled {
+            write!(
+                burst_note,
+                " (started once the machine was idle, after {:.0} s)",
+                waited.as_secs_f64()
+            )?;
+        }
+    }
+    rows.push(Row::new("end to end, trivial handler, burst").rate(burst_rate));
+
+    // Latency: a steady load at half the burst rate.
+    let steady_rate = (burst_rate / 2.0).max(10.0);
+    let since: chrono::DateTime<chrono::Utc> =
+        sqlx::query_scalar("SELECT now()").fetch_one(&pool).await?;
+    let steady = paced(&acceptor, &pool, offset, steady_rate, sizes.steady_secs, &job).await?;
+    offset += steady;
+    wait_finished(&pool, offset, Duration::from_secs(300)).await?;
+    let latencies: Vec<f64> = sqlx::query_scalar(
+        "SELECT EXTRACT(EPOCH FROM finished_at - accepted_at)::float8 * 1e6 FROM jobs \
+         WHERE accepted_at >= date_trunc('milliseconds', $1::timestamptz)",
+    )
+    .bind(since)
+    .fetch_all(&pool)
+    .await?;
+    let h = histogram_of(latencies.iter().map(|l| *l as u64))?;
+    rows.push(
+        Row::new(format!("end to end, steady {steady_rate:.0} jobs/s"))
+            .latency(&h)
+            .note(format!("accept -> succeeded, {} jobs", latencies.len())),
+    );
+
     for (name, pid) in [("processor peak RSS", a_pid), ("relay peak RSS, end to end", relay_pid)] {
         let rss = peak_rss_mib(pid)?;
         rows.push(Row::new(name).versus(rss, 64.0, "64 MiB").note(format!(
@@ -1234,12 +1247,21 @@ async fn local_backends(pool: &PgPool, application: &str) -> anyhow::Result<Vec<
 }
 
 fn peak_rss_mib(pid: u32) -> anyhow::Result<f64> {
+    status_mib(pid, "VmHWM:")
+}
+
+/// A process's resident memory now (VmRSS), in MiB.
+fn rss_mib(pid: u32) -> anyhow::Result<f64> {
+    status_mib(pid, "VmRSS:")
+}
+
+fn status_mib(pid: u32, field: &str) -> anyhow::Result<f64> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
     let kib: f64 = status
         .lines()
-        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .find_map(|l| l.strip_prefix(field))
         .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .context("VmHWM missing from /proc status")?;
+        .with_context(|| format!("{field} missing from /proc status"))?;
     Ok(kib / 1024.0)
 }
 
