@@ -246,11 +246,26 @@ enum Command {
     },
 }
 
-/// Where `jobfold replay` reads the log.
+/// Where `jobfold replay` and `jobfold capacity` read the log.
 #[derive(Debug, Clone, Copy, clap::ValueEnum)]
 enum From {
     Kafka,
     Postgres,
+}
+
+impl From {
+    fn source(self) -> jobfold_processor::analytics::Source {
+        use jobfold_processor::analytics::Source;
+        match self {
+            Self::Kafka => Source::Kafka,
+            Self::Postgres => Source::Postgres,
+        }
+    }
+}
+
+/// Decodes the job event log's frames, with the configured registry.
+fn event_decoder(config: &Config) -> anyhow::Result<jobfold_schemas::Decoder<JobEvent>> {
+    Ok(jobfold_schemas::Decoder::new(registry_settings(&config.schema_registry_url)?))
 }
 
 #[derive(Debug, Subcommand)]
@@ -476,16 +491,11 @@ async fn run(config: Config, command: Command) -> anyhow::Result<()> {
         Command::Quarantine { command } => quarantine(config, command).await?,
         Command::Parked { command } => parked(config, command).await?,
         Command::Replay { from, since, verify, export, jobs, no_progress, dedupe_window } => {
-            use jobfold_processor::analytics::{self, Export, Format, Options, Rows, Source};
+            use jobfold_processor::analytics::{self, Export, Format, Options, Rows};
             let pool = db::connect(&config, 2).await?;
-            let decoder = jobfold_schemas::Decoder::<JobEvent>::new(registry_settings(
-                &config.schema_registry_url,
-            )?);
+            let decoder = event_decoder(&config)?;
             let options = Options {
-                source: match from {
-                    From::Kafka => Source::Kafka,
-                    From::Postgres => Source::Postgres,
-                },
+                source: from.source(),
                 since,
                 verify,
                 export: export.map(|path| Export {
@@ -510,21 +520,15 @@ async fn run(config: Config, command: Command) -> anyhow::Result<()> {
             }
         }
         Command::Capacity { from, since, until, wait, quantile, json, plot } => {
-            use jobfold_processor::analytics::Source;
             use jobfold_processor::capacity::{self, Objective, Options};
             if !(quantile > 0.0 && quantile <= 1.0) {
                 eprintln!("jobfold: --quantile must be above 0 and at most 1");
                 std::process::exit(EXIT_CONFIG);
             }
             let pool = db::connect(&config, 2).await?;
-            let decoder = jobfold_schemas::Decoder::<JobEvent>::new(registry_settings(
-                &config.schema_registry_url,
-            )?);
+            let decoder = event_decoder(&config)?;
             let options = Options {
-                source: match from {
-                    From::Kafka => Source::Kafka,
-                    From::Postgres => Source::Postgres,
-                },
+                source: from.source(),
                 since,
                 until,
                 objective: wait.map(|w| Objective { wait: w.as_secs_f64(), quantile }),
