@@ -514,7 +514,7 @@ impl Report {
     pub fn write_plot(&self, path: &Path) -> anyhow::Result<()> {
         use plotters::prelude::*;
         let kinds = self.series.len().max(1);
-        let root = SVGBackend::new(path, (960, 300 * kinds as u32 * 3 / 2)).into_drawing_area();
+        let root = SVGBackend::new(path, (960, 3 * 200 * kinds as u32)).into_drawing_area();
         root.fill(&WHITE)?;
         let rows = root.split_evenly((kinds * 3, 1));
         for (i, (name, series)) in self.series.iter().enumerate() {
