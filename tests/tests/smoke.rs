@@ -258,6 +258,7 @@ async fn migrations_apply_and_constraints_hold() {
             "job_kinds",
             "job_results",
             "jobs",
+            "kind_quotas",
             "outbox",
             "quarantine",
             "relay_cursor",
