@@ -54,6 +54,9 @@ pub struct Objective {
     /// Seconds.
     pub wait: f64,
     pub quantile: f64,
+    /// The share by which service times are lengthened for the answer (0.1: 10%), so that
+    /// it holds on a day a little busier or slower than the window.
+    pub headroom: f64,
 }
 
 /// One attempt: when it could have run, when it was leased, when it ended.
@@ -184,8 +187,10 @@ pub async fn measure(
     options: &Options,
 ) -> anyhow::Result<Report> {
     let (mut reader, _) = Reader::open(config, pool, options.source, options.since).await?;
-    let mut origin: Option<DateTime<Utc>> = options.since;
-    let mut last = f64::MIN;
+    // Times are seconds from `anchor`: the window's start if given, else the first event
+    // read (Kafka's partitions interleave, so not always the earliest: `first` is).
+    let mut anchor: Option<DateTime<Utc>> = options.since;
+    let (mut first, mut last) = (f64::MAX, f64::MIN);
     let mut open: HashMap<Uuid, Open> = HashMap::new();
     let mut ended: HashSet<Uuid> = HashSet::new();
     let mut kinds: BTreeMap<String, Kind> = BTreeMap::new();
@@ -205,9 +210,10 @@ pub async fn measure(
             {
                 continue;
             }
-            let origin = *origin.get_or_insert(event.occurred_at);
+            let origin = *anchor.get_or_insert(event.occurred_at);
             let at = seconds(event.occurred_at, origin);
             if !after {
+                first = first.min(at);
                 last = last.max(at);
             }
             if ended.contains(&event.job_id) {
@@ -265,8 +271,18 @@ pub async fn measure(
             }
         }
     }
-    let origin = origin.unwrap_or_else(Utc::now);
-    let end = options.until.map_or(last.max(0.0), |until| seconds(until, origin).max(last));
+    let anchor = anchor.unwrap_or_else(Utc::now);
+    // Without a given start, the window starts at the earliest event.
+    let start = if options.since.is_some() || first == f64::MAX { 0.0 } else { first };
+    for kind in kinds.values_mut() {
+        kind.arrivals.iter_mut().for_each(|t| *t -= start);
+        for a in &mut kind.attempts {
+            (a.ready, a.leased, a.ended) = (a.ready - start, a.leased - start, a.ended - start);
+        }
+    }
+    let origin = anchor + chrono::Duration::microseconds((start * 1e6) as i64);
+    let last = if last == f64::MIN { 0.0 } else { last - start };
+    let end = options.until.map_or(last, |until| seconds(until, origin).max(last));
     let window = end.max(1e-3);
     let mut report = Report {
         source: match options.source {
@@ -278,8 +294,9 @@ pub async fn measure(
         window_seconds: window,
         objective: options.objective,
         method: "trace-driven simulation: the window's own dispatches through a FIFO queue \
-                 of c servers, plus the measured dispatch latency; c above the mean in \
-                 service, below which the queue grows without end",
+                 of c servers, service times lengthened by the headroom, plus the measured \
+                 dispatch latency; c above the mean in service (with the headroom), below \
+                 which the queue grows without end",
         kinds: Vec::new(),
         series: BTreeMap::new(),
     };
@@ -333,7 +350,7 @@ fn figures(
         Some(objective) if attempts > 0 => {
             // Below the mean in service the queue grows without end: a finite window could
             // still show waits within the objective, so the search starts above it.
-            let stable = in_service_mean.floor() as usize + 1;
+            let stable = (in_service_mean * (1.0 + objective.headroom)).floor() as usize + 1;
             let (c, wait) = recommend(&kind.attempts, dispatch_latency, objective, stable);
             (Some(c), Some(wait))
         }
@@ -360,16 +377,19 @@ fn figures(
 }
 
 /// The least number of servers, at least `least`, whose simulated `objective.quantile` wait
-/// (plus `latency`) is within the objective, and that wait. Waits never grow with more
-/// servers, so a binary search; at most one server per attempt.
+/// (plus `latency`) is within the objective with every service time lengthened by the
+/// objective's headroom, and that wait. Waits never grow with more servers, so a binary
+/// search; at most one server per attempt.
 fn recommend(
     attempts: &[Attempt],
     latency: f64,
     objective: Objective,
     least: usize,
 ) -> (usize, f64) {
-    let mut customers: Vec<(f64, f64)> =
-        attempts.iter().map(|a| (a.ready, a.ended - a.leased)).collect();
+    let mut customers: Vec<(f64, f64)> = attempts
+        .iter()
+        .map(|a| (a.ready, (a.ended - a.leased) * (1.0 + objective.headroom)))
+        .collect();
     customers.sort_by(|a, b| a.0.total_cmp(&b.0));
     let wait_at = |servers: usize| latency + simulate(&customers, servers, objective.quantile);
     let (mut low, mut high) = (least.max(1), customers.len().max(least).max(1));
@@ -447,7 +467,13 @@ impl fmt::Display for Report {
             self.source
         )?;
         if let Some(o) = self.objective {
-            writeln!(f, "objective: p{} queue wait ≤ {:.3} s", o.quantile * 100.0, o.wait)?;
+            writeln!(
+                f,
+                "objective: p{} queue wait ≤ {:.3} s, with {:.0}% headroom on service times",
+                o.quantile * 100.0,
+                o.wait,
+                o.headroom * 100.0
+            )?;
             writeln!(f, "method: {}", self.method)?;
         }
         writeln!(f)?;
@@ -568,13 +594,19 @@ mod tests {
     #[test]
     fn the_recommendation_is_the_least_concurrency_meeting_the_objective() {
         let attempts: Vec<Attempt> = (0..10).map(|_| attempt(0.0, 1.0)).collect();
-        let objective = Objective { wait: 1.5, quantile: 1.0 };
+        let objective = Objective { wait: 1.5, quantile: 1.0, headroom: 0.0 };
         // Ten at once, 1 s each: 5 servers → waits up to 1 s; 4 → up to 2 s.
         assert_eq!(recommend(&attempts, 0.0, objective, 1), (5, 1.0));
         // 0.6 s of dispatch latency leaves 0.9 s: ten servers.
         assert_eq!(recommend(&attempts, 0.6, objective, 1).0, 10);
         // Never below the least it is given (the stable concurrency).
         assert_eq!(recommend(&attempts, 0.0, objective, 7), (7, 1.0));
+        // With 50% headroom the jobs count as 1.5 s: five servers still meet 1.5 s ...
+        let roomy = Objective { headroom: 0.5, ..objective };
+        assert_eq!(recommend(&attempts, 0.0, roomy, 1), (5, 1.5));
+        // ... and with 60%, 1.6 s jobs: any wait is too long, so one server each.
+        let roomier = Objective { headroom: 0.6, ..objective };
+        assert_eq!(recommend(&attempts, 0.0, roomier, 1), (10, 0.0));
     }
 
     #[test]

@@ -198,6 +198,10 @@ enum Command {
         /// ... at this quantile.
         #[arg(long, default_value_t = 0.99, requires = "wait")]
         quantile: f64,
+        /// Service times lengthened by this many percent for the answer, so that it holds on
+        /// a day a little busier than the window.
+        #[arg(long, default_value_t = 10.0, requires = "wait")]
+        headroom: f64,
         /// Also write the figures to this file, as JSON.
         #[arg(long)]
         json: Option<PathBuf>,
@@ -519,10 +523,14 @@ async fn run(config: Config, command: Command) -> anyhow::Result<()> {
                 );
             }
         }
-        Command::Capacity { from, since, until, wait, quantile, json, plot } => {
+        Command::Capacity { from, since, until, wait, quantile, headroom, json, plot } => {
             use jobfold_processor::capacity::{self, Objective, Options};
             if !(quantile > 0.0 && quantile <= 1.0) {
                 eprintln!("jobfold: --quantile must be above 0 and at most 1");
+                std::process::exit(EXIT_CONFIG);
+            }
+            if !(0.0..=1000.0).contains(&headroom) {
+                eprintln!("jobfold: --headroom must be a percentage from 0 to 1000");
                 std::process::exit(EXIT_CONFIG);
             }
             let pool = db::connect(&config, 2).await?;
@@ -531,7 +539,11 @@ async fn run(config: Config, command: Command) -> anyhow::Result<()> {
                 source: from.source(),
                 since,
                 until,
-                objective: wait.map(|w| Objective { wait: w.as_secs_f64(), quantile }),
+                objective: wait.map(|w| Objective {
+                    wait: w.as_secs_f64(),
+                    quantile,
+                    headroom: headroom / 100.0,
+                }),
             };
             let report = capacity::measure(&config, &pool, &decoder, &options).await?;
             print!("{report}");
