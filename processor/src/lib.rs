@@ -15,8 +15,6 @@
 //!   attempts finished at once in one ([`batch`] gathers them);
 //!   [`offsets`] tracks what may be committed, [`store`] holds its transactions,
 //!   [`reaper`] dispatches expired leases and stalled jobs again.
-//! - [`analytics`]: `jobfold replay` — the event log from Kafka or Postgres, folded,
-//!   verified against the projection, exported as JSON Lines or Parquet.
 //! - [`dead_letter`]: poison messages kept with their coordinates and raw bytes.
 //! - [`handler`]: the trait users implement and the registry by kind; [`remote`] runs a kind
 //!   by calling a URL (handlers in any language).
@@ -24,10 +22,8 @@
 //! Shutdown: the HTTP server stops accepting connections and finishes requests in flight;
 //! the intake finishes the message in flight and commits its stored offsets.
 
-pub mod analytics;
 pub mod batch;
 pub mod buffer;
-pub mod capacity;
 pub mod complete;
 pub mod console;
 pub mod dead_letter;

@@ -24,8 +24,8 @@ use std::time::Duration;
 
 use crate::bad::{Expect, Ledger};
 
+use jobfold_cli::analytics::{self, Options, Source};
 use jobfold_common::config::Config;
-use jobfold_processor::analytics::{self, Options, Source};
 use jobfold_schemas::{Decoder, JobEvent};
 use sqlx::PgPool;
 use uuid::Uuid;

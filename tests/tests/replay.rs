@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use arrow_array::{Array, Int32Array, StringArray, TimestampMillisecondArray};
 use arrow_schema::{DataType, TimeUnit};
-use jobfold_processor::analytics::{self, Export, Format, Options, Report, Rows, Source};
+use jobfold_cli::analytics::{self, Export, Format, Options, Report, Rows, Source};
 use jobfold_schemas::{Decoder, JobEvent, Status};
 use jobfold_tests::harness::{Installation, events_on_topic, eventually, index_job as job};
 use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;

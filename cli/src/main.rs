@@ -147,7 +147,7 @@ enum Command {
         #[arg(long)]
         no_progress: bool,
         /// Finished jobs remembered to recognise late duplicates of their events.
-        #[arg(long, default_value_t = jobfold_processor::analytics::DEFAULT_DEDUPE_WINDOW)]
+        #[arg(long, default_value_t = jobfold_cli::analytics::DEFAULT_DEDUPE_WINDOW)]
         dedupe_window: usize,
     },
     /// Quarantined jobs: list them, replay one.
@@ -258,8 +258,8 @@ enum From {
 }
 
 impl From {
-    fn source(self) -> jobfold_processor::analytics::Source {
-        use jobfold_processor::analytics::Source;
+    fn source(self) -> jobfold_cli::analytics::Source {
+        use jobfold_cli::analytics::Source;
         match self {
             Self::Kafka => Source::Kafka,
             Self::Postgres => Source::Postgres,
@@ -495,7 +495,7 @@ async fn run(config: Config, command: Command) -> anyhow::Result<()> {
         Command::Quarantine { command } => quarantine(config, command).await?,
         Command::Parked { command } => parked(config, command).await?,
         Command::Replay { from, since, verify, export, jobs, no_progress, dedupe_window } => {
-            use jobfold_processor::analytics::{self, Export, Format, Options, Rows};
+            use jobfold_cli::analytics::{self, Export, Format, Options, Rows};
             let pool = db::connect(&config, 2).await?;
             let decoder = event_decoder(&config)?;
             let options = Options {
@@ -524,7 +524,7 @@ async fn run(config: Config, command: Command) -> anyhow::Result<()> {
             }
         }
         Command::Capacity { from, since, until, wait, quantile, headroom, json, plot } => {
-            use jobfold_processor::capacity::{self, Objective, Options};
+            use jobfold_cli::capacity::{self, Objective, Options};
             if !(quantile > 0.0 && quantile <= 1.0) {
                 eprintln!("jobfold: --quantile must be above 0 and at most 1");
                 std::process::exit(EXIT_CONFIG);

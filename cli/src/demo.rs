@@ -17,9 +17,9 @@ use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
+use jobfold_cli::analytics::{self, Options, Source};
 use jobfold_common::config::{Config, Sensitive};
 use jobfold_common::gauges;
-use jobfold_processor::analytics::{self, Options, Source};
 use jobfold_schemas::codec::registry_settings;
 use jobfold_schemas::{Decoder, JobEvent};
 use rand::Rng;

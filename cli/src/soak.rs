@@ -21,9 +21,9 @@ use std::fmt::Write as _;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
+use jobfold_cli::analytics;
 use jobfold_common::accept::{Acceptor, NewJob};
 use jobfold_common::config::Config;
-use jobfold_processor::analytics;
 use jobfold_schemas::Status;
 use jobfold_schemas::codec::registry_settings;
 use serde_json::json;
