@@ -16,6 +16,7 @@ use std::collections::HashMap;
 
 use chrono::Utc;
 use jobfold_common::config::Config;
+use jobfold_common::metrics as pm;
 use jobfold_schemas::event::TraceContext;
 use serde_json::Value;
 use sqlx::PgPool;
@@ -203,14 +204,14 @@ impl Batch<'_> {
             let backoff = if error.is_some_and(|e| e.throttled) {
                 // Throttled: its kind's pause (Retry-After, else retry_base), spread over
                 // one retry_base so the jobs throttled together do not come back together.
-                crate::worker::throttled_delay(
+                crate::retry::throttled_delay(
                     self.config,
                     &job.kind,
                     error.and_then(|e| e.retry_after),
                 )
             } else {
                 // An outside service's Retry-After is a floor under the backoff.
-                crate::worker::backoff(self.config, &job.kind, job.attempt)
+                crate::retry::backoff(self.config, &job.kind, job.attempt)
                     .max(error.and_then(|e| e.retry_after).unwrap_or_default())
             };
             let retry_at = Utc::now() + chrono::Duration::from_std(backoff)?;
@@ -232,5 +233,16 @@ impl Batch<'_> {
             answers[i] = Some(Completed::Committed { job: Box::new(job), outcome: "succeeded" });
         }
         Ok(answers.into_iter().map(|a| a.expect("every attempt is answered")).collect())
+    }
+}
+
+/// Counts a committed outcome; an ended job also records its acceptance-to-end time.
+pub(crate) fn count(job: &JobRow, outcome: &'static str, handlers: &Handlers) {
+    metrics::counter!(pm::COMPLETED_TOTAL, "outcome" => outcome).increment(1);
+    if outcome != "retry_scheduled" && outcome != "throttled" {
+        let took = (Utc::now() - job.accepted_at).to_std().unwrap_or_default();
+        let kind = handlers.label(&job.kind);
+        metrics::histogram!(pm::ACCEPT_TO_COMPLETE_SECONDS, "kind" => kind, "outcome" => outcome)
+            .record(took.as_secs_f64());
     }
 }

@@ -16,8 +16,6 @@ use axum::http::{HeaderValue, header};
 use axum::response::{IntoResponse, Redirect, Response};
 use axum::routing::get;
 
-use crate::http::ApiState;
-
 const INDEX_HTML: &str = include_str!("../ui/index.html");
 const CONSOLE_JS: &str = include_str!("../ui/console.js");
 const CONSOLE_CSS: &str = include_str!("../ui/console.css");
@@ -27,8 +25,8 @@ const CONTENT_SECURITY_POLICY: &str = "default-src 'none'; script-src 'self'; \
      style-src 'self'; img-src 'self' data:; connect-src 'self'; form-action 'self'; \
      frame-ancestors 'none'; base-uri 'none'";
 
-/// The console's routes.
-pub fn routes() -> Router<ApiState> {
+/// The console's routes, for a router of any state: the page needs none of its own.
+pub fn routes<S: Clone + Send + Sync + 'static>() -> Router<S> {
     Router::new()
         .route("/ui", get(|| async { Redirect::permanent("/ui/") }))
         .route("/ui/", get(|| async { asset(INDEX_HTML, "text/html; charset=utf-8") }))

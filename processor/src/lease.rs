@@ -27,7 +27,11 @@ use sqlx::PgPool;
 use uuid::Uuid;
 
 use crate::batch::{self, Batcher};
-use crate::store::{self, Consumed, Events, JobRow, LeaseDecision};
+use crate::store::{self, Consumed, Events, JobRow};
+
+pub mod decide;
+
+pub use decide::{LeaseDecision, decide};
 
 /// Dispatches decided in one transaction, at most.
 pub const BATCH: usize = 64;
@@ -149,7 +153,7 @@ async fn lease_batch(
             continue;
         }
         let trace = dispatch.trace.clone();
-        match store::decide(&job, dispatch.input_version, dispatch.stream_version, newer, now) {
+        match decide(&job, dispatch.input_version, dispatch.stream_version, newer, now) {
             LeaseDecision::Wait(until) => decided.push(Leased::WaitUntil(until)),
             LeaseDecision::Skip(why) => {
                 tracing::debug!(job_id = %job.job_id, why, "Dispatch event skipped.");
@@ -193,7 +197,7 @@ async fn lease_batch(
     store::record_all_consumed(&mut tx, &to_record).await?;
     tx.commit().await?;
     for (job, outcome) in &ended {
-        crate::worker::completed(job, outcome, &settings.handlers);
+        crate::complete::count(job, outcome, &settings.handlers);
     }
     for (i, job) in to_lease {
         decided[i] = Leased::Run(Box::new(job));

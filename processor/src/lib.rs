@@ -11,10 +11,16 @@
 //!   and published as Prometheus gauges.
 //! - [`intake`]: the consumer turning `jobfold.job-requests` messages into accepted jobs.
 //! - [`worker`]: the consumer group member that leases, runs and completes jobs; [`lease`]
-//!   decides the dispatches waiting at once in one transaction, [`complete`] commits the
-//!   attempts finished at once in one ([`batch`] gathers them);
-//!   [`offsets`] tracks what may be committed, [`store`] holds its transactions,
-//!   [`reaper`] dispatches expired leases and stalled jobs again.
+//!   decides the dispatches waiting at once in one transaction ([`lease::decide`], pure),
+//!   [`complete`] commits the attempts finished at once in one ([`batch`] gathers them),
+//!   [`retry`] says when a failed or throttled attempt runs again, [`quota`] holds a kind
+//!   to its provider's rate; [`heartbeat`] keeps the leases of running jobs;
+//!   [`offsets`] tracks what may be committed, [`buffer`] bounds what a partition holds;
+//!   [`store`] holds the transactions and the operator's (replay, cancel);
+//!   [`reaper`] dispatches expired leases and stalled jobs again, [`retention`] deletes
+//!   what ended long ago.
+//! - The `jobfold` command line is the `jobfold-cli` crate; it reads through [`status`] and
+//!   [`store`] as the HTTP API does.
 //! - [`dead_letter`]: poison messages kept with their coordinates and raw bytes.
 //! - [`handler`]: the trait users implement and the registry by kind; [`remote`] runs a kind
 //!   by calling a URL (handlers in any language).
@@ -38,6 +44,7 @@ pub mod quota;
 pub mod reaper;
 pub mod remote;
 pub mod retention;
+pub mod retry;
 pub mod status;
 pub mod store;
 pub mod worker;

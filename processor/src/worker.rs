@@ -60,7 +60,7 @@ use crate::handler::{HandlerError, Handlers, JobContext};
 use crate::heartbeat::Heartbeats;
 use crate::lease::{Dispatch, Leased, Leaser};
 use crate::offsets::{Ticket, Tracker};
-use crate::store::{self, Consumed, Events};
+use crate::store::{Consumed, Events};
 use jobfold_common::metrics as pm;
 
 const RETRY_MIN: Duration = Duration::from_millis(100);
@@ -785,7 +785,7 @@ async fn attempt(
             return Ok(Step::Done);
         }
         Completed::Committed { job, outcome } => {
-            completed(&job, outcome, &shared.handlers);
+            crate::complete::count(&job, outcome, &shared.handlers);
             tracing::debug!(%job_id, outcome, "Attempt completed.");
         }
     }
@@ -843,35 +843,6 @@ pub fn bounded(
             Err(e)
         }
     }
-}
-
-/// Counts a committed outcome; an ended job also records its acceptance-to-end time.
-pub(crate) fn completed(job: &store::JobRow, outcome: &'static str, handlers: &Handlers) {
-    metrics::counter!(pm::COMPLETED_TOTAL, "outcome" => outcome).increment(1);
-    if outcome != "retry_scheduled" && outcome != "throttled" {
-        let took = (Utc::now() - job.accepted_at).to_std().unwrap_or_default();
-        let kind = handlers.label(&job.kind);
-        metrics::histogram!(pm::ACCEPT_TO_COMPLETE_SECONDS, "kind" => kind, "outcome" => outcome)
-            .record(took.as_secs_f64());
-    }
-}
-
-/// Exponential backoff with full jitter: uniform in [0, min(cap, base * 2^(attempt-1))],
-/// with `kind`'s retry base and cap.
-pub fn backoff(config: &Config, kind: &str, attempt: i32) -> Duration {
-    let k = config.kind(kind);
-    let exp = u32::try_from(attempt.saturating_sub(1)).unwrap_or(0).min(30);
-    let ceiling = k.retry_base.saturating_mul(1 << exp).min(k.retry_cap);
-    let millis = u64::try_from(ceiling.as_millis()).unwrap_or(u64::MAX);
-    Duration::from_millis(rand::rng().random_range(0..=millis))
-}
-
-/// When a throttled job of `kind` runs again: after the pause (`retry_after`, else the
-/// kind's `retry_base`) plus up to one `retry_base` of jitter.
-pub fn throttled_delay(config: &Config, kind: &str, retry_after: Option<Duration>) -> Duration {
-    let base = config.kind(kind).retry_base;
-    let millis = u64::try_from(base.as_millis()).unwrap_or(u64::MAX);
-    retry_after.unwrap_or(base) + Duration::from_millis(rand::rng().random_range(0..=millis))
 }
 
 #[cfg(test)]

@@ -1,0 +1,331 @@
+//! What an operator does to jobs, each in the caller's transaction: replay a quarantined job
+//! (optionally with a new input version), replay the jobs a filter matches in batches, cancel
+//! a job.
+
+use super::*;
+
+/// Why a replay was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum ReplayError {
+    #[error("no job {0}")]
+    NotFound(Uuid),
+    #[error("job {job_id} is {state}, not quarantined: only quarantined jobs are replayed")]
+    NotQuarantined { job_id: Uuid, state: String },
+    #[error("new input version {new} must be above the job's input version {current}")]
+    StaleVersion { new: i64, current: i64 },
+    #[error("a new input needs a new input version")]
+    InputWithoutVersion,
+    #[error(transparent)]
+    Database(#[from] sqlx::Error),
+    #[error(transparent)]
+    Other(#[from] anyhow::Error),
+}
+
+/// A replay request for a quarantined job.
+#[derive(Debug, Clone, Default, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Replay {
+    /// Who asks (operator name, API client).
+    #[serde(default)]
+    pub requested_by: Option<String>,
+    /// Run with this new, higher input version.
+    #[serde(default)]
+    pub new_input_version: Option<i64>,
+    /// The new input that goes with it; the current input if absent.
+    #[serde(default)]
+    pub new_input: Option<serde_json::Value>,
+}
+
+/// Replays a quarantined job in the caller's transaction: a fresh budget, optionally a new
+/// input version and input, `ReplayRequested` (which dispatches it).
+///
+/// # Errors
+/// [`ReplayError`]; nothing was written.
+pub async fn replay(
+    tx: &mut PgConnection,
+    events: &Events,
+    policy: &jobfold_common::config::AcceptPolicy,
+    job_id: Uuid,
+    request: Replay,
+) -> Result<JobRow, ReplayError> {
+    let mut job = lock_job(tx, job_id).await?.ok_or(ReplayError::NotFound(job_id))?;
+    replay_locked(tx, events, policy, &mut job, request).await?;
+    Ok(job)
+}
+
+/// [`replay`] of a job the caller locked (`lock_job` or `lock_jobs`, `fresh_xid` set).
+async fn replay_locked(
+    tx: &mut PgConnection,
+    events: &Events,
+    policy: &jobfold_common::config::AcceptPolicy,
+    job: &mut JobRow,
+    request: Replay,
+) -> Result<(), ReplayError> {
+    let job_id = job.job_id;
+    if job.state != Status::Quarantined {
+        return Err(ReplayError::NotQuarantined { job_id, state: job.state.as_str().into() });
+    }
+    if request.new_input.is_some() && request.new_input_version.is_none() {
+        return Err(ReplayError::InputWithoutVersion);
+    }
+    if let Some(new) = request.new_input_version.filter(|v| *v <= job.input_version) {
+        return Err(ReplayError::StaleVersion { new, current: job.input_version });
+    }
+    let (max_attempts, deadline) = policy.budget(&job.kind);
+    let now = Utc::now();
+    let deadline = deadline.and_then(|d| ChronoDuration::from_std(d).ok()).map(|d| now + d);
+    let deadline = deadline.and_then(|d| DateTime::from_timestamp_millis(d.timestamp_millis()));
+    if let Some(version) = request.new_input_version {
+        job.input_version = version;
+    }
+    if let Some(input) = &request.new_input {
+        job.payload = input.clone();
+    }
+    let payload = Payload::ReplayRequested(jobfold_schemas::event::ReplayRequested {
+        requested_by: request.requested_by.unwrap_or_else(|| "unknown".into()),
+        new_input_version: request.new_input_version,
+        new_input: request.new_input.map(|v| v.to_string()),
+        max_attempts,
+        deadline,
+    });
+    events.append(tx, job, payload, None, None).await?;
+    // language=PostgreSQL
+    sqlx::query(
+        r#"
+        UPDATE jobs SET state = $6::job_state, attempt = 0, max_attempts = $2, deadline = $3,
+                        finished_at = NULL, lease_until = NULL, lease_owner = NULL,
+                        next_attempt_at = NULL, last_error = NULL,
+                        input_version = $4, payload = $5
+        WHERE job_id = $1
+        "#,
+    )
+    .bind(job_id)
+    .bind(max_attempts)
+    .bind(deadline)
+    .bind(job.input_version)
+    .bind(&job.payload)
+    .bind(job.state.as_str())
+    .execute(&mut *tx)
+    .await?;
+    sqlx::query("DELETE FROM quarantine WHERE job_id = $1").bind(job_id).execute(&mut *tx).await?;
+    job.attempt = 0;
+    Ok(())
+}
+
+/// A replay of every quarantined job a filter selects.
+#[derive(Debug, Clone, Default, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BulkReplay {
+    #[serde(flatten)]
+    pub filter: BulkFilter,
+    /// Count what matches; replay nothing.
+    #[serde(default)]
+    pub dry_run: bool,
+    /// Jobs replayed per transaction (default 100, at most [`BULK_BATCH_MAX`]).
+    #[serde(default)]
+    pub batch_size: Option<usize>,
+    /// Jobs replayed by this request at most (default and at most [`BULK_LIMIT_MAX`]);
+    /// `remaining` in the answer says what is left for the next.
+    #[serde(default)]
+    pub limit: Option<usize>,
+    /// Who asks, recorded in each `ReplayRequested`.
+    #[serde(default)]
+    pub requested_by: Option<String>,
+}
+
+/// Which quarantined jobs a [`BulkReplay`] selects: as `GET /v1/quarantine` filters them.
+#[derive(Debug, Clone, Default, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BulkFilter {
+    pub owner: Option<String>,
+    pub kind: Option<String>,
+    /// Reasons containing this text (case-insensitive).
+    pub reason: Option<String>,
+    /// Quarantined at or after.
+    pub since: Option<DateTime<Utc>>,
+    /// Quarantined before.
+    pub until: Option<DateTime<Utc>>,
+}
+
+/// Most jobs one transaction of a bulk replay replays.
+pub const BULK_BATCH_MAX: usize = 1000;
+/// Most jobs one bulk replay request replays.
+pub const BULK_LIMIT_MAX: usize = 10_000;
+
+/// What a bulk replay did.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
+pub struct BulkReplayed {
+    pub dry_run: bool,
+    /// Quarantined jobs the filter matched when the request began.
+    pub matched: i64,
+    /// Jobs replayed (each exactly once: its `ReplayRequested` and its quarantine row's
+    /// removal commit together, under the job's lock).
+    pub replayed: u64,
+    /// Transactions it took.
+    pub batches: u32,
+    /// Matching jobs still quarantined afterwards (over `limit`, or quarantined meanwhile).
+    pub remaining: i64,
+}
+
+/// Replays the quarantined jobs `request` selects, `batch_size` to a transaction, in job id
+/// order; or, with `dry_run`, only counts them.
+///
+/// A job replayed or cancelled by someone else meanwhile is no longer quarantined when its
+/// batch locks it, and is left alone; so two bulk replays at once replay each job once.
+///
+/// # Errors
+/// The database failed, or an event did not encode; batches committed before stay.
+pub async fn replay_matching(
+    pool: &sqlx::PgPool,
+    events: &Events,
+    policy: &jobfold_common::config::AcceptPolicy,
+    request: BulkReplay,
+) -> anyhow::Result<BulkReplayed> {
+    use jobfold_common::metrics as m;
+    let f = &request.filter;
+    let count_sql = format!(
+        "SELECT count(*) FROM quarantine q JOIN jobs j USING (job_id) WHERE {}",
+        crate::status::QUARANTINE_MATCH
+    );
+    let count = || {
+        sqlx::query_scalar::<_, i64>(&count_sql)
+            .bind(f.owner.clone())
+            .bind(f.kind.clone())
+            .bind(f.reason.clone())
+            .bind(f.since)
+            .bind(f.until)
+            .fetch_one(pool)
+    };
+    let matched = count().await?;
+    let mut done = BulkReplayed { dry_run: request.dry_run, matched, ..Default::default() };
+    if request.dry_run {
+        done.remaining = matched;
+        return Ok(done);
+    }
+    let batch = request.batch_size.unwrap_or(100).clamp(1, BULK_BATCH_MAX);
+    let limit = request.limit.unwrap_or(BULK_LIMIT_MAX).clamp(1, BULK_LIMIT_MAX);
+    let by = request.requested_by.clone().unwrap_or_else(|| "unknown".into());
+    let mut after = Uuid::nil();
+    while (done.replayed as usize) < limit {
+        let take = batch.min(limit - done.replayed as usize);
+        // language=PostgreSQL
+        let ids: Vec<Uuid> = sqlx::query_scalar(&format!(
+            "SELECT q.job_id FROM quarantine q JOIN jobs j USING (job_id) \
+             WHERE {} AND q.job_id > $6 ORDER BY q.job_id LIMIT $7",
+            crate::status::QUARANTINE_MATCH
+        ))
+        .bind(&f.owner)
+        .bind(&f.kind)
+        .bind(&f.reason)
+        .bind(f.since)
+        .bind(f.until)
+        .bind(after)
+        .bind(i64::try_from(take).unwrap_or(i64::MAX))
+        .fetch_all(pool)
+        .await?;
+        let Some(last) = ids.last() else { break };
+        after = *last;
+        let mut tx = pool.begin().await?;
+        let mut locked = lock_jobs(&mut tx, &ids).await?;
+        // A job written meanwhile by a later transaction cannot be appended to in this one
+        // (see JobRow::fresh_xid): it gets a transaction of its own after this one.
+        let mut alone = Vec::new();
+        let mut replayed = 0;
+        for job in &mut locked {
+            if !job.fresh_xid {
+                alone.push(job.job_id);
+                continue;
+            }
+            let request = Replay { requested_by: Some(by.clone()), ..Default::default() };
+            match replay_locked(&mut tx, events, policy, job, request).await {
+                Ok(()) => replayed += 1,
+                Err(ReplayError::NotQuarantined { .. }) => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        tx.commit().await?;
+        done.batches += 1;
+        done.replayed += replayed;
+        for job_id in alone {
+            let mut tx = pool.begin().await?;
+            let request = Replay { requested_by: Some(by.clone()), ..Default::default() };
+            match replay(&mut tx, events, policy, job_id, request).await {
+                Ok(_) => {
+                    tx.commit().await?;
+                    done.replayed += 1;
+                    done.batches += 1;
+                }
+                Err(ReplayError::NotQuarantined { .. } | ReplayError::NotFound(_)) => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+    }
+    metrics::counter!(m::REPLAYED_TOTAL, "how" => "bulk").increment(done.replayed);
+    done.remaining = count().await?;
+    Ok(done)
+}
+
+/// Why a cancel was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum CancelError {
+    #[error("no job {0}")]
+    NotFound(Uuid),
+    /// Only an open job (queued, leased, waiting to retry, quarantined) can be cancelled.
+    #[error("job {job_id} already ended: {state}")]
+    Ended { job_id: Uuid, state: Status },
+    #[error(transparent)]
+    Database(#[from] sqlx::Error),
+    #[error(transparent)]
+    Other(#[from] anyhow::Error),
+}
+
+/// A cancel request.
+#[derive(Debug, Clone, Default, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Cancel {
+    /// Who asks (operator name, API client).
+    #[serde(default)]
+    pub requested_by: Option<String>,
+    /// Why, for the event log.
+    #[serde(default)]
+    pub reason: Option<String>,
+}
+
+/// Cancels an open job in the caller's transaction: `JobCancelled`, state `cancelled`, its
+/// quarantine row (if any) gone. Returns the job and the state it was in.
+///
+/// A queued or retry-waiting job's pending dispatch is then skipped when it arrives (the
+/// job is finished). A running job's heartbeat finds the job no longer leased and fires the
+/// handler's cancellation token, and its completion, fenced on state `leased` and the
+/// generation, commits nothing whatever the handler returns.
+///
+/// # Errors
+/// [`CancelError`]; nothing was written.
+pub async fn cancel(
+    tx: &mut PgConnection,
+    events: &Events,
+    job_id: Uuid,
+    request: Cancel,
+) -> Result<(JobRow, Status), CancelError> {
+    let mut job = lock_job(tx, job_id).await?.ok_or(CancelError::NotFound(job_id))?;
+    if job.state.is_final() {
+        return Err(CancelError::Ended { job_id, state: job.state });
+    }
+    let was = job.state;
+    let payload = Payload::JobCancelled(jobfold_schemas::event::JobCancelled {
+        requested_by: request.requested_by.unwrap_or_else(|| "unknown".into()),
+        reason: request.reason.unwrap_or_default().replace('\0', "\u{fffd}"),
+    });
+    events.append(tx, &mut job, payload, None, None).await?;
+    // language=PostgreSQL
+    sqlx::query(
+        "UPDATE jobs SET state = $2::job_state, finished_at = now(), lease_until = NULL, \
+         lease_owner = NULL, next_attempt_at = NULL WHERE job_id = $1",
+    )
+    .bind(job_id)
+    .bind(job.state.as_str())
+    .execute(&mut *tx)
+    .await?;
+    sqlx::query("DELETE FROM quarantine WHERE job_id = $1").bind(job_id).execute(&mut *tx).await?;
+    Ok((job, was))
+}
