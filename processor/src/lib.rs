@@ -11,7 +11,7 @@
 //!   and published as Prometheus gauges.
 //! - [`intake`]: the consumer turning `jobfold.job-requests` messages into accepted jobs.
 //! - [`worker`]: the consumer group member that leases, runs and completes jobs; [`lease`]
-//!   decides the dispatches waiting at once in one transaction ([`lease::decide`], pure),
+//!   decides the dispatches waiting at once in one transaction ([`lease::decide()`], pure),
 //!   [`complete`] commits the attempts finished at once in one ([`batch`] gathers them),
 //!   [`retry`] says when a failed or throttled attempt runs again, [`quota`] holds a kind
 //!   to its provider's rate; [`heartbeat`] keeps the leases of running jobs;

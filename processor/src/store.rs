@@ -12,7 +12,7 @@
 //! - [`operator`]: what an operator does to jobs: replay a quarantined one, replay many by
 //!   filter, cancel.
 //!
-//! The pure decision of the lease transaction is [`crate::lease::decide`].
+//! The pure decision of the lease transaction is [`crate::lease::decide()`].
 
 pub mod events;
 pub mod operator;
