@@ -289,7 +289,7 @@ impl Active<'_> {
                 break;
             }
             let full = rows.len() == self.config.relay.batch_size as usize;
-            let events = parked::events(&rows)?;
+            let events = log::events_with_topic(&rows)?;
             // What is refused again blocks its document's later rows for this batch only:
             // they stay parked behind it.
             let mut again = publish::Blocked::default();
@@ -336,7 +336,7 @@ impl Active<'_> {
             let sent = if rows.is_empty() {
                 None
             } else {
-                let events = outbox::events(&rows)?;
+                let events = log::events_with_topic(&rows)?;
                 cursor = events.last().map_or(cursor, |e| e.seq);
                 Some(publish::send(self.producer, &events, blocked, self.max_bytes).await)
             };
@@ -422,7 +422,7 @@ impl Active<'_> {
                     positions.iter().take_while(|p| !undelivered.contains(&p.seq)).count()
                 };
                 // What to park among the events the cursor passes (the rest are read again).
-                let mut parking = outcome.parking();
+                let mut parking = parked::parking(&outcome);
                 if !parking.is_empty() && prefix < positions.len() {
                     let passed: std::collections::HashSet<i64> =
                         positions[..prefix].iter().map(|at| at.seq).collect();
@@ -456,7 +456,7 @@ impl Active<'_> {
             return Ok(false);
         };
         failpoint::hit(failpoint::RELAY_AFTER_PRODUCE_BEFORE_MARK);
-        let parking = outcome.parking();
+        let parking = parked::parking(&outcome);
         let mut seqs: Vec<i64> = outcome.delivered.iter().map(|(seq, _)| *seq).collect();
         let delivered = seqs.len();
         seqs.extend(parking.iter().map(|p| p.seq));

@@ -101,7 +101,7 @@ pub async fn claim(
     after: Position,
     limit: u32,
 ) -> Result<Batch, sqlx::Error> {
-    // The first six columns are the ones `Event::decode` reads.
+    // The first six columns are the ones [`event`] reads.
     // language=PostgreSQL
     let rows = sqlx::query(
         r#"
@@ -164,9 +164,39 @@ impl Batch {
         let mut events = Vec::with_capacity(self.rows.len());
         for row in &self.rows {
             if !row.try_get_unchecked::<bool, _>(7)? {
-                events.push(Event::decode(row, topic)?);
+                events.push(event(row, topic)?);
             }
         }
         Ok(events)
     }
+}
+
+/// Reads the event in the first six columns of a relay read, in this order: `seq`, `key`,
+/// `body`, `available_at`, `traceparent`, `tracestate` — [`claim`]'s, and the outbox's and
+/// the park's reads ([`crate::outbox::claim`], [`crate::parked::releasable`]), which name
+/// their topic in the seventh. Their types are those queries' own and are not checked again
+/// per row (`try_get_unchecked`): at thousands of rows a batch, the check cost more than the
+/// decoding.
+///
+/// # Errors
+/// A value does not decode (a null where there must be none).
+pub fn event<'a>(row: &'a PgRow, topic: &'a str) -> Result<Event<'a>, sqlx::Error> {
+    Ok(Event {
+        seq: row.try_get_unchecked(0)?,
+        topic,
+        key: row.try_get_unchecked(1)?,
+        body: row.try_get_unchecked(2)?,
+        available_at: row.try_get_unchecked(3)?,
+        traceparent: row.try_get_unchecked(4)?,
+        tracestate: row.try_get_unchecked(5)?,
+    })
+}
+
+/// The events of rows whose seventh column names each one's topic (the outbox's and the
+/// park's reads).
+///
+/// # Errors
+/// A row could not be decoded.
+pub fn events_with_topic(rows: &[PgRow]) -> Result<Vec<Event<'_>>, sqlx::Error> {
+    rows.iter().map(|row| event(row, row.try_get_unchecked(6)?)).collect()
 }

@@ -2,14 +2,13 @@
 //! [`jobfold_common::gauges::relay_backlog`], shared with `jobfold stats`). Each takes the connection that holds the active
 //! lock: if that connection dies, the relay stops marking rows and stands by again.
 
+use sqlx::PgConnection;
 use sqlx::postgres::PgRow;
-use sqlx::{PgConnection, Row};
-
-use crate::publish::Event;
 
 /// The oldest `limit` unpublished rows that are due and come after `after_seq`, in log order,
-/// among those the log cursor has passed. Each row is read as an [`Event`] for the topic in
-/// its seventh column (see [`events`]).
+/// among those the log cursor has passed. Each row is read as an
+/// [`Event`](crate::publish::Event) for the topic in its seventh column
+/// ([`crate::log::events_with_topic`]).
 ///
 /// Log order keeps per-document order: events of one job are written by transactions that
 /// follow one another, so a later event always has a higher seq and commits later. And a
@@ -23,7 +22,8 @@ pub async fn claim(
     after_seq: i64,
     limit: u32,
 ) -> Result<Vec<PgRow>, sqlx::Error> {
-    // The first six columns are the ones `Event::decode` reads.
+    // The first six columns are the ones `log::event` reads, the topic in the seventh
+    // (`log::events_with_topic`).
     // language=PostgreSQL
     sqlx::query(
         r#"
@@ -41,14 +41,6 @@ pub async fn claim(
     .bind(i64::from(limit))
     .fetch_all(conn)
     .await
-}
-
-/// The events of rows from [`claim`], each for its own topic.
-///
-/// # Errors
-/// A row could not be decoded.
-pub fn events(rows: &[PgRow]) -> Result<Vec<Event<'_>>, sqlx::Error> {
-    rows.iter().map(|row| Event::decode(row, row.try_get_unchecked(6)?)).collect()
 }
 
 /// Marks rows whose delivery the broker acknowledged; with `delete`, deletes them instead

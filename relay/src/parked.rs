@@ -6,7 +6,7 @@
 //! parked here *in the same transaction* that moves the cursor past it, so a crash between
 //! the two sends it again rather than losing it. From then on its document's later events are
 //! parked behind it (not sent), in log order, until an operator retries or drops it; then
-//! they go out in that order ([`release`]), before any newer event of the document.
+//! they go out in that order ([`releasable`]), before any newer event of the document.
 //!
 //! Every other document's events flow at full speed and nothing is sent twice.
 //!
@@ -18,10 +18,10 @@
 
 use std::collections::HashSet;
 
+use sqlx::PgConnection;
 use sqlx::postgres::PgRow;
-use sqlx::{PgConnection, Row};
 
-use crate::publish::Event;
+use crate::publish::Outcome;
 
 /// An event to park.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -87,12 +87,13 @@ pub async fn park(
 /// Up to `limit` parked events that may go out now, in log order: every parked event of a
 /// document none of whose refused events still waits for an operator — a refused event
 /// that was dropped, or one whose retry was asked for (it goes first). Read as
-/// [`Event`]s by [`events`].
+/// [`Event`](crate::publish::Event)s by [`crate::log::events_with_topic`].
 ///
 /// # Errors
 /// The connection failed.
 pub async fn releasable(conn: &mut PgConnection, limit: u32) -> Result<Vec<PgRow>, sqlx::Error> {
-    // The first six columns are the ones `Event::decode` reads.
+    // The first six columns are the ones `log::event` reads, the topic in the seventh
+    // (`log::events_with_topic`).
     // language=PostgreSQL
     sqlx::query(
         r#"
@@ -109,14 +110,6 @@ pub async fn releasable(conn: &mut PgConnection, limit: u32) -> Result<Vec<PgRow
     .bind(i64::from(limit))
     .fetch_all(conn)
     .await
-}
-
-/// The events of rows from [`releasable`], each for its own topic.
-///
-/// # Errors
-/// A row could not be decoded.
-pub fn events(rows: &[PgRow]) -> Result<Vec<Event<'_>>, sqlx::Error> {
-    rows.iter().map(|row| Event::decode(row, row.try_get_unchecked(6)?)).collect()
 }
 
 /// Records what became of released events: the delivered ones leave the park; the ones
@@ -262,4 +255,20 @@ async fn on_selected<'c, E: sqlx::PgExecutor<'c>>(
     };
     let done = sqlx::query(sql).bind(seq).bind(key).execute(executor).await?;
     Ok(done.rows_affected())
+}
+
+/// The events of a batch to park: the refused ones, and the ones waiting behind a parked
+/// event.
+pub fn parking(outcome: &Outcome) -> Vec<Parking> {
+    let refused = outcome.refused.iter().map(|(seq, reason)| Parking {
+        seq: *seq,
+        refused: true,
+        reason: reason.clone(),
+    });
+    let waiting = outcome.waiting.iter().map(|seq| Parking {
+        seq: *seq,
+        refused: false,
+        reason: WAITING.to_owned(),
+    });
+    refused.chain(waiting).collect()
 }

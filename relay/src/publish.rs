@@ -21,8 +21,6 @@ use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{BaseRecord, DeliveryResult, Producer, ProducerContext, ThreadedProducer};
 use rdkafka::util::Timeout;
-use sqlx::Row;
-use sqlx::postgres::PgRow;
 use tokio::sync::oneshot;
 
 /// The relay's producer defaults; every one can be overridden under `[kafka]`.
@@ -81,27 +79,6 @@ pub struct Event<'a> {
     pub tracestate: Option<&'a str>,
 }
 
-impl<'a> Event<'a> {
-    /// Reads the first six columns of a relay query, in this order: `seq`, `key`, `body`,
-    /// `available_at`, `traceparent`, `tracestate`. Their types are the relay's own queries'
-    /// and are not checked again per row (`try_get_unchecked`): at thousands of rows a batch,
-    /// the check cost more than the decoding.
-    ///
-    /// # Errors
-    /// A value does not decode (a null where there must be none).
-    pub fn decode(row: &'a PgRow, topic: &'a str) -> Result<Self, sqlx::Error> {
-        Ok(Event {
-            seq: row.try_get_unchecked(0)?,
-            topic,
-            key: row.try_get_unchecked(1)?,
-            body: row.try_get_unchecked(2)?,
-            available_at: row.try_get_unchecked(3)?,
-            traceparent: row.try_get_unchecked(4)?,
-            tracestate: row.try_get_unchecked(5)?,
-        })
-    }
-}
-
 /// What happened to one batch.
 #[derive(Debug, Default)]
 pub struct Outcome {
@@ -126,21 +103,6 @@ impl Outcome {
     /// cursor must not pass them.
     pub fn undelivered(&self) -> HashSet<i64> {
         self.failed.iter().map(|(seq, _)| *seq).chain(self.held_back.iter().copied()).collect()
-    }
-
-    /// The events to park: the refused ones, and the ones waiting behind a parked event.
-    pub fn parking(&self) -> Vec<crate::parked::Parking> {
-        let refused = self.refused.iter().map(|(seq, reason)| crate::parked::Parking {
-            seq: *seq,
-            refused: true,
-            reason: reason.clone(),
-        });
-        let waiting = self.waiting.iter().map(|seq| crate::parked::Parking {
-            seq: *seq,
-            refused: false,
-            reason: crate::parked::WAITING.to_owned(),
-        });
-        refused.chain(waiting).collect()
     }
 }
 

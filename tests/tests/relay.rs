@@ -602,7 +602,8 @@ async fn every_delivery_report_reaches_its_own_event() {
     assert!(outcome.failed.is_empty() && outcome.held_back.is_empty(), "{outcome:?}");
     assert!(outcome.undelivered().is_empty(), "the cursor may pass them all: they are parked");
     assert!(blocked.parked.contains("doc-d"));
-    let parking: Vec<(i64, bool)> = outcome.parking().iter().map(|p| (p.seq, p.refused)).collect();
+    let parking: Vec<(i64, bool)> =
+        jobfold_relay::parked::parking(&outcome).iter().map(|p| (p.seq, p.refused)).collect();
     assert_eq!(parking, [(40, true), (20, true), (50, false)]);
 
     // Over the relay's limit: refused before it is sent, and its document's next event waits.
