@@ -19,9 +19,7 @@ use sqlx::{PgConnection, PgPool};
 use uuid::Uuid;
 
 use crate::config::AcceptPolicy;
-
-/// Largest `document_id`, `kind` and idempotency key, in bytes.
-pub const MAX_NAME_BYTES: usize = 512;
+pub use crate::config::MAX_NAME_BYTES;
 
 /// A job to accept.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

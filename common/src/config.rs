@@ -25,6 +25,10 @@ pub const EXIT_CONFIG: i32 = 2;
 /// text is cut at a character boundary, so one verbose failure cannot make an event too large.
 pub const MAX_ERROR_BYTES: usize = 8 * 1024;
 
+/// Largest `document_id`, `kind` and idempotency key, in bytes (a kind's name in `[kinds]`
+/// too).
+pub const MAX_NAME_BYTES: usize = 512;
+
 /// For a binary's `main`: a run that failed on invalid configuration (found only once the
 /// broker was asked, such as a size limit the events topic cannot hold) prints the message
 /// and exits with status 2, like a configuration error at load; other errors are returned.
@@ -466,7 +470,7 @@ impl Config {
             .fold(self.processor.heartbeat, Duration::min)
     }
 
-    /// The policy an [`crate::accept::Acceptor`] applies.
+    /// The policy an `Acceptor` (`jobfold_common::accept`) applies.
     pub fn accept_policy(&self) -> AcceptPolicy {
         AcceptPolicy {
             max_input_bytes: self.accept.max_input_bytes,
@@ -740,7 +744,7 @@ impl Config {
                 problem: problem.to_owned(),
             })
         };
-        if name.trim().is_empty() || name.len() > crate::accept::MAX_NAME_BYTES {
+        if name.trim().is_empty() || name.len() > MAX_NAME_BYTES {
             return invalid("", "a kind's name must have 1 to 512 bytes");
         }
         if k.concurrency == Some(0) {

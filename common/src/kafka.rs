@@ -43,7 +43,7 @@ const METADATA_ATTEMPT: Duration = Duration::from_secs(5);
 const BROKERS_AT_START: Duration = Duration::from_secs(60);
 
 /// The topics the cluster has. An unreachable cluster is reported, naming the brokers, after
-/// [`METADATA_ATTEMPT`], then asked again up to [`BROKERS_AT_START`] (a broker still starting).
+/// `METADATA_ATTEMPT`, then asked again up to `BROKERS_AT_START` (a broker still starting).
 ///
 /// # Errors
 /// No broker answered in time, or the configuration is refused.
