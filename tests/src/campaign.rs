@@ -1,5 +1,5 @@
 //! The fault campaign: the whole system under load while faults land anywhere, any time —
-//! then the [`history`](crate::history) checker.
+//! then the [`crate::history`] checker.
 //!
 //! It starts its own Postgres, Kafka and registry (the `docker/` scripts, on ports and a
 //! state directory of its own, so its crashes touch nothing else), 2 relays and 2–3
@@ -15,7 +15,7 @@
 //! - on a three-broker cluster ([`Plan::brokers`] = 3), every second fault instead: SIGKILL of the leader of the
 //!   busiest events partition, of the processors' group coordinator or of the active
 //!   controller, each restarted; a broker paused past its session; a rolling restart of all
-//!   three; two brokers down at once (under `min.insync.replicas`) — see [`broker_fault`];
+//!   three; two brokers down at once (under `min.insync.replicas`) — see `broker_fault`;
 //! - `restart-postgres`: immediate-mode stop (no checkpoint) and restart;
 //! - `add-processor`, `remove-processor`: consumer group rebalances.
 //!
