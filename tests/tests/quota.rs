@@ -5,7 +5,9 @@
 //!   every stretch of time, the provider sees no more requests and no more cost than the
 //!   token buckets allow, though both processors call it;
 //! - a 429 holds the whole kind back for its `Retry-After`, in both processors, and the
-//!   throttled jobs succeed later on their first attempt's budget (`max_attempts = 1`).
+//!   throttled jobs succeed later on their first attempt's budget (`max_attempts = 1`);
+//! - a job waiting for its kind's quota holds none of the processor's slots: other kinds run
+//!   meanwhile, even with one slot in all.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -58,18 +60,19 @@ async fn provider() -> (String, Calls, Calls) {
     (url, metered, busy)
 }
 
-/// Two processors of one group, both holding partitions, with `kinds` as their
+/// `processors` processors of one group, each holding partitions, with `kinds` as their
 /// configuration file; and the relay.
-async fn group(it: &Installation, kinds: &str) -> (Vec<Service>, std::path::PathBuf) {
+async fn group(
+    it: &Installation,
+    kinds: &str,
+    processors: usize,
+) -> (Vec<Service>, std::path::PathBuf) {
     let file = std::env::temp_dir().join(format!("jobfold-quota-{}.toml", Uuid::new_v4().simple()));
     std::fs::write(&file, kinds).unwrap();
     let mut env = it.fast_env(&jobfold_tests::kafka::unique_name("quota"));
     env.insert("JOBFOLD_CONFIG".into(), file.display().to_string());
-    let services = vec![
-        Service::start("jobfold-relay", &env),
-        Service::start("jobfold-processor", &env),
-        Service::start("jobfold-processor", &env),
-    ];
+    let mut services = vec![Service::start("jobfold-relay", &env)];
+    services.extend((0..processors).map(|_| Service::start("jobfold-processor", &env)));
     for processor in &services[1..] {
         eventually(Duration::from_secs(90), "each processor to hold partitions", || async {
             processor.metric("jobfold_assigned_partitions").await.unwrap_or(0.0) > 0.0
@@ -133,6 +136,7 @@ async fn a_kinds_rate_limits_hold_across_the_processors_of_a_group() {
             "[kinds.metered]\nurl = \"{url}/metered\"\nrate_per_second = 2\n\
              cost_per_minute = 120\ncost_pointer = \"/tokens\"\n"
         ),
+        2,
     )
     .await;
     let acceptor = it.acceptor().await;
@@ -174,6 +178,7 @@ async fn a_429_holds_the_kind_back_everywhere_without_spending_attempts() {
     let (services, file) = group(
         &it,
         &format!("[kinds.busy]\nurl = \"{url}/busy\"\nrate_per_second = 4\nmax_attempts = 1\n"),
+        2,
     )
     .await;
     let acceptor = it.acceptor().await;
@@ -210,6 +215,54 @@ async fn a_429_holds_the_kind_back_everywhere_without_spending_attempts() {
         throttled.insert(i, metric_value(&text, "jobfold_throttled_total", &[("kind", "busy")]));
     }
     assert_eq!(throttled.values().map(|t| t.unwrap_or(0.0)).sum::<f64>(), 2.0, "{throttled:?}");
+    drop(services);
+    let _ = std::fs::remove_file(file);
+    it.cleanup().await;
+}
+
+/// One processor with one slot in all (`max_in_flight = 1`), a kind limited to one call in
+/// 100 s and a kind with no limit. The limited kind's first job takes the bucket's one
+/// token; its second waits for the next. Meanwhile every job of the other kind runs, and
+/// the waiting job is still unleased (attempt 0) when they are done. Were the quota taken
+/// while holding the process's slot, the waiting job would hold the only one for 100 s, and
+/// the other kind's jobs could run only after it was leased.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_job_waiting_for_quota_holds_no_process_slot() {
+    let it = Installation::new("quota_slot").await;
+    it.create_topics().await;
+    let (url, metered, _) = provider().await;
+    let (services, file) = group(
+        &it,
+        &format!(
+            "[processor]\nmax_in_flight = 1\n\n[kinds.limited]\nurl = \"{url}/metered\"\n\
+             rate_per_second = 0.01\n\n[kinds.free]\nurl = \"{url}/metered\"\n"
+        ),
+        1,
+    )
+    .await;
+    let acceptor = it.acceptor().await;
+    let limited: Vec<NewJob> = (0..2).map(|n| job("limited", n, json!({}))).collect();
+    let waiting =
+        acceptor.accept_batch(&it.pool, &limited).await.unwrap().last().unwrap().job_id;
+    eventually(Duration::from_secs(60), "the first limited job to succeed", || async {
+        succeeded(&it, "limited").await == 1
+    })
+    .await;
+    // The second limited job is now at its kind's quota, which refills in 100 s.
+    let free: Vec<NewJob> = (0..5).map(|n| job("free", n, json!({}))).collect();
+    acceptor.accept_batch(&it.pool, &free).await.unwrap();
+    eventually(Duration::from_secs(150), "every free job to succeed", || async {
+        succeeded(&it, "free").await == 5
+    })
+    .await;
+    assert_eq!(
+        it.state_and_attempt(waiting).await,
+        ("queued".into(), 0),
+        "the limited job still waits for its quota, unleased"
+    );
+    let text = services[1].scrape().await.unwrap_or_default();
+    assert_eq!(metric_value(&text, "jobfold_quota_waiting", &[("kind", "limited")]), Some(1.0));
+    assert_eq!(metered.lock().unwrap().len(), 6, "one limited call and five free ones");
     drop(services);
     let _ = std::fs::remove_file(file);
     it.cleanup().await;
