@@ -242,8 +242,7 @@ async fn a_job_waiting_for_quota_holds_no_process_slot() {
     .await;
     let acceptor = it.acceptor().await;
     let limited: Vec<NewJob> = (0..2).map(|n| job("limited", n, json!({}))).collect();
-    let waiting =
-        acceptor.accept_batch(&it.pool, &limited).await.unwrap().last().unwrap().job_id;
+    let waiting = acceptor.accept_batch(&it.pool, &limited).await.unwrap().last().unwrap().job_id;
     eventually(Duration::from_secs(60), "the first limited job to succeed", || async {
         succeeded(&it, "limited").await == 1
     })
