@@ -97,10 +97,14 @@ pub struct DeadLetterPage {
     pub next: Option<i64>,
 }
 
-// language=PostgreSQL
-const COLUMNS: &str = "id, consumer_group, topic, kafka_partition, kafka_offset, error, \
-    received_at, length(raw_key) AS key_bytes, length(raw_value) AS value_bytes, \
-    reinjected_at, reinjected_count";
+/// A [`DeadLetter`]'s columns: a macro, so that each statement is one literal.
+macro_rules! columns {
+    () => {
+        "id, consumer_group, topic, kafka_partition, kafka_offset, error, received_at, \
+         length(raw_key) AS key_bytes, length(raw_value) AS value_bytes, reinjected_at, \
+         reinjected_count"
+    };
+}
 
 /// Dead letters matching `filter`, oldest first, keyset-paged by id.
 ///
@@ -109,8 +113,10 @@ const COLUMNS: &str = "id, consumer_group, topic, kafka_partition, kafka_offset,
 pub async fn list(pool: &PgPool, filter: &DeadLetterFilter) -> Result<DeadLetterPage, sqlx::Error> {
     let limit = filter.limit.unwrap_or(50).clamp(1, 1000);
     // language=PostgreSQL
-    let dead_letters: Vec<DeadLetter> = sqlx::query_as(&format!(
-        "SELECT {COLUMNS} FROM dead_letters \
+    let dead_letters: Vec<DeadLetter> = sqlx::query_as(concat!(
+        "SELECT ",
+        columns!(),
+        " FROM dead_letters \
          WHERE ($1::text IS NULL OR topic = $1) AND ($2::text IS NULL OR consumer_group = $2) \
            AND id > $3 \
          ORDER BY id LIMIT $4"
@@ -154,10 +160,14 @@ struct Stored {
 
 async fn stored(pool: &PgPool, id: i64) -> Result<Option<Stored>, sqlx::Error> {
     // language=PostgreSQL
-    sqlx::query_as(&format!("SELECT {COLUMNS}, raw_key, raw_value FROM dead_letters WHERE id = $1"))
-        .bind(id)
-        .fetch_optional(pool)
-        .await
+    sqlx::query_as(concat!(
+        "SELECT ",
+        columns!(),
+        ", raw_key, raw_value FROM dead_letters WHERE id = $1"
+    ))
+    .bind(id)
+    .fetch_optional(pool)
+    .await
 }
 
 /// The bytes as text: UTF-8 where they are, each other byte and each control character

@@ -20,7 +20,7 @@ use jobfold_schemas::event::{DispatchReason, RetryDue};
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 
-use crate::store::{Events, JOB_COLUMNS, JobRow};
+use crate::store::{Events, JobRow, job_columns};
 
 /// Jobs re-dispatched per round, at most.
 const ROUND: i64 = 500;
@@ -41,6 +41,18 @@ pub async fn run(config: Config, pool: PgPool, events: Events, shutdown: Cancell
     }
 }
 
+/// Which jobs the reaper dispatches: `$1` is the grace, `$2` stall_after, in seconds.
+macro_rules! due {
+    () => {
+        r#"
+    finished_at IS NULL
+    AND ((state = 'leased' AND lease_until < now() - make_interval(secs => $1))
+      OR (state = 'queued' AND coalesce(run_at, accepted_at) < now() - make_interval(secs => $2)))
+    AND coalesce(next_attempt_at, '-infinity') < now()
+"#
+    };
+}
+
 /// One round: dispatches expired leases and stalled jobs again; returns how many.
 ///
 /// Candidates are found without locks; each is then re-checked, locked and dispatched in a
@@ -50,8 +62,10 @@ pub async fn run(config: Config, pool: PgPool, events: Events, shutdown: Cancell
 /// The database failed.
 pub async fn reap(config: &Config, pool: &PgPool, events: &Events) -> anyhow::Result<u64> {
     // language=PostgreSQL
-    let candidates: Vec<uuid::Uuid> = sqlx::query_scalar(&format!(
-        "SELECT job_id FROM jobs WHERE {DUE} ORDER BY accepted_at LIMIT $3"
+    let candidates: Vec<uuid::Uuid> = sqlx::query_scalar(concat!(
+        "SELECT job_id FROM jobs WHERE ",
+        due!(),
+        " ORDER BY accepted_at LIMIT $3"
     ))
     .bind(config.processor.reaper_grace.as_secs_f64())
     .bind(config.processor.stall_after.as_secs_f64())
@@ -65,14 +79,6 @@ pub async fn reap(config: &Config, pool: &PgPool, events: &Events) -> anyhow::Re
     Ok(dispatched)
 }
 
-/// Which jobs the reaper dispatches: `$1` is the grace, `$2` stall_after, in seconds.
-const DUE: &str = r#"
-    finished_at IS NULL
-    AND ((state = 'leased' AND lease_until < now() - make_interval(secs => $1))
-      OR (state = 'queued' AND coalesce(run_at, accepted_at) < now() - make_interval(secs => $2)))
-    AND coalesce(next_attempt_at, '-infinity') < now()
-"#;
-
 /// Dispatches one job again if it is still due and no one else holds it.
 async fn dispatch(
     config: &Config,
@@ -82,14 +88,13 @@ async fn dispatch(
 ) -> anyhow::Result<bool> {
     let mut tx = pool.begin().await?;
     // language=PostgreSQL
-    let locked = sqlx::query_as::<_, JobRowWithReason>(&format!(
-        r#"
-        SELECT {JOB_COLUMNS},
-               CASE WHEN state = 'leased' THEN 'lease_expired' ELSE 'stalled' END AS reason
-        FROM jobs
-        WHERE job_id = $3 AND {DUE}
-        FOR UPDATE SKIP LOCKED
-        "#
+    let locked = sqlx::query_as::<_, JobRowWithReason>(concat!(
+        "SELECT ",
+        job_columns!(),
+        ", CASE WHEN state = 'leased' THEN 'lease_expired' ELSE 'stalled' END AS reason \
+         FROM jobs WHERE job_id = $3 AND ",
+        due!(),
+        " FOR UPDATE SKIP LOCKED"
     ))
     .bind(config.processor.reaper_grace.as_secs_f64())
     .bind(config.processor.stall_after.as_secs_f64())

@@ -36,29 +36,34 @@ pub struct JobStatus {
     pub quarantine_owner: Option<String>,
 }
 
-/// The job, if it exists.
-///
-/// # Errors
-/// The database failed.
-pub async fn job(pool: &PgPool, job_id: Uuid) -> Result<Option<JobStatus>, sqlx::Error> {
-    sqlx::query_as(&format!(
-        "{JOB_STATUS} LEFT JOIN quarantine q USING (job_id) WHERE j.job_id = $1"
-    ))
-    .bind(job_id)
-    .fetch_optional(pool)
-    .await
-}
-
-/// What a [`JobStatus`] is read with, before its join with `quarantine q`.
-// language=PostgreSQL
-const JOB_STATUS: &str = r#"
+/// What a [`JobStatus`] is read with, before its join with `quarantine q`: a macro, so that
+/// the one-job statement is one literal.
+macro_rules! job_status {
+    () => {
+        r#"
     SELECT j.job_id, j.document_id, j.kind, j.input_version, j.state::text AS state,
            j.attempt, j.max_attempts, j.generation, j.lease_until, j.lease_owner,
            j.next_attempt_at, j.deadline, j.accepted_at, j.run_at, j.finished_at, j.last_error,
            j.stream_version, j.idempotency_key,
            q.reason AS quarantine_reason, q.owner AS quarantine_owner
     FROM jobs j
-"#;
+"#
+    };
+}
+
+/// The job, if it exists.
+///
+/// # Errors
+/// The database failed.
+pub async fn job(pool: &PgPool, job_id: Uuid) -> Result<Option<JobStatus>, sqlx::Error> {
+    sqlx::query_as(concat!(
+        job_status!(),
+        " LEFT JOIN quarantine q USING (job_id) WHERE j.job_id = $1"
+    ))
+    .bind(job_id)
+    .fetch_optional(pool)
+    .await
+}
 
 /// Which jobs to list, and which page: `GET /v1/jobs` and `jobfold jobs`.
 #[derive(Debug, Clone, Default, Deserialize)]
@@ -161,7 +166,8 @@ fn jobs_query<'a>(filter: &'a JobFilter, prefix: &str) -> sqlx::QueryBuilder<'a,
     // read in the quarantine table's job id order.
     let join = if filter.state == Some(Status::Quarantined) { "JOIN" } else { "LEFT JOIN" };
     let mut query = sqlx::QueryBuilder::new(format!(
-        "{prefix}{JOB_STATUS} {join} quarantine q USING (job_id) WHERE true"
+        "{prefix}{} {join} quarantine q USING (job_id) WHERE true",
+        job_status!()
     ));
     // (The join alone selects the quarantined: a job has a quarantine row exactly while it
     // is quarantined. Its state tested too, the planner would take the two for independent,
@@ -278,15 +284,20 @@ pub struct QuarantineFilter {
 }
 
 /// The quarantine rows (`q`, joined to `j`) a [`QuarantineFilter`] selects: `$1` owner, `$2`
-/// kind, `$3` reason text, `$4` since, `$5` until. Listing and bulk replay share it.
-// language=PostgreSQL
-pub const QUARANTINE_MATCH: &str = r#"
+/// kind, `$3` reason text, `$4` since, `$5` until. Listing and bulk replay share
+/// it: a macro, so that each statement is one literal.
+macro_rules! quarantine_match {
+    () => {
+        r#"
     ($1::text IS NULL OR q.owner = $1)
     AND ($2::text IS NULL OR j.kind = $2)
     AND ($3::text IS NULL OR q.reason ILIKE '%' || $3 || '%')
     AND ($4::timestamptz IS NULL OR q.quarantined_at >= $4)
     AND ($5::timestamptz IS NULL OR q.quarantined_at < $5)
-"#;
+"#
+    };
+}
+pub(crate) use quarantine_match;
 
 /// A quarantined job, waiting for its owner.
 #[derive(Debug, Clone, Serialize, sqlx::FromRow)]
@@ -315,15 +326,12 @@ pub async fn quarantined(
 ) -> Result<Vec<Quarantined>, sqlx::Error> {
     let limit = filter.limit.unwrap_or(50).clamp(1, QUARANTINE_LIMIT_MAX);
     // language=PostgreSQL
-    sqlx::query_as(&format!(
-        r#"
-        SELECT q.job_id, j.kind, j.document_id, q.input_version, q.error_class, q.owner,
-               q.attempts, q.reason, q.quarantined_at
-        FROM quarantine q JOIN jobs j USING (job_id)
-        WHERE {QUARANTINE_MATCH}
-        ORDER BY q.quarantined_at DESC
-        LIMIT $6
-        "#
+    sqlx::query_as(concat!(
+        "SELECT q.job_id, j.kind, j.document_id, q.input_version, q.error_class, q.owner, \
+                q.attempts, q.reason, q.quarantined_at \
+         FROM quarantine q JOIN jobs j USING (job_id) WHERE ",
+        quarantine_match!(),
+        " ORDER BY q.quarantined_at DESC LIMIT $6"
     ))
     .bind(&filter.owner)
     .bind(&filter.kind)

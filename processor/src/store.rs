@@ -74,11 +74,17 @@ pub struct JobRow {
     pub fresh_xid: bool,
 }
 
-/// The columns of a [`JobRow`], `fresh_xid` included, as a `SELECT … FROM jobs` lists them.
-pub const JOB_COLUMNS: &str = "job_id, document_id, kind, payload, input_version, \
+/// The columns of a [`JobRow`], `fresh_xid` included, as a `SELECT … FROM jobs` lists them:
+/// a macro, so that each statement naming them is one literal, put together at compile time.
+macro_rules! job_columns {
+    () => {
+        "job_id, document_id, kind, payload, input_version, \
     state::text AS state, attempt, generation, lease_until, lease_owner, max_attempts, \
     deadline, stream_version, accepted_at, run_at, \
-    pg_current_xact_id_if_assigned() IS NULL AS fresh_xid";
+    pg_current_xact_id_if_assigned() IS NULL AS fresh_xid"
+    };
+}
+pub(crate) use job_columns;
 
 /// Reads the job row and locks it until the transaction ends. Call it before any other
 /// write of the transaction if the transaction appends events (see [`JobRow::fresh_xid`]).
@@ -87,7 +93,7 @@ pub const JOB_COLUMNS: &str = "job_id, document_id, kind, payload, input_version
 /// The database failed.
 pub async fn lock_job(tx: &mut PgConnection, job_id: Uuid) -> Result<Option<JobRow>, sqlx::Error> {
     // language=PostgreSQL
-    sqlx::query_as(&format!("SELECT {JOB_COLUMNS} FROM jobs WHERE job_id = $1 FOR UPDATE"))
+    sqlx::query_as(concat!("SELECT ", job_columns!(), " FROM jobs WHERE job_id = $1 FOR UPDATE"))
         .bind(job_id)
         .fetch_optional(tx)
         .await
@@ -108,8 +114,10 @@ pub async fn lock_jobs(
     job_ids: &[Uuid],
 ) -> Result<Vec<JobRow>, sqlx::Error> {
     // language=PostgreSQL
-    let mut jobs: Vec<JobRow> = sqlx::query_as(&format!(
-        "SELECT {JOB_COLUMNS} FROM jobs WHERE job_id = ANY($1) ORDER BY job_id FOR UPDATE"
+    let mut jobs: Vec<JobRow> = sqlx::query_as(concat!(
+        "SELECT ",
+        job_columns!(),
+        " FROM jobs WHERE job_id = ANY($1) ORDER BY job_id FOR UPDATE"
     ))
     .bind(job_ids)
     .fetch_all(&mut *tx)

@@ -183,18 +183,17 @@ pub async fn replay_matching(
 ) -> anyhow::Result<BulkReplayed> {
     use jobfold_common::metrics as m;
     let f = &request.filter;
-    let count_sql = format!(
-        "SELECT count(*) FROM quarantine q JOIN jobs j USING (job_id) WHERE {}",
-        crate::status::QUARANTINE_MATCH
-    );
     let count = || {
-        sqlx::query_scalar::<_, i64>(&count_sql)
-            .bind(f.owner.clone())
-            .bind(f.kind.clone())
-            .bind(f.reason.clone())
-            .bind(f.since)
-            .bind(f.until)
-            .fetch_one(pool)
+        sqlx::query_scalar::<_, i64>(concat!(
+            "SELECT count(*) FROM quarantine q JOIN jobs j USING (job_id) WHERE ",
+            crate::status::quarantine_match!()
+        ))
+        .bind(f.owner.clone())
+        .bind(f.kind.clone())
+        .bind(f.reason.clone())
+        .bind(f.since)
+        .bind(f.until)
+        .fetch_one(pool)
     };
     let matched = count().await?;
     let mut done = BulkReplayed { dry_run: request.dry_run, matched, ..Default::default() };
@@ -209,10 +208,10 @@ pub async fn replay_matching(
     while (done.replayed as usize) < limit {
         let take = batch.min(limit - done.replayed as usize);
         // language=PostgreSQL
-        let ids: Vec<Uuid> = sqlx::query_scalar(&format!(
-            "SELECT q.job_id FROM quarantine q JOIN jobs j USING (job_id) \
-             WHERE {} AND q.job_id > $6 ORDER BY q.job_id LIMIT $7",
-            crate::status::QUARANTINE_MATCH
+        let ids: Vec<Uuid> = sqlx::query_scalar(concat!(
+            "SELECT q.job_id FROM quarantine q JOIN jobs j USING (job_id) WHERE ",
+            crate::status::quarantine_match!(),
+            " AND q.job_id > $6 ORDER BY q.job_id LIMIT $7"
         ))
         .bind(&f.owner)
         .bind(&f.kind)
