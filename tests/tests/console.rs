@@ -271,8 +271,16 @@ async fn the_console_shows_finds_fixes_and_escapes_in_a_real_browser() {
     assert_eq!(browser.text("#session-state").await, "Read only");
     browser.click("#replay").await;
     browser.until("the sign-in form", "return !document.getElementById('login').hidden;").await;
-    let refusal = browser.text("#toast").await;
-    assert!(refusal.contains("401"), "{refusal}");
+    // The toast comes after the form (from the refused call's handler), and WebDriver reads
+    // no text from it once it fades: wait for the words themselves.
+    let refusal = browser
+        .until(
+            "the refusal's toast",
+            "const t = document.getElementById('toast').textContent; \
+             return t.includes('401') ? t : null;",
+        )
+        .await;
+    assert!(refusal.as_str().unwrap().starts_with("Refused"), "{refusal}");
     assert_eq!(state(&it, target).await, "quarantined", "nothing changed without the token");
     browser.fill("#login-token", "not-the-token-but-long-enough").await;
     browser.click("#login-form button[type=submit]").await;
