@@ -863,7 +863,8 @@ async fn summary(
         ),
     );
     // The business effect outside Postgres is the model call: after a job's summary
-    // committed, a redelivery must be stopped by the dedupe row before the handler runs.
+    // committed, a redelivery must be stopped by the job row (its dispatch version and state)
+    // before the handler runs.
     // language=PostgreSQL
     let committed: Vec<(String, chrono::DateTime<chrono::Utc>)> = sqlx::query_as(
         "SELECT j.job_id::text || ':' || j.input_version, e.occurred_at FROM job_events e \
@@ -945,7 +946,7 @@ async fn summary(
     line(
         on_topic > 0,
         format!(
-            "duplicates delivered: {on_topic} event(s) twice on the topic (the relay crash); the processors skipped {} redelivered dispatches by their dedupe row and fenced {} completions; {} handler runs",
+            "duplicates delivered: {on_topic} event(s) twice on the topic (the relay crash); the processors skipped {} redelivered dispatches as duplicates and fenced {} completions; {} handler runs",
             metrics.sum("jobfold_duplicates_skipped_total"),
             metrics.sum("jobfold_fenced_completions_total"),
             metrics.sum("jobfold_handler_runs_total"),

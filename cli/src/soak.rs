@@ -40,7 +40,7 @@ pub(crate) struct Plan {
 }
 
 /// The tables sampled, as their rows and sizes are reported.
-const TABLES: [&str; 5] = ["jobs", "job_events", "consumed_events", "job_results", "outbox"];
+const TABLES: [&str; 4] = ["jobs", "job_events", "job_results", "outbox"];
 
 /// How many figures a sample has: the two processes' memory, the lag, and each table's rows.
 #[derive(Debug, Clone)]
@@ -84,11 +84,10 @@ fn job(i: usize, documents: usize) -> NewJob {
 }
 
 async fn soak(mut config: Config, plan: Plan) -> anyhow::Result<(String, bool)> {
-    // Windows scaled to the run: the three row kinds after an eighth of it, the jobs after
+    // Windows scaled to the run: the two row kinds after an eighth of it, the jobs after
     // a quarter, so the last two thirds run with every sweep at work.
     let window = (plan.duration / 8).max(Duration::from_secs(10));
     let r = &mut config.retention;
-    r.consumed_events_after = Some(window);
     r.job_events_after = Some(window);
     r.job_results_after = Some(window);
     r.jobs_after = Some((plan.duration / 4).max(window * 2));
@@ -201,7 +200,7 @@ async fn soak(mut config: Config, plan: Plan) -> anyhow::Result<(String, bool)> 
     writeln!(
         out,
         "Soak: {} s at {rate:.0} jobs/s (half the burst's {burst_rate:.0} jobs/s), {} documents, \
-         one job in ten a summary (50 ms stand-in model); retention: events, dedupe rows and \
+         one job in ten a summary (50 ms stand-in model); retention: events and \
          results after {} s, jobs after {} s, swept every {} s. {cores} cores; Postgres, Kafka \
          and the registry on the same machine.\n",
         plan.duration.as_secs(),

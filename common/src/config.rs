@@ -266,10 +266,6 @@ pub struct Processor {
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct Retention {
-    /// Dedupe rows (`consumed_events`) of jobs ended this long ago: the job's state already
-    /// makes a redelivered event of an ended job a no-op.
-    #[serde(default, with = "humantime_serde")]
-    pub consumed_events_after: Option<Duration>,
     /// Events (`job_events`, and their `outbox` rows) of jobs ended this long ago, once on
     /// Kafka: the events topic keeps the log (`topics.events_retention_ms`).
     #[serde(default, with = "humantime_serde")]
@@ -293,7 +289,6 @@ impl Retention {
     /// The settings by the table they delete from, those set only.
     pub fn sweeps(&self) -> Vec<(&'static str, Duration)> {
         [
-            ("consumed_events", self.consumed_events_after),
             ("job_events", self.job_events_after),
             ("job_results", self.job_results_after),
             ("jobs", self.jobs_after),
@@ -937,8 +932,8 @@ mod tests {
         assert!(refused.contains("retention.job_events_after"), "{refused}");
         config.retention.jobs_after = Some(Duration::from_secs(7200));
         assert!(config.validate().is_ok());
-        config.retention.consumed_events_after = Some(Duration::from_millis(10));
-        assert!(problem(config.validate()).contains("retention.consumed_events_after"));
+        config.retention.job_results_after = Some(Duration::from_millis(10));
+        assert!(problem(config.validate()).contains("retention.job_results_after"));
         let mut config = defaults();
         config.processor.max_buffered = 0;
         assert!(problem(config.validate()).contains("processor.max_buffered"));

@@ -52,7 +52,7 @@ pub const WAITING_FOR_HANDLER: &str = "jobfold_waiting_for_handler";
 pub const ASSIGNED_PARTITIONS: &str = "jobfold_assigned_partitions";
 /// Attempts completed, by outcome: succeeded, retry_scheduled, quarantined, superseded.
 pub const COMPLETED_TOTAL: &str = "jobfold_completed_total";
-/// Redelivered dispatch events skipped by their dedupe row, without running anything.
+/// Redelivered dispatch events skipped as duplicates (by their job row), running nothing.
 pub const DUPLICATES_SKIPPED_TOTAL: &str = "jobfold_duplicates_skipped_total";
 /// Jobs per lease or completion transaction (`transaction` = `lease` | `completion`): the
 /// processor decides every dispatch waiting at once in one transaction.
@@ -184,7 +184,7 @@ pub fn describe() {
     describe_counter!(
         DUPLICATES_SKIPPED_TOTAL,
         Unit::Count,
-        "Redelivered dispatch events skipped by their dedupe row."
+        "Redelivered dispatch events skipped as duplicates, running nothing."
     );
     describe_histogram!(
         TRANSACTION_JOBS,

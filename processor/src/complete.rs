@@ -2,14 +2,14 @@
 //!
 //! Each job's task hands its finished attempt to the [`Completer`] and waits. A completing
 //! task takes whatever attempts are waiting (up to [`BATCH`]; up to [`WORKERS`] such
-//! transactions at once) and commits them in one transaction: the jobs locked in `job_id` order, the generation fence of each, the
-//! handlers' business writes in that order, then the successes in three statements for them
-//! all (results, events, job rows), the rarer outcomes one by one, and every dedupe row in
-//! one statement.
+//! transactions at once) and commits them in one transaction: the jobs locked in `job_id`
+//! order, the generation fence of each, the handlers' business writes in that order, then the
+//! successes in three statements for them all (results, events, job rows) and the rarer
+//! outcomes one by one.
 //!
 //! What each attempt commits is what it committed alone: a fenced attempt writes nothing,
-//! an unfenced one writes its business result, its state, its events and its dedupe row in
-//! the same commit. If the batch fails (a handler's business write failing, say), its
+//! an unfenced one writes its business result, its state and its events in the same commit
+//! (its dispatch event's version is in the job row since its lease, see [`crate::lease`]). If the batch fails (a handler's business write failing, say), its
 //! attempts are completed again one transaction each, so one bad attempt fails alone.
 
 use std::collections::HashMap;
@@ -24,7 +24,7 @@ use uuid::Uuid;
 
 use crate::batch::Batcher;
 use crate::handler::{Committed, ErrorClass, HandlerError, Handlers, JobContext};
-use crate::store::{self, Consumed, Events, JobRow, Outcome};
+use crate::store::{self, Events, JobRow, Outcome};
 
 /// Attempts committed in one transaction, at most.
 pub const BATCH: usize = 64;
@@ -38,8 +38,6 @@ pub struct Attempt {
     pub job: JobRow,
     pub context: JobContext,
     pub result: Result<Value, HandlerError>,
-    /// The dispatch event, for its dedupe row.
-    pub consumed: Consumed,
     /// The dispatch event's trace context, for the events written.
     pub trace: Option<TraceContext>,
 }
@@ -168,7 +166,6 @@ impl Batch<'_> {
             "a job of the batch was written by a later transaction"
         );
         let mut answers: Vec<Option<Completed>> = attempts.iter().map(|_| None).collect();
-        let mut consumed = Vec::with_capacity(attempts.len());
         let mut successes = Vec::new();
         // Business writes in lock order, so two batches touching the same rows wait on each
         // other in one direction only.
@@ -183,7 +180,6 @@ impl Batch<'_> {
                 answers[i] = Some(Completed::Fenced);
                 continue;
             };
-            consumed.push(attempt.consumed.clone());
             let outcome = match &attempt.result {
                 Ok(output) => match self.commit(&mut tx, attempt, output).await? {
                     Committed::Applied => {
@@ -227,7 +223,6 @@ impl Batch<'_> {
             .map(|(i, job, result)| (job, result.clone(), attempts[*i].trace.clone()))
             .collect();
         store::succeed_all(&mut tx, self.events, succeeding).await?;
-        store::record_all_consumed(&mut tx, &consumed).await?;
         tx.commit().await?;
         for (i, job, _) in successes {
             answers[i] = Some(Completed::Committed { job: Box::new(job), outcome: "succeeded" });

@@ -5,8 +5,7 @@
 //! when the lease is lost (a heartbeat found another generation) or on shutdown.
 //! [`Handler::commit`] writes the business result inside the completion transaction, after
 //! the generation check: a fenced (zombie) worker never reaches it, and the write commits
-//! together with the job's state, its event, the dedupe row and the partition offset — or
-//! not at all.
+//! together with the job's state and its event — or not at all.
 //!
 //! Side effects outside Postgres (payments, e-mail) are not covered by that commit: pass
 //! [`JobContext::idempotency_key`] to the outside system, so a repeated run is recognised

@@ -2,20 +2,22 @@
 //!
 //! Each document's task hands its dispatch event to the [`Leaser`] and waits for the
 //! decision. A leasing task takes whatever dispatches are waiting (up to [`BATCH`]; up to
-//! [`WORKERS`] such transactions at once) and decides them all in one transaction: the
-//! dedupe rows, the jobs locked in `job_id` order, the newest succeeded versions, then every
-//! write — `JobLeased` events and job rows in two statements, dedupe rows in one. A lone
-//! dispatch is one transaction of its own, as before; under load the batches grow and the
-//! statements per job fall.
+//! [`WORKERS`] such transactions at once) and decides them all in one transaction: the jobs
+//! locked in `job_id` order, the newest succeeded versions, then every write — `JobLeased`
+//! events and job rows in two statements. A lone dispatch is one transaction of its own;
+//! under load the batches grow and the statements per job fall.
 //!
-//! Nothing of the guarantee changes: every job is locked before the transaction writes to it,
-//! and a job written meanwhile by a later transaction (see
+//! A dispatch that leases its job, or ends it without running it, writes its stream version
+//! into the job row (`dispatch_version`) in that commit: that is what makes its redelivery a
+//! no-op ([`decide()`]), with no dedupe row to look up or write.
+//!
+//! Nothing of the guarantee changes with batching: every job is locked before the
+//! transaction writes to it, and a job written meanwhile by a later transaction (see
 //! [`JobRow::fresh_xid`](crate::store::JobRow::fresh_xid)) is left to the next one, so its
-//! events keep their order; a dispatch that ends its job records its dedupe row in the same
-//! commit. If the transaction fails, every dispatch of the batch gets the error and is tried
-//! again by its task — except a data error (SQLSTATE class 22 or 23), which is about one
-//! dispatch's rows: then each is leased alone, and only that one gets it (its task
-//! dead-letters the event rather than retrying it for ever).
+//! events keep their order. If the transaction fails, every dispatch of the batch gets the
+//! error and is tried again by its task — except a data error (SQLSTATE class 22 or 23),
+//! which is about one dispatch's rows: then each is leased alone, and only that one gets it
+//! (its task dead-letters the event rather than retrying it for ever).
 
 use std::collections::HashMap;
 
@@ -27,7 +29,7 @@ use sqlx::PgPool;
 use uuid::Uuid;
 
 use crate::batch::{self, Batcher};
-use crate::store::{self, Consumed, Events, JobRow};
+use crate::store::{self, Events, JobRow};
 
 pub mod decide;
 
@@ -46,8 +48,6 @@ pub struct Dispatch {
     pub input_version: i64,
     pub stream_version: i32,
     pub trace: Option<TraceContext>,
-    /// Where it was consumed, for its dedupe row.
-    pub consumed: Consumed,
 }
 
 /// What the lease transaction made of a dispatch.
@@ -55,7 +55,7 @@ pub struct Dispatch {
 pub enum Leased {
     /// Leased: run the handler.
     Run(Box<JobRow>),
-    /// Nothing to run: a duplicate, or the job ended (dedupe row committed).
+    /// Nothing to run: a duplicate, or the job ended (its `dispatch_version` committed).
     Done,
     /// Another worker holds a live lease: try again at this instant.
     WaitUntil(DateTime<Utc>),
@@ -109,11 +109,7 @@ async fn lease_batch(
     dispatches: Vec<Dispatch>,
 ) -> anyhow::Result<Vec<Leased>> {
     let mut tx = settings.pool.begin().await?;
-    let group = dispatches.first().map(|d| d.consumed.group.clone()).unwrap_or_default();
-    let event_ids: Vec<Uuid> = dispatches.iter().map(|d| d.event_id).collect();
-    let consumed = store::consumed_among(&mut tx, &group, &event_ids).await?;
-    let job_ids: Vec<Uuid> =
-        dispatches.iter().filter(|d| !consumed.contains(&d.event_id)).map(|d| d.job_id).collect();
+    let job_ids: Vec<Uuid> = dispatches.iter().map(|d| d.job_id).collect();
     let locked = store::lock_jobs(&mut tx, &job_ids).await?;
     let pairs: Vec<(&str, &str)> =
         locked.iter().map(|j| (j.document_id.as_str(), j.kind.as_str())).collect();
@@ -123,7 +119,6 @@ async fn lease_batch(
 
     let now = Utc::now();
     let mut decided = Vec::with_capacity(dispatches.len());
-    let mut to_record = Vec::new();
     let mut to_lease = Vec::new();
     let mut ended = Vec::new();
     let mut seen = std::collections::HashSet::with_capacity(dispatches.len());
@@ -134,15 +129,8 @@ async fn lease_batch(
             decided.push(Leased::WaitUntil(now));
             continue;
         }
-        if consumed.contains(&dispatch.event_id) {
-            metrics::counter!(pm::DUPLICATES_SKIPPED_TOTAL).increment(1);
-            tracing::debug!(event_id = %dispatch.event_id, "Duplicate event skipped.");
-            decided.push(Leased::Done);
-            continue;
-        }
         let Some((mut job, newer)) = jobs.remove(&dispatch.job_id) else {
             tracing::warn!(job_id = %dispatch.job_id, "Event for an unknown job skipped.");
-            to_record.push(dispatch.consumed.clone());
             decided.push(Leased::Done);
             continue;
         };
@@ -155,19 +143,24 @@ async fn lease_batch(
         let trace = dispatch.trace.clone();
         match decide(&job, dispatch.input_version, dispatch.stream_version, newer, now) {
             LeaseDecision::Wait(until) => decided.push(Leased::WaitUntil(until)),
+            LeaseDecision::Duplicate => {
+                metrics::counter!(pm::DUPLICATES_SKIPPED_TOTAL).increment(1);
+                tracing::debug!(event_id = %dispatch.event_id, "Duplicate event skipped.");
+                decided.push(Leased::Done);
+            }
             LeaseDecision::Skip(why) => {
                 tracing::debug!(job_id = %job.job_id, why, "Dispatch event skipped.");
-                to_record.push(dispatch.consumed.clone());
                 decided.push(Leased::Done);
             }
             LeaseDecision::Supersede(newer) => {
+                job.dispatch_version = dispatch.stream_version;
                 store::supersede(&mut tx, &settings.events, &mut job, newer, trace).await?;
-                to_record.push(dispatch.consumed.clone());
                 ended.push((job, "superseded"));
                 decided.push(Leased::Done);
             }
             LeaseDecision::Quarantine(reason) => {
                 let owner = settings.config.quarantine_owner(&job.kind);
+                job.dispatch_version = dispatch.stream_version;
                 store::quarantine(
                     &mut tx,
                     &settings.events,
@@ -178,11 +171,11 @@ async fn lease_batch(
                     trace,
                 )
                 .await?;
-                to_record.push(dispatch.consumed.clone());
                 ended.push((job, "quarantined"));
                 decided.push(Leased::Done);
             }
             LeaseDecision::Lease => {
+                job.dispatch_version = dispatch.stream_version;
                 to_lease.push((i, job));
                 decided.push(Leased::Done); // replaced below by the leased row
             }
@@ -194,7 +187,6 @@ async fn lease_batch(
         .collect();
     let ttl = |kind: &str| settings.config.kind(kind).lease_ttl;
     store::take_leases(&mut tx, &settings.events, leases, &settings.owner, ttl).await?;
-    store::record_all_consumed(&mut tx, &to_record).await?;
     tx.commit().await?;
     for (job, outcome) in &ended {
         crate::complete::count(job, outcome, &settings.handlers);

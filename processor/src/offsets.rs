@@ -4,7 +4,7 @@
 //! Jobs of different documents in one partition finish out of order. Storing offset `n`
 //! means "everything up to `n` is done", so the tracker stores only up to the lowest
 //! unfinished offset minus one. Later offsets already finished are redelivered after a
-//! crash, and their dedupe rows make that a no-op.
+//! crash, and their jobs' rows make that a no-op (`dispatch_version` and state).
 
 use std::collections::{BTreeSet, HashMap};
 

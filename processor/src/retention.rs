@@ -4,8 +4,6 @@
 //! `cancelled`) in the order they ended, `(finished_at, job_id)`, from where the sweep last
 //! got (`retention_cursor`, one row a sweep, locked while it runs, so processors sweeping at
 //! once take turns) to the jobs ended longer ago than its setting:
-//! - `consumed_events`: their dedupe rows. A redelivered event of an ended job is a no-op by
-//!   the job's state alone.
 //! - `job_events`: their events already on Kafka (behind the relay's cursor, and no outbox
 //!   row waiting), with their published outbox rows. An event not yet on Kafka stays.
 //! - `job_results`: their results.
@@ -98,7 +96,6 @@ pub async fn sweep(
     let Some(&(last_job, last_finished, _)) = passed.last() else { return Ok(0) };
     let ended: Vec<Uuid> = passed.iter().filter(|p| p.2).map(|p| p.0).collect();
     match name {
-        "consumed_events" => delete_consumed(&mut tx, &ended).await?,
         "job_events" => delete_events(&mut tx, &ended).await?,
         "job_results" => delete_results(&mut tx, &ended).await?,
         "jobs" => delete_jobs(&mut tx, &ended, cutoff).await?,
@@ -119,16 +116,6 @@ pub async fn sweep(
 
 fn deleted(table: &'static str, rows: u64) {
     metrics::counter!(pm::RETENTION_DELETED_TOTAL, "table" => table).increment(rows);
-}
-
-async fn delete_consumed(tx: &mut PgConnection, jobs: &[Uuid]) -> sqlx::Result<()> {
-    // language=PostgreSQL
-    let done = sqlx::query("DELETE FROM consumed_events WHERE job_id = ANY($1)")
-        .bind(jobs)
-        .execute(tx)
-        .await?;
-    deleted("consumed_events", done.rows_affected());
-    Ok(())
 }
 
 async fn delete_results(tx: &mut PgConnection, jobs: &[Uuid]) -> sqlx::Result<()> {
@@ -213,7 +200,6 @@ async fn delete_jobs(
     }
     delete_events(tx, &doomed).await?;
     delete_results(tx, &doomed).await?;
-    delete_consumed(tx, &doomed).await?;
     // language=PostgreSQL
     sqlx::query("DELETE FROM quarantine WHERE job_id = ANY($1)")
         .bind(&doomed)

@@ -2,10 +2,11 @@
 //! make. Each one reads the job row `FOR UPDATE`, so the transactions of one job follow one
 //! another and its events get consecutive stream versions.
 //!
-//! Invariant: a consumed dispatch event's dedupe row (`consumed_events`) and its partition
-//! offset row are written in the same commit as the state change it caused — the completion,
-//! or a lease transaction that ends the job without running it. Redelivered after that
-//! commit, the event is skipped without running anything.
+//! Invariant: the lease transaction writes the dispatch event's stream version into the job
+//! row (`dispatch_version`) in the same commit as the lease it took, or as the end it gave
+//! the job without running it. Redelivered after that commit, the event meets that version
+//! and the job's state, and is skipped without running anything (see
+//! [`crate::lease::decide()`]).
 
 //!
 //! - [`events`]: how the transactions append events (encoded, as arrays, one statement).
@@ -30,18 +31,6 @@ use jobfold_schemas::fold::Status;
 use sqlx::PgConnection;
 use uuid::Uuid;
 
-/// Where a consumed event came from.
-#[derive(Debug, Clone)]
-pub struct Consumed {
-    pub group: String,
-    pub event_id: Uuid,
-    /// The job the event is about (its dedupe row goes with the job's other rows).
-    pub job_id: Uuid,
-    pub topic: String,
-    pub partition: i32,
-    pub offset: i64,
-}
-
 /// The projection row, as the processor needs it.
 #[derive(Debug, Clone, sqlx::FromRow)]
 pub struct JobRow {
@@ -61,6 +50,9 @@ pub struct JobRow {
     pub max_attempts: i32,
     pub deadline: Option<DateTime<Utc>>,
     pub stream_version: i32,
+    /// The stream version of the dispatch event that leased the newest attempt, or that
+    /// ended the job without one (0: none yet). An older dispatch event is a duplicate.
+    pub dispatch_version: i32,
     pub accepted_at: DateTime<Utc>,
     /// A scheduled job's first due time.
     #[sqlx(default)]
@@ -80,7 +72,7 @@ macro_rules! job_columns {
     () => {
         "job_id, document_id, kind, payload, input_version, \
     state::text AS state, attempt, generation, lease_until, lease_owner, max_attempts, \
-    deadline, stream_version, accepted_at, run_at, \
+    deadline, stream_version, dispatch_version, accepted_at, run_at, \
     pg_current_xact_id_if_assigned() IS NULL AS fresh_xid"
     };
 }
@@ -139,68 +131,6 @@ pub async fn lock_jobs(
     Ok(jobs)
 }
 
-/// Which of `event_ids` this group already consumed (their dedupe rows exist).
-///
-/// # Errors
-/// The database failed.
-pub async fn consumed_among(
-    tx: &mut PgConnection,
-    group: &str,
-    event_ids: &[Uuid],
-) -> Result<std::collections::HashSet<Uuid>, sqlx::Error> {
-    // Planned anew each time, not prepared once: a plan cached while the table was nearly
-    // empty scans it whole, and keeps doing so as it grows by thousands of rows a second
-    // until an ANALYZE (autovacuum's, a minute later) replaces it — measured, that scan was
-    // a quarter of a core in a fresh installation's first burst.
-    // language=PostgreSQL
-    let ids: Vec<Uuid> = sqlx::query_scalar(
-        "SELECT event_id FROM consumed_events WHERE consumer_group = $1 AND event_id = ANY($2)",
-    )
-    .persistent(false)
-    .bind(group)
-    .bind(event_ids)
-    .fetch_all(tx)
-    .await?;
-    Ok(ids.into_iter().collect())
-}
-
-/// Writes the events' dedupe rows, in the caller's transaction, in one statement.
-///
-/// # Errors
-/// The database failed.
-pub async fn record_all_consumed(
-    tx: &mut PgConnection,
-    consumed: &[Consumed],
-) -> Result<(), sqlx::Error> {
-    if consumed.is_empty() {
-        return Ok(());
-    }
-    let column = |f: fn(&Consumed) -> String| consumed.iter().map(f).collect::<Vec<_>>();
-    let event_ids: Vec<Uuid> = consumed.iter().map(|c| c.event_id).collect();
-    let job_ids: Vec<Uuid> = consumed.iter().map(|c| c.job_id).collect();
-    let partitions: Vec<i32> = consumed.iter().map(|c| c.partition).collect();
-    let offsets: Vec<i64> = consumed.iter().map(|c| c.offset).collect();
-    // language=PostgreSQL
-    sqlx::query(
-        r#"
-        INSERT INTO consumed_events (consumer_group, event_id, topic, kafka_partition,
-                                     kafka_offset, job_id)
-        SELECT * FROM unnest($1::text[], $2::uuid[], $3::text[], $4::int[], $5::bigint[],
-                             $6::uuid[])
-        ON CONFLICT ON CONSTRAINT consumed_events_pkey DO NOTHING
-        "#,
-    )
-    .bind(column(|c| c.group.clone()))
-    .bind(event_ids)
-    .bind(column(|c| c.topic.clone()))
-    .bind(partitions)
-    .bind(offsets)
-    .bind(job_ids)
-    .execute(tx)
-    .await?;
-    Ok(())
-}
-
 /// For each `(document_id, kind)` pair, the newest input version already succeeded, if any
 /// — in one statement, in the pairs' order.
 ///
@@ -228,7 +158,8 @@ pub async fn newest_succeeded_each(
 }
 
 /// Takes the lease of each job (with its dispatch event's id and trace) in the caller's
-/// transaction: generation + 1, attempt + 1, `JobLeased` — two statements for them all.
+/// transaction: generation + 1, attempt + 1, `JobLeased`, and each job's `dispatch_version`
+/// as the caller set it — two statements for them all.
 ///
 /// # Errors
 /// The database failed, or an event did not encode.
@@ -245,7 +176,8 @@ pub async fn take_leases(
     let now = Utc::now();
     let n = leases.len();
     let mut untils = Vec::with_capacity(n);
-    let (mut job_ids, mut generations, mut attempts, mut versions) = (
+    let (mut job_ids, mut generations, mut attempts, mut versions, mut dispatched) = (
+        Vec::with_capacity(n),
         Vec::with_capacity(n),
         Vec::with_capacity(n),
         Vec::with_capacity(n),
@@ -264,6 +196,7 @@ pub async fn take_leases(
         generations.push(job.generation);
         attempts.push(job.attempt);
         versions.push(job.stream_version + 1);
+        dispatched.push(job.dispatch_version);
         let payload = Payload::JobLeased(JobLeased {
             generation: job.generation,
             attempt: job.attempt,
@@ -280,10 +213,12 @@ pub async fn take_leases(
         r#"
         UPDATE jobs j SET state = l.state::job_state, generation = l.generation,
                           attempt = l.attempt, lease_until = l.lease_until, lease_owner = $6,
-                          next_attempt_at = NULL, stream_version = l.stream_version
+                          next_attempt_at = NULL, stream_version = l.stream_version,
+                          dispatch_version = l.dispatch_version
         FROM unnest($1::uuid[], $2::bigint[], $3::int[], $4::int[], $5::timestamptz[],
-                    $7::text[])
-            AS l(job_id, generation, attempt, stream_version, lease_until, state)
+                    $7::text[], $8::int[])
+            AS l(job_id, generation, attempt, stream_version, lease_until, state,
+                 dispatch_version)
         WHERE j.job_id = l.job_id
         "#,
     )
@@ -294,6 +229,7 @@ pub async fn take_leases(
     .bind(untils)
     .bind(owner)
     .bind(states?)
+    .bind(dispatched)
     .execute(&mut *tx)
     .await?;
     Ok(())
@@ -364,7 +300,8 @@ pub async fn heartbeat(
     Ok(Renewed { renewed, busy })
 }
 
-/// Marks the job superseded by `newer` and appends `JobSuperseded`.
+/// Marks the job superseded by `newer` and appends `JobSuperseded`; writes
+/// `job.dispatch_version` as the caller left it.
 ///
 /// # Errors
 /// The database failed, or the event did not encode.
@@ -380,16 +317,18 @@ pub async fn supersede(
     // language=PostgreSQL
     sqlx::query(
         "UPDATE jobs SET state = $2::job_state, finished_at = now(), lease_until = NULL, \
-         lease_owner = NULL, next_attempt_at = NULL WHERE job_id = $1",
+         lease_owner = NULL, next_attempt_at = NULL, dispatch_version = $3 WHERE job_id = $1",
     )
     .bind(job.job_id)
     .bind(job.state.as_str())
+    .bind(job.dispatch_version)
     .execute(&mut *tx)
     .await?;
     Ok(())
 }
 
-/// Quarantines the job: state, `JobQuarantined`, and the quarantine row.
+/// Quarantines the job: state, `JobQuarantined`, and the quarantine row; writes
+/// `job.dispatch_version` as the caller left it.
 ///
 /// # Errors
 /// The database failed, or the event did not encode.
@@ -412,11 +351,13 @@ pub async fn quarantine(
     // language=PostgreSQL
     sqlx::query(
         "UPDATE jobs SET state = $3::job_state, finished_at = now(), lease_until = NULL, \
-         lease_owner = NULL, next_attempt_at = NULL, last_error = $2 WHERE job_id = $1",
+         lease_owner = NULL, next_attempt_at = NULL, last_error = $2, dispatch_version = $4 \
+         WHERE job_id = $1",
     )
     .bind(job.job_id)
     .bind(reason)
     .bind(job.state.as_str())
+    .bind(job.dispatch_version)
     .execute(&mut *tx)
     .await?;
     // language=PostgreSQL

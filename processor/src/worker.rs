@@ -14,13 +14,14 @@
 //! paused, and resumed when half is left ([`crate::buffer`]).
 //!
 //! Per dispatch event (`JobRequested`, `RetryDue`, `ReplayRequested`):
-//! 1. lease transaction: skip if its dedupe row exists; end the job without running it if
-//!    it is finished, superseded or out of budget (recording the dedupe row); wait while
-//!    another worker holds a live lease; else take the lease (generation + 1).
+//! 1. lease transaction: skip a duplicate (older than the job's `dispatch_version`, or that
+//!    dispatch again once its attempt is over); end the job without running it if it is
+//!    superseded or out of budget, skip it if it is finished; wait while another worker
+//!    holds a live lease; else take the lease (generation + 1, `dispatch_version`).
 //! 2. run the handler outside any transaction, extending the lease by heartbeat; a lost
 //!    lease cancels it.
 //! 3. completion transaction, fenced by the generation: business write, result, state,
-//!    events, dedupe row, partition offset row — one commit. A fenced (zombie) completion
+//!    events — one commit. A fenced (zombie) completion
 //!    writes nothing and is counted.
 //!
 //! Lease and completion transactions are shared: the dispatches (attempts) waiting at the
@@ -60,7 +61,7 @@ use crate::handler::{HandlerError, Handlers, JobContext};
 use crate::heartbeat::Heartbeats;
 use crate::lease::{Dispatch, Leased, Leaser};
 use crate::offsets::{Ticket, Tracker};
-use crate::store::{Consumed, Events};
+use crate::store::Events;
 use jobfold_common::metrics as pm;
 
 const RETRY_MIN: Duration = Duration::from_millis(100);
@@ -600,7 +601,7 @@ async fn try_handle(
     // The attempt's state (lease, run, completion) is allocated once it runs: a document's
     // task waiting for a slot or behind another job stays small, so what the buffer holds
     // costs little memory each.
-    Box::pin(attempt(shared, message, event, handler)).await
+    Box::pin(attempt(shared, event, handler)).await
 }
 
 /// Stores `message` in `dead_letters` with `reason`. Boxed: a rare path whose future would
@@ -633,18 +634,9 @@ async fn cost_of(
 /// Leases, runs and completes the dispatch `event` (its slot held by the caller).
 async fn attempt(
     shared: &Shared,
-    message: &OwnedMessage,
     event: JobEvent,
     handler: std::sync::Arc<dyn crate::handler::ErasedHandler>,
 ) -> anyhow::Result<Step> {
-    let consumed = Consumed {
-        group: shared.config.processor.group.clone(),
-        event_id: event.event_id,
-        job_id: event.job_id,
-        topic: message.topic().to_owned(),
-        partition: message.partition(),
-        offset: message.offset(),
-    };
     let span = tracing::info_span!(
         "job",
         job_id = %event.job_id,
@@ -663,7 +655,6 @@ async fn attempt(
         input_version: event.input_version,
         stream_version: event.stream_version,
         trace: event.trace.clone(),
-        consumed: consumed.clone(),
     };
     // The lease's and the completion's waits are boxed: each lives only while it waits, not
     // for the whole run as part of the attempt (a thousand slow jobs in flight).
@@ -759,7 +750,7 @@ async fn attempt(
     // 3. Complete, fenced by the generation (in a transaction with the other attempts
     //    finished at the time). A completion that fails (the database unreachable) is tried
     //    again with the same generation: the handler does not run again for it.
-    let attempt = Attempt { job, context, result, consumed, trace: event.trace.clone() };
+    let attempt = Attempt { job, context, result, trace: event.trace.clone() };
     let job_id = attempt.job.job_id;
     let generation = attempt.job.generation;
     let mut backoff = RETRY_MIN;

@@ -229,7 +229,7 @@ async fn examples_survive_a_crash_at(name: &str, window: &str) {
     assert_eq!(count(&it, "SELECT count(*) FROM conversation_summaries WHERE version = 2 AND summary = 'A summary of 3 messages.'").await, 6);
 
     // The model is never asked again after a summary committed (a redelivery is stopped by
-    // the dedupe row first), and every call carried the job's idempotency key.
+    // the job row first), and every call carried the job's idempotency key.
     let committed: Vec<(String, chrono::DateTime<chrono::Utc>)> = sqlx::query_as(
         "SELECT j.job_id::text || ':' || j.input_version, e.occurred_at FROM job_events e \
          JOIN jobs j USING (job_id) WHERE e.kind IN ('JobSucceeded', 'JobSuperseded')",

@@ -8,7 +8,6 @@ use std::time::Duration;
 use jobfold_common::accept::{Acceptor, NewJob};
 use jobfold_common::failpoint;
 use jobfold_processor::handler::{Handlers, JobContext};
-use jobfold_processor::store::Consumed;
 use jobfold_tests::harness::{
     Installation, Service, eventually, fold_mismatches, index_job as job,
 };
@@ -277,8 +276,75 @@ async fn a_redelivered_event_is_skipped_without_running_the_handler() {
     let writes = count_where(&it, "SELECT count(*) FROM index_writes").await;
     let leases = count_where(&it, "SELECT count(*) FROM job_events WHERE kind = 'JobLeased'").await;
     assert_eq!((results, writes, leases), (1, 1, 1), "the duplicate ran nothing");
-    let dedupe = count_where(&it, "SELECT count(*) FROM consumed_events").await;
-    assert_eq!(dedupe, 1);
+    let dispatched = count_where(&it, "SELECT dispatch_version::bigint FROM jobs").await;
+    assert_eq!(dispatched, 1, "the job row names the JobRequested that leased it");
+    it.cleanup().await;
+}
+
+/// Upgrading a database that has dedupe rows (`consumed_events`, before migration 14) keeps
+/// what they knew: each job's `dispatch_version` is the newest dispatch event it consumed, so
+/// an event redelivered after the upgrade is still a duplicate. A job with none keeps 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_upgrade_keeps_what_the_dedupe_rows_knew() {
+    let it = Installation::new("proc-upgrade").await;
+    // language=PostgreSQL
+    sqlx::raw_sql("DROP SCHEMA public CASCADE; CREATE SCHEMA public")
+        .execute(&it.pool)
+        .await
+        .unwrap();
+    let all = &jobfold_common::db::MIGRATOR;
+    let before = sqlx::migrate::Migrator {
+        migrations: all.migrations.iter().filter(|m| m.version < 14).cloned().collect(),
+        ..*all
+    };
+    before.run(&it.pool).await.unwrap();
+    // Job 1 succeeded on its JobRequested; job 3 on its RetryDue (version 4); job 2 is
+    // leased, its dispatch not yet consumed.
+    // language=PostgreSQL
+    sqlx::raw_sql(
+        r"
+        INSERT INTO jobs (job_id, document_id, kind, payload, input_version, max_attempts,
+                          stream_version, state, finished_at, lease_until, lease_owner)
+        VALUES ('00000000-0000-0000-0000-000000000001', 'd1', 'k', '{}', 1, 3, 3,
+                'succeeded', now(), NULL, NULL),
+               ('00000000-0000-0000-0000-000000000002', 'd2', 'k', '{}', 1, 3, 2,
+                'leased', NULL, now(), 'p'),
+               ('00000000-0000-0000-0000-000000000003', 'd3', 'k', '{}', 1, 3, 6,
+                'succeeded', now(), NULL, NULL);
+        INSERT INTO job_events (event_id, job_id, stream_version, kind, body) VALUES
+            ('10000000-0000-0000-0000-000000000001', '00000000-0000-0000-0000-000000000001',
+             1, 'JobRequested', '\x00'),
+            ('10000000-0000-0000-0000-000000000002', '00000000-0000-0000-0000-000000000002',
+             1, 'JobRequested', '\x00'),
+            ('10000000-0000-0000-0000-000000000003', '00000000-0000-0000-0000-000000000003',
+             1, 'JobRequested', '\x00'),
+            ('10000000-0000-0000-0000-000000000004', '00000000-0000-0000-0000-000000000003',
+             4, 'RetryDue', '\x00');
+        INSERT INTO consumed_events (consumer_group, event_id, topic, kafka_partition,
+                                     kafka_offset, job_id) VALUES
+            ('g', '10000000-0000-0000-0000-000000000001', 't', 0, 1,
+             '00000000-0000-0000-0000-000000000001'),
+            ('g', '10000000-0000-0000-0000-000000000003', 't', 0, 2,
+             '00000000-0000-0000-0000-000000000003'),
+            ('g', '10000000-0000-0000-0000-000000000004', 't', 0, 3,
+             '00000000-0000-0000-0000-000000000003');
+        ",
+    )
+    .execute(&it.pool)
+    .await
+    .unwrap();
+    all.run(&it.pool).await.unwrap();
+    let dispatched: Vec<(i32,)> =
+        sqlx::query_as("SELECT dispatch_version FROM jobs ORDER BY job_id")
+            .fetch_all(&it.pool)
+            .await
+            .unwrap();
+    assert_eq!(dispatched, [(1,), (0,), (4,)]);
+    let gone: Option<String> = sqlx::query_scalar("SELECT to_regclass('consumed_events')::text")
+        .fetch_one(&it.pool)
+        .await
+        .unwrap();
+    assert_eq!(gone, None, "the dedupe table is dropped");
     it.cleanup().await;
 }
 
@@ -323,8 +389,9 @@ async fn killed_after_completion_before_the_offset_store_the_redelivery_is_skipp
         crash_at("proc-crash-offset", failpoint::PROCESSOR_AFTER_COMPLETION_BEFORE_OFFSET, 20)
             .await;
     // The third completion committed, then the process died before storing its offset: the
-    // survivor gets the event again and skips it by its dedupe row, running nothing. (Every
-    // job may be finished before the survivor joins: completions share transactions.)
+    // survivor gets the event again and skips it by its job row (its dispatch version and
+    // state), running nothing. (Every job may be finished before the survivor joins:
+    // completions share transactions.)
     let skipped =
         || async { survivor.metric("jobfold_duplicates_skipped_total").await.unwrap_or(0.0) };
     eventually(Duration::from_secs(60), "the survivor to skip a redelivered event", || async {
@@ -859,13 +926,12 @@ async fn dispatches_and_attempts_arriving_together_share_a_transaction() {
     it.cleanup().await;
 }
 
-/// Leases `job_id` through `leaser` as its dispatch at `offset` would, and returns its
-/// attempt finished with `result`.
+/// Leases `job_id` through `leaser` as its `JobRequested` would, and returns its attempt
+/// finished with `result`.
 async fn leased_attempt(
     it: &Installation,
     leaser: &jobfold_processor::lease::Leaser,
     job_id: Uuid,
-    offset: i64,
     result: Result<Value, jobfold_processor::handler::HandlerError>,
 ) -> jobfold_processor::complete::Attempt {
     use jobfold_processor::lease::{Dispatch, Leased};
@@ -874,22 +940,7 @@ async fn leased_attempt(
         .fetch_one(&it.pool)
         .await
         .unwrap();
-    let consumed = Consumed {
-        group: "test".into(),
-        event_id,
-        job_id,
-        topic: "t".into(),
-        partition: 0,
-        offset,
-    };
-    let dispatch = Dispatch {
-        job_id,
-        event_id,
-        input_version: 1,
-        stream_version: 1,
-        trace: None,
-        consumed: consumed.clone(),
-    };
+    let dispatch = Dispatch { job_id, event_id, input_version: 1, stream_version: 1, trace: None };
     let Leased::Run(leased) = leaser.submit(dispatch).await.unwrap() else {
         panic!("job {job_id} was not leased");
     };
@@ -904,7 +955,7 @@ async fn leased_attempt(
         trace: None,
         deadline: leased.deadline,
     };
-    jobfold_processor::complete::Attempt { job: *leased, context, result, consumed, trace: None }
+    jobfold_processor::complete::Attempt { job: *leased, context, result, trace: None }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -929,8 +980,8 @@ async fn a_failing_business_write_fails_its_attempt_alone() {
         handlers: jobfold_tests::handlers::handlers(),
     });
     let mut attempts = Vec::new();
-    for (offset, job_id) in ids.iter().enumerate() {
-        attempts.push(leased_attempt(&it, &leaser, *job_id, offset as i64, Ok(json!({}))).await);
+    for job_id in &ids {
+        attempts.push(leased_attempt(&it, &leaser, *job_id, Ok(json!({}))).await);
     }
 
     // One batch: the bad business write fails the transaction; each attempt is then
@@ -953,14 +1004,14 @@ async fn a_failing_business_write_fails_its_attempt_alone() {
         sqlx::query_scalar("SELECT reason FROM quarantine").fetch_one(&it.pool).await.unwrap();
     assert!(reason.contains("22012") && reason.contains("division by zero"), "{reason}");
     assert_exactly_one_write_per_success(&it).await;
-    let consumed = count_where(&it, "SELECT count(*) FROM consumed_events").await;
+    let consumed = count_where(&it, "SELECT count(*) FROM jobs WHERE dispatch_version = 1").await;
     assert_eq!(consumed, 6, "every dispatch is done with, the bad one too");
 
     // A result Postgres cannot store (U+0000 in jsonb, should a handler's output get past
     // the processor's check) quarantines its job the same way.
     let nul = job("doc-nul", 1, json!({ "text": "x" }));
     let id = accept_all(&acceptor, &it, &[nul]).await[0];
-    let attempt = leased_attempt(&it, &leaser, id, 99, Ok(json!({ "t": "a\u{0}b" }))).await;
+    let attempt = leased_attempt(&it, &leaser, id, Ok(json!({ "t": "a\u{0}b" }))).await;
     let done = complete::complete_all(&it.config, &it.pool, &events, &handler, &[attempt]).await;
     assert!(matches!(done[0], Ok(Completed::Committed { outcome: "quarantined", .. })), "{done:?}");
     it.cleanup().await;
@@ -1522,8 +1573,8 @@ async fn a_partition_over_its_buffer_is_paused_and_resumed() {
     it.cleanup().await;
 }
 
-/// Each retention sweep deletes what ended jobs leave behind and nothing else: the dedupe
-/// rows, results and events (already on Kafka) of final jobs; the final jobs but each
+/// Each retention sweep deletes what ended jobs leave behind and nothing else: the results
+/// and events (already on Kafka) of final jobs; the final jobs but each
 /// document's newest succeeded version; the quarantined job, waiting for an operator, keeps
 /// everything. The kept newest version still supersedes an older one submitted late, and the
 /// events topic still holds the whole log.
@@ -1544,9 +1595,8 @@ async fn retention_deletes_what_ended_jobs_leave_and_keeps_the_newest_version() 
     .await;
     pipeline.stop().await;
     let events_before = it.count("job_events").await;
-    assert!(it.count("consumed_events").await >= 5);
 
-    for name in ["consumed_events", "job_events", "job_results", "jobs"] {
+    for name in ["job_events", "job_results", "jobs"] {
         while sweep(&it.pool, name, Duration::ZERO, 2).await.unwrap() > 0 {}
     }
     let kept: Vec<(String, i64, String)> = sqlx::query_as(
@@ -1573,14 +1623,13 @@ async fn retention_deletes_what_ended_jobs_leave_and_keeps_the_newest_version() 
             (others, all)
         }
     };
-    assert_eq!(left("consumed_events").await.0, 0, "dedupe rows of final jobs are gone");
     assert_eq!(left("job_results").await.0, 0, "results of final jobs are gone");
     assert_eq!(left("job_events").await.0, 0, "events of final jobs are gone");
     assert!(left("job_events").await.1 >= 4, "the quarantined job keeps its events");
     assert_eq!(it.count("quarantine").await, 1);
     // No foreign key holds events and results to their job: retention itself leaves none
     // behind a deleted job.
-    for table in ["job_events", "job_results", "consumed_events"] {
+    for table in ["job_events", "job_results"] {
         let orphans = it
             .count(&format!(
                 "{table} t WHERE NOT EXISTS (SELECT 1 FROM jobs j WHERE j.job_id = t.job_id)"

@@ -252,7 +252,6 @@ async fn migrations_apply_and_constraints_hold() {
     assert_eq!(
         tables,
         [
-            "consumed_events",
             "dead_letters",
             "job_events",
             "job_kinds",

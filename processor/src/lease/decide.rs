@@ -8,6 +8,8 @@ use crate::store::JobRow;
 /// What the lease transaction decided for a dispatch event.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum LeaseDecision {
+    /// Nothing to run: the event was consumed before (redelivered, or published twice).
+    Duplicate,
     /// Nothing to run: the job is done, quarantined, or the event is stale.
     Skip(&'static str),
     /// Another worker holds a live lease: try again at this instant.
@@ -21,7 +23,32 @@ pub enum LeaseDecision {
 }
 
 /// Decides what a dispatch event means for the job as it stands. Pure: the tests call it.
+///
+/// A job's dispatch events come through one partition in stream order, so one older than
+/// the dispatch that leased the newest attempt (`job.dispatch_version`) was consumed before,
+/// or made stale by that one: a duplicate. That dispatch itself, come again, is a duplicate
+/// when the job's state says its attempt is over; while the attempt's lease is live it
+/// waits, and an expired one it takes over (the processor died before completing).
 pub fn decide(
+    job: &JobRow,
+    event_input_version: i64,
+    event_stream_version: i32,
+    newest_succeeded: Option<i64>,
+    now: DateTime<Utc>,
+) -> LeaseDecision {
+    if event_stream_version < job.dispatch_version {
+        return LeaseDecision::Duplicate;
+    }
+    match by_state(job, event_input_version, event_stream_version, newest_succeeded, now) {
+        LeaseDecision::Skip(_) if event_stream_version == job.dispatch_version => {
+            LeaseDecision::Duplicate
+        }
+        decision => decision,
+    }
+}
+
+/// What the job's state makes of a dispatch event not older than its `dispatch_version`.
+fn by_state(
     job: &JobRow,
     event_input_version: i64,
     event_stream_version: i32,
@@ -87,6 +114,7 @@ mod tests {
             max_attempts: 3,
             deadline: None,
             stream_version: 2,
+            dispatch_version: 0,
             accepted_at: Utc::now(),
             run_at: None,
             fresh_xid: true,
@@ -172,5 +200,48 @@ mod tests {
         assert_eq!(decide(&waiting, 3, 2, Some(4), now), LeaseDecision::Supersede(4));
         // A queued job leases on any dispatch of its input version.
         assert_eq!(decide(&job("queued"), 3, 1, None, now), LeaseDecision::Lease);
+    }
+
+    #[test]
+    fn a_dispatch_older_than_the_one_that_leased_the_newest_attempt_is_a_duplicate() {
+        let now = Utc::now();
+        // Attempt 2 was leased by the RetryDue at version 5; the JobRequested at version 1
+        // comes again (a rewind, a rebalance): whatever the job's state, nothing runs.
+        for state in ["leased", "queued", "retry_wait", "succeeded", "quarantined"] {
+            let mut leased = job(state);
+            leased.dispatch_version = 5;
+            leased.stream_version = 6;
+            assert_eq!(decide(&leased, 3, 1, None, now), LeaseDecision::Duplicate, "{state}");
+        }
+    }
+
+    #[test]
+    fn the_dispatch_that_leased_comes_again_a_duplicate_once_its_attempt_is_over() {
+        let now = Utc::now();
+        let mut done = job("succeeded");
+        done.dispatch_version = 2;
+        done.stream_version = 4;
+        assert_eq!(decide(&done, 3, 2, None, now), LeaseDecision::Duplicate);
+        let mut retrying = job("retry_wait");
+        retrying.dispatch_version = 2;
+        retrying.stream_version = 5;
+        assert_eq!(decide(&retrying, 3, 2, None, now), LeaseDecision::Duplicate);
+        // Its attempt still running: the live lease is waited for, an expired one taken over
+        // (the processor that held it died before completing).
+        let mut running = job("leased");
+        running.dispatch_version = 2;
+        running.stream_version = 3;
+        running.lease_until = Some(now + ChronoDuration::seconds(5));
+        assert_eq!(
+            decide(&running, 3, 2, None, now),
+            LeaseDecision::Wait(running.lease_until.unwrap())
+        );
+        running.lease_until = Some(now - ChronoDuration::seconds(1));
+        assert_eq!(decide(&running, 3, 2, None, now), LeaseDecision::Lease);
+        // A newer dispatch is not a duplicate: a replayed job's ReplayRequested leases it.
+        let mut replayed = job("queued");
+        replayed.dispatch_version = 2;
+        replayed.stream_version = 7;
+        assert_eq!(decide(&replayed, 3, 7, None, now), LeaseDecision::Lease);
     }
 }
