@@ -1384,6 +1384,7 @@ async fn raw_producer(
             available_at: chrono::Utc::now(),
             traceparent,
             tracestate,
+            kind: "JobRequested",
         }
     }
     let producer = publish::producer(config)?;

@@ -44,7 +44,8 @@ use chrono::{DateTime, Utc};
 use futures::FutureExt;
 use jobfold_common::config::{Config, MAX_ERROR_BYTES};
 use jobfold_common::failpoint;
-use jobfold_schemas::{Decoder, JobEvent};
+use jobfold_schemas::event::EVENT_KIND;
+use jobfold_schemas::{Decoder, JobEvent, Payload};
 use rand::Rng;
 use rdkafka::TopicPartitionList;
 use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext, Rebalance, StreamConsumer};
@@ -279,12 +280,26 @@ pub async fn run(
             message = shared.consumer.recv() => message,
         };
         let message = match message {
-            Ok(message) => message.detach(),
+            Ok(message) => message,
             Err(e) => {
                 tracing::warn!(error = %e, "Consumer error.");
                 continue;
             }
         };
+        if passed_over(&message) {
+            // Done at once: nothing to decode, queue or run. Its offset counts as finished,
+            // so the stored offset trails only the dispatches still in flight.
+            let (partition, offset) = (message.partition(), message.offset());
+            let done = {
+                let mut tracker = shared.tracker.lock().expect("tracker");
+                tracker.start(partition, offset).and_then(|ticket| tracker.finish(ticket))
+            };
+            if let Some(offset) = done {
+                store_offset(&shared, message.topic(), partition, offset);
+            }
+            continue;
+        }
+        let message = message.detach();
         let Some(ticket) =
             shared.tracker.lock().expect("tracker").start(message.partition(), message.offset())
         else {
@@ -434,16 +449,8 @@ async fn drain_key(shared: Arc<Shared>, key: String, first: Queued) {
                 None
             }
         };
-        if let Some(offset) = store
-            && let Err(e) =
-                shared.consumer.store_offset(queued.message.topic(), ticket.partition, offset)
-        {
-            tracing::debug!(
-                error = %e,
-                partition = ticket.partition,
-                offset,
-                "Offset not stored (the partition moved)."
-            );
+        if let Some(offset) = store {
+            store_offset(&shared, queued.message.topic(), ticket.partition, offset);
         }
         {
             let mut buffer = shared.buffer.lock().expect("buffer");
@@ -460,6 +467,27 @@ async fn drain_key(shared: Arc<Shared>, key: String, first: Queued) {
                 queues.remove(&key);
             }
         }
+    }
+}
+
+/// Whether `message` is an event of a kind processors do not act on, as its `jobfold-event`
+/// header names it (`JobLeased`, `JobSucceeded`, …): two of a job's three events, passed
+/// over without being copied or decoded. An event without the header is decoded and decided
+/// as before.
+fn passed_over(message: &impl Message) -> bool {
+    use rdkafka::message::Headers;
+    message
+        .headers()
+        .and_then(|headers| headers.iter().find(|h| h.key == EVENT_KIND))
+        .and_then(|header| header.value)
+        .is_some_and(|kind| !Payload::is_dispatch_kind(kind))
+}
+
+/// Stores `offset` of `partition` for the next commit; a partition that moved meanwhile
+/// keeps what its new owner stores.
+fn store_offset(shared: &Shared, topic: &str, partition: i32, offset: i64) {
+    if let Err(e) = shared.consumer.store_offset(topic, partition, offset) {
+        tracing::debug!(error = %e, partition, offset, "Offset not stored (the partition moved).");
     }
 }
 

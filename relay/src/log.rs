@@ -101,14 +101,14 @@ pub async fn claim(
     after: Position,
     limit: u32,
 ) -> Result<Batch, sqlx::Error> {
-    // The first six columns are the ones [`event`] reads.
+    // The first seven columns are the ones [`event`] reads.
     // language=PostgreSQL
     let rows = sqlx::query(
         r#"
         SELECT e.seq,
                coalesce(e.key, (SELECT j.document_id FROM jobs j WHERE j.job_id = e.job_id)) AS key,
                CASE WHEN e.delayed THEN ''::bytea ELSE e.body END AS body,
-               e.occurred_at AS available_at, e.traceparent, e.tracestate,
+               e.occurred_at AS available_at, e.traceparent, e.tracestate, e.kind,
                e.xid, e.delayed
         FROM job_events e
         WHERE (e.xid, e.seq) > ($1::text::xid8, $2)
@@ -150,7 +150,7 @@ impl Batch {
         self.rows
             .iter()
             .map(|row| {
-                Ok(Position { xid: row.try_get_unchecked(6)?, seq: row.try_get_unchecked(0)? })
+                Ok(Position { xid: row.try_get_unchecked(7)?, seq: row.try_get_unchecked(0)? })
             })
             .collect()
     }
@@ -163,7 +163,7 @@ impl Batch {
     pub fn events<'a>(&'a self, topic: &'a str) -> Result<Vec<Event<'a>>, sqlx::Error> {
         let mut events = Vec::with_capacity(self.rows.len());
         for row in &self.rows {
-            if !row.try_get_unchecked::<bool, _>(7)? {
+            if !row.try_get_unchecked::<bool, _>(8)? {
                 events.push(event(row, topic)?);
             }
         }
@@ -171,10 +171,10 @@ impl Batch {
     }
 }
 
-/// Reads the event in the first six columns of a relay read, in this order: `seq`, `key`,
-/// `body`, `available_at`, `traceparent`, `tracestate` — [`claim`]'s, and the outbox's and
-/// the park's reads ([`crate::outbox::claim`], [`crate::parked::releasable`]), which name
-/// their topic in the seventh. Their types are those queries' own and are not checked again
+/// Reads the event in the first seven columns of a relay read, in this order: `seq`, `key`,
+/// `body`, `available_at`, `traceparent`, `tracestate`, `kind` — [`claim`]'s, and the
+/// outbox's and the park's reads ([`crate::outbox::claim`], [`crate::parked::releasable`]),
+/// which name their topic in the eighth. Their types are those queries' own and are not checked again
 /// per row (`try_get_unchecked`): at thousands of rows a batch, the check cost more than the
 /// decoding.
 ///
@@ -189,14 +189,15 @@ pub fn event<'a>(row: &'a PgRow, topic: &'a str) -> Result<Event<'a>, sqlx::Erro
         available_at: row.try_get_unchecked(3)?,
         traceparent: row.try_get_unchecked(4)?,
         tracestate: row.try_get_unchecked(5)?,
+        kind: row.try_get_unchecked(6)?,
     })
 }
 
-/// The events of rows whose seventh column names each one's topic (the outbox's and the
+/// The events of rows whose eighth column names each one's topic (the outbox's and the
 /// park's reads).
 ///
 /// # Errors
 /// A row could not be decoded.
 pub fn events_with_topic(rows: &[PgRow]) -> Result<Vec<Event<'_>>, sqlx::Error> {
-    rows.iter().map(|row| event(row, row.try_get_unchecked(6)?)).collect()
+    rows.iter().map(|row| event(row, row.try_get_unchecked(7)?)).collect()
 }

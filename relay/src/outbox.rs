@@ -22,12 +22,13 @@ pub async fn claim(
     after_seq: i64,
     limit: u32,
 ) -> Result<Vec<PgRow>, sqlx::Error> {
-    // The first six columns are the ones `log::event` reads, the topic in the seventh
+    // The first seven columns are the ones `log::event` reads, the topic in the eighth
     // (`log::events_with_topic`).
     // language=PostgreSQL
     sqlx::query(
         r#"
-        SELECT o.seq, o.key, e.body, o.available_at, o.traceparent, o.tracestate, o.topic
+        SELECT o.seq, o.key, e.body, o.available_at, o.traceparent, o.tracestate, e.kind,
+               o.topic
         FROM outbox o
         JOIN job_events e USING (seq)
         CROSS JOIN relay_cursor c

@@ -92,13 +92,13 @@ pub async fn park(
 /// # Errors
 /// The connection failed.
 pub async fn releasable(conn: &mut PgConnection, limit: u32) -> Result<Vec<PgRow>, sqlx::Error> {
-    // The first six columns are the ones `log::event` reads, the topic in the seventh
+    // The first seven columns are the ones `log::event` reads, the topic in the eighth
     // (`log::events_with_topic`).
     // language=PostgreSQL
     sqlx::query(
         r#"
         SELECT p.seq, p.key, e.body, p.parked_at AS available_at, e.traceparent, e.tracestate,
-               p.topic
+               e.kind, p.topic
         FROM relay_parked p
         JOIN job_events e USING (seq)
         WHERE NOT EXISTS (SELECT 1 FROM relay_parked r

@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use jobfold_common::config::Config;
-use jobfold_schemas::event::{TRACEPARENT, TRACESTATE};
+use jobfold_schemas::event::{EVENT_KIND, TRACEPARENT, TRACESTATE};
 use rdkafka::ClientContext;
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{Header, OwnedHeaders};
@@ -77,6 +77,8 @@ pub struct Event<'a> {
     /// The event's W3C trace context, sent as Kafka headers.
     pub traceparent: Option<&'a str>,
     pub tracestate: Option<&'a str>,
+    /// The event's kind (`JobRequested`, …), sent as the `jobfold-event` header.
+    pub kind: &'a str,
 }
 
 /// What happened to one batch.
@@ -145,6 +147,7 @@ pub fn record_size(event: &Event<'_>) -> usize {
     RECORD_OVERHEAD_BYTES
         + event.key.len()
         + event.body.len()
+        + event.kind.len()
         + event.traceparent.map_or(0, str::len)
         + event.tracestate.map_or(0, str::len)
 }
@@ -274,9 +277,7 @@ pub async fn send(
         let opaque = (batch as usize) << 32 | sent.enqueued.len();
         let mut record =
             BaseRecord::with_opaque_to(event.topic, opaque).key(event.key).payload(event.body);
-        if let Some(headers) = trace_headers(event) {
-            record = record.headers(headers);
-        }
+        record = record.headers(headers(event));
         loop {
             match producer.send(record) {
                 Ok(()) => {
@@ -326,16 +327,19 @@ fn refuse(outcome: &mut Outcome, blocked: &mut Blocked, event: &Event<'_>, reaso
     outcome.refused.push((event.seq, reason));
 }
 
-/// The event's W3C trace context as Kafka headers (`traceparent`, `tracestate`), if it has
-/// one: consumers and tracing tools read it without decoding the event.
-fn trace_headers(event: &Event<'_>) -> Option<OwnedHeaders> {
-    let traceparent = event.traceparent?;
-    let headers = OwnedHeaders::new_with_capacity(2)
-        .insert(Header { key: TRACEPARENT, value: Some(traceparent) });
-    Some(match event.tracestate {
-        Some(state) => headers.insert(Header { key: TRACESTATE, value: Some(state) }),
-        None => headers,
-    })
+/// The event's kind (`jobfold-event`) and W3C trace context (`traceparent`, `tracestate`, if
+/// it has one) as Kafka headers: consumers and tracing tools read them without decoding the
+/// event, and processors pass over the kinds they do not act on.
+fn headers(event: &Event<'_>) -> OwnedHeaders {
+    let mut headers = OwnedHeaders::new_with_capacity(3)
+        .insert(Header { key: EVENT_KIND, value: Some(event.kind) });
+    if let Some(traceparent) = event.traceparent {
+        headers = headers.insert(Header { key: TRACEPARENT, value: Some(traceparent) });
+    }
+    if let Some(state) = event.tracestate.filter(|_| event.traceparent.is_some()) {
+        headers = headers.insert(Header { key: TRACESTATE, value: Some(state) });
+    }
+    headers
 }
 
 impl Sent {

@@ -59,6 +59,9 @@ pub struct TraceContext {
 pub const TRACEPARENT: &str = "traceparent";
 /// Kafka header (and HTTP header) carrying [`TraceContext::tracestate`].
 pub const TRACESTATE: &str = "tracestate";
+/// Kafka header carrying the event's kind ([`Payload::kind`]), so a consumer can pass over
+/// the kinds it does not act on without decoding them.
+pub const EVENT_KIND: &str = "jobfold-event";
 
 impl TraceContext {
     /// A context from received headers; `None` if `traceparent` is not valid W3C (which, per
@@ -266,6 +269,22 @@ impl Payload {
     /// Events that make a processor lease and run the job.
     pub fn is_dispatch(&self) -> bool {
         matches!(self, Self::JobRequested(_) | Self::RetryDue(_) | Self::ReplayRequested(_))
+    }
+
+    /// Whether an event of this kind (a [`Payload::kind`], as the [`EVENT_KIND`] header
+    /// carries it) makes a processor lease and run the job. An unknown kind counts as one:
+    /// the processor decodes it and decides.
+    pub fn is_dispatch_kind(kind: &[u8]) -> bool {
+        !matches!(
+            kind,
+            b"JobLeased"
+                | b"JobSucceeded"
+                | b"JobFailed"
+                | b"JobRetryScheduled"
+                | b"JobQuarantined"
+                | b"JobSuperseded"
+                | b"JobCancelled"
+        )
     }
 }
 

@@ -277,7 +277,7 @@ async fn a_traceparent_sent_on_accept_reaches_the_handler_span() {
     let span_id = span["span_id"].as_str().unwrap();
     assert!(span_id.len() == 16 && span_id != parent_id, "a span of its own: {span}");
 
-    // Every event on the topic carries the context as W3C headers.
+    // Every event on the topic carries the context as W3C headers, and its kind.
     let consumer: StreamConsumer = jobfold_tests::kafka::client_config()
         .set("group.id", unique_name("headers"))
         .set("auto.offset.reset", "earliest")
@@ -285,16 +285,29 @@ async fn a_traceparent_sent_on_accept_reaches_the_handler_span() {
         .create()
         .unwrap();
     consumer.subscribe(&[&it.config.topics.events]).unwrap();
-    let message = tokio::time::timeout(Duration::from_secs(30), consumer.recv())
-        .await
-        .expect("an event on the topic")
-        .unwrap();
-    let headers = message.headers().expect("the event has headers");
-    let header = |name: &str| {
-        headers.iter().find(|h| h.key == name).and_then(|h| h.value).map(|v| v.to_vec())
-    };
-    assert_eq!(header("traceparent"), Some(traceparent.into_bytes()));
-    assert_eq!(header("tracestate"), Some(b"k=v".to_vec()));
+    let mut kinds = Vec::new();
+    for _ in 0..3 {
+        let message = tokio::time::timeout(Duration::from_secs(30), consumer.recv())
+            .await
+            .expect("an event on the topic")
+            .unwrap();
+        let headers = message.headers().expect("the event has headers");
+        let header = |name: &str| {
+            headers.iter().find(|h| h.key == name).and_then(|h| h.value).map(|v| v.to_vec())
+        };
+        assert_eq!(header("traceparent"), Some(traceparent.clone().into_bytes()));
+        assert_eq!(header("tracestate"), Some(b"k=v".to_vec()));
+        let kind = header("jobfold-event").expect("the event names its kind");
+        kinds.push(String::from_utf8(kind).unwrap());
+    }
+    // The job's log, in stream order, as the headers name it.
+    let logged: Vec<String> =
+        sqlx::query_scalar("SELECT kind FROM job_events ORDER BY stream_version")
+            .fetch_all(&it.pool)
+            .await
+            .unwrap();
+    assert_eq!(kinds, logged);
+    assert_eq!(kinds, ["JobRequested", "JobLeased", "JobSucceeded"]);
     it.cleanup().await;
 }
 

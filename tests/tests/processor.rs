@@ -513,21 +513,28 @@ async fn a_member_joining_and_leaving_mid_run_loses_and_repeats_nothing() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn one_poison_message_among_a_thousand_becomes_one_dead_letter() {
+async fn poison_messages_among_a_thousand_each_become_one_dead_letter() {
+    use rdkafka::message::{Header, OwnedHeaders};
     let (it, acceptor) = fast_installation("proc-poison").await;
-    // The poison sits at the head of a partition, before the good events.
+    // The poison sits at the head of a partition, before the good events. Two more
+    // undecodable messages name their kind in the `jobfold-event` header: the one naming a
+    // kind processors do not act on is passed over without being decoded; the one naming a
+    // dispatch is decoded, and dead-lettered like the first.
     let producer: rdkafka::producer::FutureProducer =
         jobfold_tests::kafka::client_config().create().unwrap();
-    producer
-        .send(
-            rdkafka::producer::FutureRecord::to(&it.config.topics.events)
-                .key("doc-3")
-                .payload(&b"\x00\x00\x00\x00\x07garbage"[..]),
-            rdkafka::util::Timeout::Never,
-        )
-        .await
-        .map_err(|(e, _)| e)
-        .unwrap();
+    for (key, kind) in
+        [("doc-3", None), ("doc-5", Some("JobSucceeded")), ("doc-7", Some("RetryDue"))]
+    {
+        let mut record = rdkafka::producer::FutureRecord::to(&it.config.topics.events)
+            .key(key)
+            .payload(&b"\x00\x00\x00\x00\x07garbage"[..]);
+        if let Some(kind) = kind {
+            record = record.headers(
+                OwnedHeaders::new().insert(Header { key: "jobfold-event", value: Some(kind) }),
+            );
+        }
+        producer.send(record, rdkafka::util::Timeout::Never).await.map_err(|(e, _)| e).unwrap();
+    }
     let jobs: Vec<NewJob> = (0..1000)
         .map(|i| job(&format!("doc-{}", i % 100), 1 + i / 100, json!({ "text": "w" })))
         .collect();
@@ -537,7 +544,12 @@ async fn one_poison_message_among_a_thousand_becomes_one_dead_letter() {
     let pipeline = Pipeline::start(&it, true);
     eventually(Duration::from_secs(120), "every job to finish", || all_finished(&it, 1000)).await;
     pipeline.stop().await;
-    assert_eq!(count_where(&it, "SELECT count(*) FROM dead_letters").await, 1);
+    let dead: Vec<Vec<u8>> =
+        sqlx::query_scalar("SELECT raw_key FROM dead_letters ORDER BY raw_key")
+            .fetch_all(&it.pool)
+            .await
+            .unwrap();
+    assert_eq!(dead, [b"doc-3".to_vec(), b"doc-7".to_vec()], "doc-5's message was passed over");
     let succeeded = count_where(&it, "SELECT count(*) FROM jobs WHERE state = 'succeeded'").await;
     let superseded = count_where(&it, "SELECT count(*) FROM jobs WHERE state = 'superseded'").await;
     assert_eq!(succeeded + superseded, 1000);

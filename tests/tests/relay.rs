@@ -575,6 +575,7 @@ async fn every_delivery_report_reaches_its_own_event() {
         available_at: Utc::now(),
         traceparent: None,
         tracestate: None,
+        kind: "JobRequested",
     };
     let (open, strict) = (it.config.topics.events.as_str(), it.config.topics.requests.as_str());
     let events = [
