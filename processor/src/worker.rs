@@ -21,8 +21,7 @@
 //! 2. run the handler outside any transaction, extending the lease by heartbeat; a lost
 //!    lease cancels it.
 //! 3. completion transaction, fenced by the generation: business write, result, state,
-//!    events — one commit. A fenced (zombie) completion
-//!    writes nothing and is counted.
+//!    events — one commit. A fenced (zombie) completion writes nothing and is counted.
 //!
 //! Lease and completion transactions are shared: the dispatches (attempts) waiting at the
 //! same moment are decided (committed) together, in one transaction ([`crate::lease`],

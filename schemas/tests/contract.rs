@@ -178,7 +178,16 @@ fn the_samples_cover_every_payload_branch() {
         .into_iter()
         .map(|value| {
             let body = encode_body(&writer, value).unwrap();
-            decode_body::<JobEvent>(1, &writer, &body).unwrap().payload.kind()
+            let payload = decode_body::<JobEvent>(1, &writer, &body).unwrap().payload;
+            // What a processor passes over by its `jobfold-event` header is what it would
+            // drop after decoding.
+            assert_eq!(
+                jobfold_schemas::Payload::is_dispatch_kind(payload.kind().as_bytes()),
+                payload.is_dispatch(),
+                "{}",
+                payload.kind()
+            );
+            payload.kind()
         })
         .collect();
     assert_eq!(kinds.len(), 10, "{kinds:?}");
