@@ -7,7 +7,8 @@
 #    python3 (for the example jobs), and Chromium with its chromedriver (the console's tests
 #    drive a real headless browser);
 # 2. starts PostgreSQL, Kafka and the schema registry natively (reusing running ones);
-# 3. runs cargo fmt --check, cargo clippy -D warnings, and every test with cargo nextest;
+# 3. runs cargo fmt --check, cargo clippy -D warnings, checks every query against a database
+#    migrated from nothing (docker/sqlx.sh check), and runs every test with cargo nextest;
 # 4. with no arguments, the shortened soak (`jobfold soak --duration 150s`);
 # 5. removes the scratch databases and topics the tests left, and stops the services it
 #    started (and only those).
@@ -90,6 +91,12 @@ cargo fmt --all --check
 
 step "cargo clippy"
 cargo clippy --workspace --all-targets --locked -- -D warnings
+
+# The build above read every query's schema from .sqlx/ (SQLX_OFFLINE, .cargo/config.toml):
+# this checks each query again against a database migrated from nothing, and .sqlx/ against
+# what that gives.
+step "queries against the migrated schema"
+docker/sqlx.sh check
 
 step "cargo nextest run"
 cargo nextest run --workspace --locked --no-fail-fast "$@"

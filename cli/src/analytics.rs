@@ -437,13 +437,14 @@ impl Reader {
     ) -> anyhow::Result<(Self, u64)> {
         match source {
             Source::Postgres => {
-                // language=PostgreSQL
-                let (first, last): (Option<i64>, Option<i64>) = sqlx::query_as(
-                    "SELECT min(seq), max(seq) FROM job_events WHERE $1::timestamptz IS NULL OR occurred_at >= $1",
+                let range = sqlx::query!(
+                    "SELECT min(seq) AS first, max(seq) AS last FROM job_events \
+                     WHERE $1::timestamptz IS NULL OR occurred_at >= $1",
+                    since,
                 )
-                .bind(since)
                 .fetch_one(pool)
                 .await?;
+                let (first, last) = (range.first, range.last);
                 let estimate = match (first, last) {
                     (Some(a), Some(b)) => u64::try_from(b - a + 1).unwrap_or(0),
                     _ => 0,
@@ -526,27 +527,24 @@ impl Reader {
     pub(crate) async fn next(&mut self) -> anyhow::Result<Option<Vec<(Position, Vec<u8>)>>> {
         match self {
             Self::Postgres { pool, after, since } => {
-                // language=PostgreSQL
-                let rows: Vec<(i64, Vec<u8>)> = sqlx::query_as(
+                let rows = sqlx::query!(
                     r#"
                     SELECT seq, body FROM job_events
                     WHERE seq > $1 AND ($2::timestamptz IS NULL OR occurred_at >= $2)
                     ORDER BY seq
                     LIMIT $3
                     "#,
+                    *after,
+                    *since,
+                    PAGE,
                 )
-                .bind(*after)
-                .bind(*since)
-                .bind(PAGE)
                 .fetch_all(&*pool)
                 .await?;
-                let Some((last, _)) = rows.last() else { return Ok(None) };
-                *after = *last;
+                let Some(last) = rows.last() else { return Ok(None) };
+                *after = last.seq;
                 Ok(Some(
                     rows.into_iter()
-                        .map(|(seq, body)| {
-                            (Position { seq: Some(seq), ..Position::default() }, body)
-                        })
+                        .map(|r| (Position { seq: Some(r.seq), ..Position::default() }, r.body))
                         .collect(),
                 ))
             }
@@ -699,7 +697,7 @@ fn finish_job(
 }
 
 /// The projection's view of a job, as far as the log defines it.
-#[derive(Debug, sqlx::FromRow)]
+#[derive(Debug)]
 struct ProjectionRow {
     job_id: Uuid,
     document_id: String,
@@ -723,15 +721,15 @@ async fn verify(
         return Ok(());
     }
     let ids: Vec<Uuid> = jobs.iter().map(|j| j.job_id).collect();
-    // language=PostgreSQL
-    let rows: Vec<ProjectionRow> = sqlx::query_as(
+    let rows = sqlx::query_as!(
+        ProjectionRow,
         r#"
-        SELECT job_id, document_id, kind, input_version, state::text AS state, attempt,
-               max_attempts, generation, stream_version, finished_at IS NOT NULL AS finished
+        SELECT job_id, document_id, kind, input_version, state::text AS "state!", attempt,
+               max_attempts, generation, stream_version, finished_at IS NOT NULL AS "finished!"
         FROM jobs WHERE job_id = ANY($1)
         "#,
+        &ids,
     )
-    .bind(&ids)
     .fetch_all(pool)
     .await?;
     let mut rows: HashMap<Uuid, ProjectionRow> = rows.into_iter().map(|r| (r.job_id, r)).collect();
@@ -778,8 +776,8 @@ async fn verify_counts(
     if options.since.is_some() {
         return Ok(());
     }
-    // language=PostgreSQL
-    let projection: i64 = sqlx::query_scalar("SELECT count(*) FROM jobs").fetch_one(pool).await?;
+    let projection =
+        sqlx::query_scalar!(r#"SELECT count(*) AS "count!" FROM jobs"#).fetch_one(pool).await?;
     let folded = i64::try_from(report.jobs).unwrap_or(i64::MAX);
     if projection > folded {
         let (backlog, _) = jobfold_common::gauges::relay_backlog(pool).await?;

@@ -12,7 +12,7 @@ use futures::StreamExt;
 use hdrhistogram::Histogram;
 use jobfold_common::accept::{Acceptor, NewJob};
 use jobfold_common::config::{Config, Sensitive};
-use jobfold_common::metrics as pm;
+use jobfold_processor::metrics as pm;
 use jobfold_schemas::codec::registry_settings;
 use jobfold_schemas::{Codec, JobEvent};
 use serde_json::json;
@@ -154,7 +154,7 @@ pub(crate) fn conversation(plan: &str) -> serde_json::Value {
 /// Records that a processor runs index-document, as one deployed would: the accept
 /// measurements run without processors.
 async fn register_index_kind(pool: &sqlx::PgPool) -> anyhow::Result<()> {
-    sqlx::query(
+    sqlx::query!(
         "INSERT INTO job_kinds (kind, registered_by) VALUES ('index-document', 'jobfold bench') \
          ON CONFLICT (kind) DO NOTHING",
     )
@@ -186,7 +186,7 @@ where
     let admin =
         PgPool::connect(config.database_url.expose()).await.context("connecting to Postgres")?;
     let database = format!("jobfold_bench_{suffix}");
-    sqlx::query(&format!("CREATE DATABASE {database}")).execute(&admin).await?;
+    jobfold_common::db::create_database(&admin, &database).await?;
     let result = async {
         let url = config
             .database_url
@@ -206,9 +206,7 @@ where
         measured
     }
     .await;
-    let _ = sqlx::query(&format!("DROP DATABASE IF EXISTS {database} WITH (FORCE)"))
-        .execute(&admin)
-        .await;
+    let _ = jobfold_common::db::drop_database(&admin, &database).await;
     result
 }
 
@@ -275,16 +273,7 @@ async fn measure_limits(
 ) -> anyhow::Result<Limits> {
     let pool = jobfold_common::db::connect_and_migrate(config, 32).await?;
     register_index_kind(&pool).await?;
-    sqlx::query(
-        "CREATE TABLE bench_commits (id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY, v bytea)",
-    )
-    .execute(&pool)
-    .await?;
-    sqlx::query(
-        "CREATE TABLE bench_rows (id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY, v bytea)",
-    )
-    .execute(&pool)
-    .await?;
+    sqlx::raw_sql(include_str!("../sql/bench.sql")).execute(&pool).await?;
     jobfold_common::kafka::ensure_topics(config, &jobfold_common::kafka::jobfold_topics(config))
         .await?;
     let codec = event_codec(config).await?;
@@ -447,11 +436,11 @@ async fn measure_accept_and_relay(
     wait_drained(&pool, Duration::from_secs(600)).await?;
     let elapsed = started.elapsed().as_secs_f64();
     let cpu = cpu.zip(CpuTime::now(&cpu_of));
-    let timed: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM job_events WHERE (xid, seq) > ($1::text::xid8, $2)",
+    let timed = sqlx::query_scalar!(
+        r#"SELECT count(*) AS "count!" FROM job_events WHERE (xid, seq) > ($1::text::xid8, $2)"#,
+        timed_from.0.to_string(),
+        timed_from.1,
     )
-    .bind(timed_from.0.to_string())
-    .bind(timed_from.1)
     .fetch_one(&pool)
     .await?;
     let relay_rate = timed as f64 / elapsed;
@@ -605,12 +594,14 @@ async fn measure_processing(
     let (mut peak, mut least_margin, mut slow_rss) = (0i64, f64::INFINITY, 0f64);
     loop {
         slow_rss = slow_rss.max(rss_mib(a_pid)?);
-        let (leased, unfinished): (i64, i64) = sqlx::query_as(
-            "SELECT count(*) FILTER (WHERE state = 'leased'), count(*) FROM jobs \
-             WHERE finished_at IS NULL",
+        let counted = sqlx::query!(
+            r#"SELECT count(*) FILTER (WHERE state = 'leased') AS "leased!",
+                      count(*) AS "unfinished!"
+               FROM jobs WHERE finished_at IS NULL"#,
         )
         .fetch_one(&pool)
         .await?;
+        let (leased, unfinished) = (counted.leased, counted.unfinished);
         peak = peak.max(leased);
         if let Some(margin) =
             crate::demo::metric_sum(a.metrics, pm::LEASE_MARGIN_MIN_SECONDS, "").await
@@ -628,8 +619,9 @@ async fn measure_processing(
     let secs = started.elapsed().as_secs_f64();
     let statements = beats(a.metrics).await.unwrap_or(0.0) - beats_before;
     // A lease that lapsed under its running job shows as a second generation.
-    let expired: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM jobs WHERE kind = 'summarize-conversation' AND generation > 1",
+    let expired = sqlx::query_scalar!(
+        r#"SELECT count(*) AS "count!" FROM jobs
+           WHERE kind = 'summarize-conversation' AND generation > 1"#,
     )
     .fetch_one(&pool)
     .await?;
@@ -694,16 +686,15 @@ async fn measure_processing(
 
     // Latency: a steady load at half the burst rate.
     let steady_rate = (burst_rate / 2.0).max(10.0);
-    let since: chrono::DateTime<chrono::Utc> =
-        sqlx::query_scalar("SELECT now()").fetch_one(&pool).await?;
+    let since = sqlx::query_scalar!(r#"SELECT now() AS "now!""#).fetch_one(&pool).await?;
     let steady = paced(&acceptor, &pool, offset, steady_rate, sizes.steady_secs, &job).await?;
     offset += steady;
     wait_finished(&pool, offset, Duration::from_secs(300)).await?;
-    let latencies: Vec<f64> = sqlx::query_scalar(
-        "SELECT EXTRACT(EPOCH FROM finished_at - accepted_at)::float8 * 1e6 FROM jobs \
-         WHERE accepted_at >= date_trunc('milliseconds', $1::timestamptz)",
+    let latencies = sqlx::query_scalar!(
+        r#"SELECT EXTRACT(EPOCH FROM finished_at - accepted_at)::float8 * 1e6 AS "micros!"
+           FROM jobs WHERE accepted_at >= date_trunc('milliseconds', $1::timestamptz)"#,
+        since,
     )
-    .bind(since)
     .fetch_all(&pool)
     .await?;
     let h = histogram_of(latencies.iter().map(|l| *l as u64))?;
@@ -745,10 +736,10 @@ async fn measure_processing(
         acceptor.accept_batch(&pool, &jobs).await?;
         submitted += jobs.len();
         tokio::time::sleep(Duration::from_millis(500)).await;
-        let held: Vec<uuid::Uuid> = sqlx::query_scalar(
+        let held = sqlx::query_scalar!(
             "SELECT job_id FROM jobs WHERE state = 'leased' AND lease_owner LIKE $1",
+            &owner,
         )
-        .bind(&owner)
         .fetch_all(&pool)
         .await?;
         if held.len() >= 5 {
@@ -761,10 +752,10 @@ async fn measure_processing(
     std::process::Command::new("kill").args(["-KILL", &b_pid.to_string()]).status()?;
     b.child.wait().await?;
     loop {
-        let left: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM jobs WHERE job_id = ANY($1) AND state <> 'succeeded'",
+        let left = sqlx::query_scalar!(
+            r#"SELECT count(*) AS "count!" FROM jobs WHERE job_id = ANY($1) AND state <> 'succeeded'"#,
+            &victims,
         )
-        .bind(&victims)
         .fetch_one(&pool)
         .await?;
         if left == 0 {
@@ -838,7 +829,7 @@ async fn wait_succeeded(port: u16, count: usize, timeout: Duration) -> anyhow::R
     loop {
         let done = crate::demo::metric_sum(
             port,
-            jobfold_common::metrics::COMPLETED_TOTAL,
+            jobfold_processor::metrics::COMPLETED_TOTAL,
             "\"succeeded\"",
         )
         .await
@@ -855,8 +846,9 @@ async fn wait_succeeded(port: u16, count: usize, timeout: Duration) -> anyhow::R
 async fn wait_finished(pool: &PgPool, count: usize, timeout: Duration) -> anyhow::Result<()> {
     let deadline = Instant::now() + timeout;
     loop {
-        let done: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM jobs WHERE state IN ('succeeded', 'superseded', 'quarantined')",
+        let done = sqlx::query_scalar!(
+            r#"SELECT count(*) AS "count!" FROM jobs
+               WHERE state IN ('succeeded', 'superseded', 'quarantined')"#,
         )
         .fetch_one(pool)
         .await?;
@@ -873,15 +865,17 @@ async fn wait_finished(pool: &PgPool, count: usize, timeout: Duration) -> anyhow
 /// fact: read until they stop changing.
 async fn per_job_costs(pool: &PgPool) -> anyhow::Result<(f64, f64, f64)> {
     let read = || async {
-        sqlx::query_as::<_, (f64, f64, f64)>(
-            "SELECT coalesce(sum(n_tup_ins + n_tup_upd + n_tup_del), 0)::float8, \
-                    (SELECT count(*) FROM job_events)::float8, \
-                    (SELECT count(DISTINCT xid) FROM job_events \
-                     WHERE kind IN ('JobLeased', 'JobSucceeded', 'JobFailed'))::float8 \
-             FROM pg_stat_user_tables",
+        let r = sqlx::query!(
+            r#"SELECT coalesce(sum(n_tup_ins + n_tup_upd + n_tup_del), 0)::float8 AS "rows!",
+                      (SELECT count(*) FROM job_events)::float8 AS "events!",
+                      (SELECT count(DISTINCT xid) FROM job_events
+                       WHERE kind IN ('JobLeased', 'JobSucceeded', 'JobFailed'))::float8
+                          AS "commits!"
+               FROM pg_stat_user_tables"#,
         )
         .fetch_one(pool)
-        .await
+        .await?;
+        Ok::<_, sqlx::Error>((r.rows, r.events, r.commits))
     };
     let deadline = Instant::now() + Duration::from_secs(15);
     let mut last = read().await?;
@@ -903,10 +897,10 @@ async fn log_read(config: &Config, pool: &PgPool, from: (i64, i64)) -> anyhow::R
     loop {
         let batch = jobfold_relay::log::claim(&mut conn, after, config.relay.batch_size).await?;
         // Decoded as the relay decodes them.
-        let positions = batch.positions()?;
+        let positions = batch.positions();
         let Some(last) = positions.last() else { break };
         after = *last;
-        read += batch.events(&config.topics.events)?.len();
+        read += batch.events(&config.topics.events).len();
     }
     Ok(read as f64 / started.elapsed().as_secs_f64())
 }
@@ -914,27 +908,26 @@ async fn log_read(config: &Config, pool: &PgPool, from: (i64, i64)) -> anyhow::R
 /// Copies the accepted events (each a job's first) as later events of the same jobs until
 /// the log holds at least `events`: rows of the same size and keys for the relay to drain.
 async fn copy_backlog(pool: &PgPool, events: usize) -> anyhow::Result<()> {
-    let accepted: i64 =
-        sqlx::query_scalar("SELECT count(*) FROM job_events").fetch_one(pool).await?;
+    let accepted = sqlx::query_scalar!(r#"SELECT count(*) AS "count!" FROM job_events"#)
+        .fetch_one(pool)
+        .await?;
     let copies = (events as u64).div_ceil(accepted.max(1) as u64).saturating_sub(1);
-    // language=PostgreSQL
-    sqlx::query(
+    sqlx::query!(
         "INSERT INTO job_events (event_id, job_id, stream_version, kind, body, key) \
          SELECT gen_random_uuid(), job_id, stream_version + copy, kind, body, key \
          FROM job_events, generate_series(1, $1) AS copy WHERE stream_version = 1",
+        i32::try_from(copies)?,
     )
-    .bind(i32::try_from(copies)?)
     .execute(pool)
     .await?;
-    sqlx::query("ANALYZE job_events").execute(pool).await?;
+    sqlx::query!("ANALYZE job_events").execute(pool).await?;
     Ok(())
 }
 
 /// Where the relay's cursor stands.
 async fn cursor(pool: &PgPool) -> anyhow::Result<(i64, i64)> {
-    Ok(sqlx::query_as("SELECT published_xid::text::bigint, published_seq FROM relay_cursor")
-        .fetch_one(pool)
-        .await?)
+    let position = jobfold_relay::log::cursor(&mut *pool.acquire().await?).await?;
+    Ok((position.xid, position.seq))
 }
 
 /// Waits until the relay owes nothing; polls cheaply (two index probes), so as not to slow
@@ -942,10 +935,10 @@ async fn cursor(pool: &PgPool) -> anyhow::Result<(i64, i64)> {
 async fn wait_drained(pool: &PgPool, timeout: Duration) -> anyhow::Result<()> {
     let deadline = Instant::now() + timeout;
     loop {
-        let owed: bool = sqlx::query_scalar(
-            "SELECT EXISTS (SELECT 1 FROM job_events e, relay_cursor c \
-                            WHERE (e.xid, e.seq) > (c.published_xid, c.published_seq)) \
-                 OR EXISTS (SELECT 1 FROM outbox WHERE published_at IS NULL)",
+        let owed = sqlx::query_scalar!(
+            r#"SELECT EXISTS (SELECT 1 FROM job_events e, relay_cursor c
+                              WHERE (e.xid, e.seq) > (c.published_xid, c.published_seq))
+                   OR EXISTS (SELECT 1 FROM outbox WHERE published_at IS NULL) AS "owed!""#,
         )
         .fetch_one(pool)
         .await?;
@@ -1231,13 +1224,15 @@ impl CpuByComponent {
 /// The Postgres backends serving `application` — on this machine, so their CPU can be read
 /// from `/proc`; empty if the database runs elsewhere.
 async fn local_backends(pool: &PgPool, application: &str) -> anyhow::Result<Vec<u32>> {
-    let pids: Vec<i32> =
-        sqlx::query_scalar("SELECT pid FROM pg_stat_activity WHERE application_name = $1")
-            .bind(application)
-            .fetch_all(pool)
-            .await?;
+    let pids = sqlx::query_scalar!(
+        "SELECT pid FROM pg_stat_activity WHERE application_name = $1",
+        application
+    )
+    .fetch_all(pool)
+    .await?;
     Ok(pids
         .into_iter()
+        .flatten()
         .filter_map(|pid| u32::try_from(pid).ok())
         .filter(|pid| {
             std::fs::read(format!("/proc/{pid}/cmdline"))
@@ -1278,8 +1273,7 @@ async fn pg_commits(
         .map(|_| {
             let (pool, value) = (pool.clone(), value.clone());
             async move {
-                sqlx::query("INSERT INTO bench_commits (v) VALUES ($1)")
-                    .bind(value)
+                sqlx::query!("INSERT INTO bench_commits (v) VALUES ($1)", &value[..])
                     .execute(&pool)
                     .await
             }
@@ -1298,8 +1292,7 @@ async fn pg_rows(pool: &PgPool, total: usize, batch: usize, size: usize) -> anyh
     let statements = total.div_ceil(batch);
     let started = Instant::now();
     for _ in 0..statements {
-        sqlx::query("INSERT INTO bench_rows (v) SELECT * FROM unnest($1::bytea[])")
-            .bind(&values)
+        sqlx::query!("INSERT INTO bench_rows (v) SELECT * FROM unnest($1::bytea[])", &values)
             .execute(pool)
             .await?;
     }

@@ -155,7 +155,7 @@ async fn demo(
     let admin =
         PgPool::connect(config.database_url.expose()).await.context("connecting to Postgres")?;
     let database = format!("jobfold_demo_{run_id}");
-    sqlx::query(&format!("CREATE DATABASE {database}")).execute(&admin).await?;
+    jobfold_common::db::create_database(&admin, &database).await?;
     admin.close().await;
     let url = config.database_url.expose().rsplit_once('/').map(|(b, _)| format!("{b}/{database}"));
     config.database_url = Sensitive::new(url.context("the database URL names no database")?);
@@ -729,9 +729,9 @@ impl Progress {
         // Published: events on Kafka — every event of the log but those the relay still owes
         // (after its cursor, waiting in the outbox, or parked).
         let unpublished = gauges::unpublished(pool).await?;
-        // language=PostgreSQL
-        let events: i64 =
-            sqlx::query_scalar("SELECT count(*) FROM job_events").fetch_one(pool).await?;
+        let events = sqlx::query_scalar!(r#"SELECT count(*) AS "count!" FROM job_events"#)
+            .fetch_one(pool)
+            .await?;
         Ok(Self { states, unpublished, published: events - unpublished })
     }
 
@@ -808,7 +808,7 @@ async fn assigned_partitions(metrics_port: u16) -> Option<usize> {
     let text = scrape(metrics_port).await?;
     let value = text.lines().find_map(|l| {
         let (series, value) = l.rsplit_once(' ')?;
-        (series == jobfold_common::metrics::ASSIGNED_PARTITIONS).then_some(value)
+        (series == jobfold_processor::metrics::ASSIGNED_PARTITIONS).then_some(value)
     });
     Some(value.and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0) as usize)
 }
@@ -816,17 +816,16 @@ async fn assigned_partitions(metrics_port: u16) -> Option<usize> {
 /// Jobs under a live lease, by the pid of the processor holding it (leases are owned by
 /// `host/pid`).
 async fn leased_by_pid(pool: &PgPool) -> anyhow::Result<BTreeMap<u32, i64>> {
-    // language=PostgreSQL
-    let rows: Vec<(String, i64)> = sqlx::query_as(
-        "SELECT lease_owner, count(*) FROM jobs \
-         WHERE state = 'leased' AND lease_until > now() AND lease_owner IS NOT NULL \
-         GROUP BY lease_owner",
+    let rows = sqlx::query!(
+        r#"SELECT lease_owner AS "owner!", count(*) AS "count!" FROM jobs
+           WHERE state = 'leased' AND lease_until > now() AND lease_owner IS NOT NULL
+           GROUP BY lease_owner"#,
     )
     .fetch_all(pool)
     .await?;
     Ok(rows
         .into_iter()
-        .filter_map(|(owner, n)| Some((owner.rsplit_once('/')?.1.parse().ok()?, n)))
+        .filter_map(|r| Some((r.owner.rsplit_once('/')?.1.parse().ok()?, r.count)))
         .collect())
 }
 
@@ -865,15 +864,14 @@ async fn summary(
     // The business effect outside Postgres is the model call: after a job's summary
     // committed, a redelivery must be stopped by the job row (its dispatch version and state)
     // before the handler runs.
-    // language=PostgreSQL
-    let committed: Vec<(String, chrono::DateTime<chrono::Utc>)> = sqlx::query_as(
-        "SELECT j.job_id::text || ':' || j.input_version, e.occurred_at FROM job_events e \
-         JOIN jobs j USING (job_id) WHERE e.kind = 'JobSucceeded'",
+    let committed = sqlx::query!(
+        r#"SELECT j.job_id::text || ':' || j.input_version AS "key!", e.occurred_at
+           FROM job_events e JOIN jobs j USING (job_id) WHERE e.kind = 'JobSucceeded'"#,
     )
     .fetch_all(pool)
     .await?;
     let committed: BTreeMap<String, chrono::DateTime<chrono::Utc>> =
-        committed.into_iter().collect();
+        committed.into_iter().map(|r| (r.key, r.occurred_at)).collect();
     let calls = &submitted.model_calls;
     let late = calls.iter().filter(|c| committed.get(&c.key).is_some_and(|at| c.at > *at)).count();
     line(
@@ -908,19 +906,20 @@ async fn summary(
             "no processor was killed: neither held partitions and jobs in flight at once while the workload ran".into(),
         ),
     }
-    // language=PostgreSQL
-    let (documents, wrong): (i64, i64) = sqlx::query_as(
+    let counted = sqlx::query!(
         r#"
         WITH best AS (
             SELECT document_id, max(input_version) AS v FROM jobs
             WHERE state = 'succeeded' GROUP BY document_id
         )
-        SELECT count(*), count(*) FILTER (WHERE d.version IS DISTINCT FROM b.v)
+        SELECT count(*) AS "documents!",
+               count(*) FILTER (WHERE d.version IS DISTINCT FROM b.v) AS "wrong!"
         FROM best b LEFT JOIN conversation_summaries d ON d.conversation_id = b.document_id
         "#,
     )
     .fetch_one(pool)
     .await?;
+    let (documents, wrong) = (counted.documents, counted.wrong);
     line(
         wrong == 0,
         format!(

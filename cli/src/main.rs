@@ -997,8 +997,7 @@ async fn stats(config: Config, totals: bool) -> anyhow::Result<()> {
 
 /// Migrations applied so far (0 before the first run).
 async fn applied(pool: &sqlx::PgPool) -> i64 {
-    sqlx::query_scalar("SELECT count(*) FROM _sqlx_migrations WHERE success")
-        .fetch_one(pool)
-        .await
-        .unwrap_or(0)
+    use sqlx::migrate::Migrate;
+    let Ok(mut conn) = pool.acquire().await else { return 0 };
+    conn.list_applied_migrations().await.map_or(0, |applied| applied.len() as i64)
 }

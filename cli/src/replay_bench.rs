@@ -167,17 +167,16 @@ fn synthetic(job_id: Uuid, document: &str, step: i32) -> JobEvent {
 async fn insert_jobs(pool: &PgPool, jobs: &[(Uuid, String)]) -> anyhow::Result<()> {
     let ids: Vec<Uuid> = jobs.iter().map(|j| j.0).collect();
     let documents: Vec<&str> = jobs.iter().map(|j| j.1.as_str()).collect();
-    // language=PostgreSQL
-    sqlx::query(
+    sqlx::query!(
         r#"
         INSERT INTO jobs (job_id, document_id, kind, payload, input_version, state, attempt,
                           generation, finished_at, max_attempts, stream_version)
         SELECT id, doc, 'index-document', '{}', 1, 'succeeded', 1, 1, now(), 5, 3
         FROM unnest($1::uuid[], $2::text[]) AS t(id, doc)
         "#,
+        &ids,
+        &documents as &[&str],
     )
-    .bind(&ids)
-    .bind(&documents)
     .execute(pool)
     .await?;
     Ok(())
@@ -191,18 +190,17 @@ async fn insert_events(pool: &PgPool, rows: &[EventRow]) -> anyhow::Result<()> {
     let versions: Vec<i32> = rows.iter().map(|r| r.2).collect();
     let kinds: Vec<&str> = rows.iter().map(|r| r.3).collect();
     let bodies: Vec<&[u8]> = rows.iter().map(|r| r.4.as_slice()).collect();
-    // language=PostgreSQL
-    sqlx::query(
+    sqlx::query!(
         r#"
         INSERT INTO job_events (event_id, job_id, stream_version, kind, body)
         SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::int[], $4::text[], $5::bytea[])
         "#,
+        &event_ids,
+        &job_ids,
+        &versions,
+        &kinds as &[&str],
+        &bodies as &[&[u8]],
     )
-    .bind(&event_ids)
-    .bind(&job_ids)
-    .bind(&versions)
-    .bind(&kinds)
-    .bind(&bodies)
     .execute(pool)
     .await?;
     Ok(())

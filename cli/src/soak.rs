@@ -180,7 +180,8 @@ async fn soak(mut config: Config, plan: Plan) -> anyhow::Result<(String, bool)> 
     relay.child.start_kill()?;
     processor.child.wait().await?;
     relay.child.wait().await?;
-    let deleted: i64 = sqlx::query_scalar("SELECT count(*) FROM jobs").fetch_one(&pool).await?;
+    let deleted =
+        sqlx::query_scalar!(r#"SELECT count(*) AS "count!" FROM jobs"#).fetch_one(&pool).await?;
     let deleted = submitted as i64 - deleted;
 
     // The log of record, folded and compared with what is left of the projection.
@@ -316,18 +317,22 @@ async fn sample(
     relay_pid: u32,
     metrics_port: u16,
 ) -> anyhow::Result<Sample> {
-    let mut rows = [0; TABLES.len()];
-    for (i, table) in TABLES.iter().enumerate() {
-        rows[i] =
-            sqlx::query_scalar(&format!("SELECT count(*) FROM {table}")).fetch_one(pool).await?;
-    }
-    let unfinished = sqlx::query_scalar(
-        "SELECT count(*) FROM jobs WHERE finished_at IS NULL AND state <> 'quarantined'",
+    // Each of TABLES, in its order.
+    let counted = sqlx::query!(
+        r#"
+        SELECT (SELECT count(*) FROM jobs) AS "jobs!",
+               (SELECT count(*) FROM job_events) AS "job_events!",
+               (SELECT count(*) FROM job_results) AS "job_results!",
+               (SELECT count(*) FROM outbox) AS "outbox!",
+               (SELECT count(*) FROM jobs WHERE finished_at IS NULL AND state <> 'quarantined')
+                   AS "unfinished!",
+               pg_database_size(current_database()) AS "bytes!"
+        "#
     )
     .fetch_one(pool)
     .await?;
-    let bytes: i64 =
-        sqlx::query_scalar("SELECT pg_database_size(current_database())").fetch_one(pool).await?;
+    let rows = [counted.jobs, counted.job_events, counted.job_results, counted.outbox];
+    let (unfinished, bytes) = (counted.unfinished, counted.bytes);
     Ok(Sample {
         at,
         accepted,
@@ -359,9 +364,11 @@ fn rss_mib(pid: u32) -> anyhow::Result<f64> {
 async fn wait_ended(pool: &PgPool, timeout: Duration) -> anyhow::Result<()> {
     let deadline = Instant::now() + timeout;
     loop {
-        let left: i64 = sqlx::query_scalar("SELECT count(*) FROM jobs WHERE finished_at IS NULL")
-            .fetch_one(pool)
-            .await?;
+        let left = sqlx::query_scalar!(
+            r#"SELECT count(*) AS "count!" FROM jobs WHERE finished_at IS NULL"#
+        )
+        .fetch_one(pool)
+        .await?;
         if left == 0 {
             return Ok(());
         }
@@ -384,16 +391,15 @@ async fn business_rows_behind(
         let v = newest.entry((summary, j.document_id)).or_default();
         *v = (*v).max(j.input_version);
     }
-    let index: Vec<(String, i64)> =
-        sqlx::query_as("SELECT document_id, version FROM document_index").fetch_all(pool).await?;
-    let summaries: Vec<(String, i64)> =
-        sqlx::query_as("SELECT conversation_id, version FROM conversation_summaries")
-            .fetch_all(pool)
-            .await?;
+    let index =
+        sqlx::query!("SELECT document_id, version FROM document_index").fetch_all(pool).await?;
+    let summaries = sqlx::query!("SELECT conversation_id, version FROM conversation_summaries")
+        .fetch_all(pool)
+        .await?;
     let have: HashMap<(bool, String), i64> = index
         .into_iter()
-        .map(|(d, v)| ((false, d), v))
-        .chain(summaries.into_iter().map(|(d, v)| ((true, d), v)))
+        .map(|r| ((false, r.document_id), r.version))
+        .chain(summaries.into_iter().map(|r| ((true, r.conversation_id), r.version)))
         .collect();
     Ok(newest.iter().filter(|(key, version)| have.get(*key) != Some(version)).count() as u64)
 }

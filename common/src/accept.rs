@@ -133,7 +133,7 @@ pub struct Acceptor {
 }
 
 /// What was stored for an idempotency key, to compare with a retried request.
-#[derive(Debug, sqlx::FromRow)]
+#[derive(Debug)]
 struct Existing {
     job_id: Uuid,
     document_id: String,
@@ -164,11 +164,12 @@ impl Acceptor {
         if unknown.is_empty() {
             return Ok(());
         }
-        let found: Vec<String> =
-            sqlx::query_scalar("SELECT kind FROM job_kinds WHERE kind = ANY($1)")
-                .bind(&unknown)
-                .fetch_all(&mut *tx)
-                .await?;
+        let found = sqlx::query_scalar!(
+            "SELECT kind FROM job_kinds WHERE kind = ANY($1)",
+            &unknown as &[&str]
+        )
+        .fetch_all(&mut *tx)
+        .await?;
         let mut known = self.known_kinds.write().unwrap_or_else(std::sync::PoisonError::into_inner);
         known.extend(found);
         match unknown.into_iter().find(|k| !known.contains(*k)) {
@@ -272,26 +273,10 @@ impl Acceptor {
             Payload::JobRequested(r) => (r.max_attempts, r.deadline, r.run_at),
             _ => unreachable!("requested_event builds a JobRequested"),
         };
-        // A scheduled job's JobRequested goes through the outbox, due at run_at: the relay
-        // publishes it then (delayed events' one path), and nothing dispatches it before.
-        // language=PostgreSQL
-        const AT_ONCE: &str = r#"
-            WITH job AS (
-                INSERT INTO jobs (job_id, document_id, kind, payload, input_version,
-                                  idempotency_key, accepted_at, stream_version,
-                                  max_attempts, deadline)
-                VALUES ($1, $2, $3, $4, $5, $6, $7, 1, $10, $11)
-                ON CONFLICT (idempotency_key) DO NOTHING
-                RETURNING job_id
-            ), event AS (
-                INSERT INTO job_events (event_id, job_id, stream_version, kind, body, occurred_at,
-                                        key, traceparent, tracestate)
-                SELECT $8, job_id, 1, 'JobRequested', $9, $7, $2, $12, $13 FROM job
-            )
-            SELECT job_id FROM job
-        "#;
-        // language=PostgreSQL
-        const SCHEDULED: &str = r#"
+        // A scheduled job's JobRequested goes through the outbox, due at run_at ($14): the
+        // relay publishes it then (delayed events' one path), and nothing dispatches it before.
+        let inserted = sqlx::query_scalar!(
+            r#"
             WITH job AS (
                 INSERT INTO jobs (job_id, document_id, kind, payload, input_version,
                                   idempotency_key, accepted_at, stream_version,
@@ -302,33 +287,33 @@ impl Acceptor {
             ), event AS (
                 INSERT INTO job_events (event_id, job_id, stream_version, kind, body, occurred_at,
                                         key, traceparent, tracestate, delayed)
-                SELECT $8, job_id, 1, 'JobRequested', $9, $7, $2, $12, $13, true FROM job
+                SELECT $8, job_id, 1, 'JobRequested', $9, $7, $2, $12, $13, $14 IS NOT NULL
+                FROM job
                 RETURNING seq
             ), delayed AS (
                 INSERT INTO outbox (seq, topic, key, available_at, traceparent, tracestate)
-                SELECT seq, $15, $2, $14, $12, $13 FROM event
+                SELECT seq, $15, $2, $14, $12, $13 FROM event WHERE $14 IS NOT NULL
             )
             SELECT job_id FROM job
-        "#;
-        let query = sqlx::query_scalar(if run_at.is_some() { SCHEDULED } else { AT_ONCE })
-            .bind(job_id)
-            .bind(&job.document_id)
-            .bind(&job.kind)
-            .bind(&job.input)
-            .bind(job.input_version)
-            .bind(&job.idempotency_key)
-            .bind(now)
-            .bind(event.event_id)
-            .bind(&body)
-            .bind(max_attempts)
-            .bind(deadline)
-            .bind(job.trace.as_ref().map(|t| &t.traceparent))
-            .bind(job.trace.as_ref().and_then(|t| t.tracestate.as_ref()));
-        let query = match run_at {
-            Some(run_at) => query.bind(run_at).bind(self.codec.topic()),
-            None => query,
-        };
-        let inserted: Option<Uuid> = query.fetch_optional(&mut *tx).await?;
+            "#,
+            job_id,
+            &job.document_id,
+            &job.kind,
+            &job.input,
+            job.input_version,
+            job.idempotency_key.as_deref(),
+            now,
+            event.event_id,
+            &body,
+            max_attempts,
+            deadline,
+            job.trace.as_ref().map(|t| t.traceparent.as_str()),
+            job.trace.as_ref().and_then(|t| t.tracestate.as_deref()),
+            run_at,
+            self.codec.topic(),
+        )
+        .fetch_optional(&mut *tx)
+        .await?;
         if let Some(job_id) = inserted {
             metrics::counter!(crate::metrics::ACCEPTED_TOTAL).increment(1);
             return Ok(Accepted { job_id, created: true });
@@ -406,10 +391,9 @@ impl Acceptor {
             jobs.iter().map(|j| j.trace.as_ref().map(|t| t.traceparent.as_str())).collect();
         let tracestates: Vec<Option<&str>> =
             jobs.iter().map(|j| j.trace.as_ref().and_then(|t| t.tracestate.as_deref())).collect();
-        // As in accept_in: scheduled jobs' events go through the outbox, due at run_at. The
-        // outbox statement is left out when no job of the batch is scheduled.
-        // language=PostgreSQL
-        const BATCH: &str = r#"
+        // As in accept_in: scheduled jobs' events go through the outbox, due at run_at.
+        let inserted = sqlx::query_scalar!(
+            r#"
             WITH input AS (
                 SELECT * FROM unnest($1::uuid[], $2::text[], $3::text[], $4::jsonb[],
                                      $5::bigint[], $6::text[], $7::uuid[], $8::bytea[],
@@ -436,32 +420,31 @@ impl Acceptor {
                 FROM input i JOIN job USING (job_id)
                 ORDER BY i.n
                 RETURNING seq, job_id, delayed
-            )"#;
-        // language=PostgreSQL
-        const DELAYED: &str = r#", delayed AS (
+            ), delayed AS (
                 INSERT INTO outbox (seq, topic, key, available_at, traceparent, tracestate)
                 SELECT e.seq, $15, i.document_id, i.run_at, i.traceparent, i.tracestate
                 FROM event e JOIN input i USING (job_id) WHERE e.delayed
-            )"#;
-        let scheduled = run_ats.iter().any(Option::is_some);
-        let sql = format!("{BATCH}{} SELECT job_id FROM job", if scheduled { DELAYED } else { "" });
-        let query = sqlx::query_scalar(&sql)
-            .bind(&job_ids)
-            .bind(&documents)
-            .bind(&kinds)
-            .bind(&inputs)
-            .bind(&versions)
-            .bind(&keys)
-            .bind(&event_ids)
-            .bind(&bodies)
-            .bind(now)
-            .bind(&budgets)
-            .bind(&deadlines)
-            .bind(&traceparents)
-            .bind(&tracestates)
-            .bind(&run_ats);
-        let query = if scheduled { query.bind(self.codec.topic()) } else { query };
-        let inserted: Vec<Uuid> = query.fetch_all(&mut *tx).await?;
+            )
+            SELECT job_id AS "job_id!" FROM job
+            "#,
+            &job_ids,
+            &documents as &[&str],
+            &kinds as &[&str],
+            &inputs as &[&serde_json::Value],
+            &versions,
+            &keys as &[Option<&str>],
+            &event_ids,
+            &bodies,
+            now,
+            &budgets,
+            &deadlines as &[Option<DateTime<Utc>>],
+            &traceparents as &[Option<&str>],
+            &tracestates as &[Option<&str>],
+            &run_ats as &[Option<DateTime<Utc>>],
+            self.codec.topic(),
+        )
+        .fetch_all(&mut *tx)
+        .await?;
         metrics::counter!(crate::metrics::ACCEPTED_TOTAL).increment(inserted.len() as u64);
         if inserted.len() == n {
             return Ok(job_ids
@@ -485,12 +468,12 @@ impl Acceptor {
     /// The job an earlier request with `job`'s idempotency key created, if it asked the same.
     async fn existing(&self, tx: &mut PgConnection, job: &NewJob) -> Result<Accepted, AcceptError> {
         let key = job.idempotency_key.clone().expect("only a keyed insert can conflict");
-        // language=PostgreSQL
-        let existing: Existing = sqlx::query_as(
+        let existing = sqlx::query_as!(
+            Existing,
             "SELECT job_id, document_id, kind, input_version, payload \
              FROM jobs WHERE idempotency_key = $1",
+            &key,
         )
-        .bind(&key)
         .fetch_one(&mut *tx)
         .await?;
         // The due time is not compared: a retry sent later with the same relative delay

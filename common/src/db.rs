@@ -58,6 +58,36 @@ pub async fn connect_and_migrate(config: &Config, max: u32) -> anyhow::Result<Pg
     Ok(pool)
 }
 
+/// Creates database `name` (a scratch database: the demo's, a benchmark's). A database name
+/// is an identifier, which Postgres takes in no parameter: Postgres writes the statement
+/// itself (`format('%I')` quotes the name), and it is run as written.
+///
+/// # Errors
+/// The database failed, or the name is taken.
+pub async fn create_database(admin: &PgPool, name: &str) -> Result<(), sqlx::Error> {
+    let statement =
+        sqlx::query_scalar!(r#"SELECT format('CREATE DATABASE %I', $1::text) AS "sql!""#, name)
+            .fetch_one(admin)
+            .await?;
+    sqlx::raw_sql(&statement).execute(admin).await?;
+    Ok(())
+}
+
+/// Drops database `name` if it exists, ending its sessions; see [`create_database`].
+///
+/// # Errors
+/// The database failed.
+pub async fn drop_database(admin: &PgPool, name: &str) -> Result<(), sqlx::Error> {
+    let statement = sqlx::query_scalar!(
+        r#"SELECT format('DROP DATABASE IF EXISTS %I WITH (FORCE)', $1::text) AS "sql!""#,
+        name
+    )
+    .fetch_one(admin)
+    .await?;
+    sqlx::raw_sql(&statement).execute(admin).await?;
+    Ok(())
+}
+
 /// The SQLSTATE and message of a data error about the row being written: class 22 (data
 /// exception: a NUL in text, a value out of range, bad encoding) or class 23 (integrity
 /// constraint). Such an error is the fault of what was written, not of the database:

@@ -62,15 +62,14 @@ impl Snapshot {
 /// The database failed.
 pub async fn read(pool: &PgPool) -> Result<Snapshot, sqlx::Error> {
     let mut snapshot = Snapshot::default();
-    // language=PostgreSQL
-    let states: Vec<(String, i64, Option<f64>, i64, i64)> = sqlx::query_as(
+    let states = sqlx::query!(
         r#"
-        SELECT state::text, count(*),
+        SELECT state::text AS "state!", count(*) AS "count!",
                EXTRACT(EPOCH FROM now() - min(coalesce(run_at, accepted_at))
                                           FILTER (WHERE coalesce(run_at, accepted_at) <= now())
-                      )::float8,
-               count(*) FILTER (WHERE lease_until < now()),
-               count(*) FILTER (WHERE run_at > now())
+                      )::float8 AS oldest,
+               count(*) FILTER (WHERE lease_until < now()) AS "expired!",
+               count(*) FILTER (WHERE run_at > now()) AS "scheduled!"
         FROM jobs
         WHERE finished_at IS NULL
         GROUP BY state
@@ -79,7 +78,9 @@ pub async fn read(pool: &PgPool) -> Result<Snapshot, sqlx::Error> {
     .fetch_all(pool)
     .await?;
     snapshot.jobs = UNFINISHED_STATES.iter().map(|s| (*s, 0)).collect();
-    for (state, count, oldest, expired, scheduled) in states {
+    for row in states {
+        let (state, count, oldest) = (row.state, row.count, row.oldest);
+        let (expired, scheduled) = (row.expired, row.scheduled);
         if let Some(slot) = snapshot.jobs.iter_mut().find(|(s, _)| **s == state) {
             *slot.1 = count;
         }
@@ -92,15 +93,14 @@ pub async fn read(pool: &PgPool) -> Result<Snapshot, sqlx::Error> {
             _ => {}
         }
     }
-    // language=PostgreSQL
-    let owners: Vec<(String, i64)> =
-        sqlx::query_as("SELECT owner, count(*) FROM quarantine GROUP BY owner ORDER BY owner")
+    let owners =
+        sqlx::query!(r#"SELECT owner, count(*) AS "count!" FROM quarantine GROUP BY owner"#)
             .fetch_all(pool)
             .await?;
-    snapshot.quarantined = owners.into_iter().collect();
-    // language=PostgreSQL
-    snapshot.dead_letters =
-        sqlx::query_scalar("SELECT count(*) FROM dead_letters").fetch_one(pool).await?;
+    snapshot.quarantined = owners.into_iter().map(|row| (row.owner, row.count)).collect();
+    snapshot.dead_letters = sqlx::query_scalar!(r#"SELECT count(*) AS "count!" FROM dead_letters"#)
+        .fetch_one(pool)
+        .await?;
     snapshot.relay_parked = relay_parked(pool).await?.0;
     let (backlog, age) = relay_backlog(pool).await?;
     snapshot.relay_backlog = backlog;
@@ -117,10 +117,9 @@ pub async fn relay_backlog<'c, E>(executor: E) -> Result<(i64, f64), sqlx::Error
 where
     E: sqlx::PgExecutor<'c>,
 {
-    // language=PostgreSQL
-    let (count, age): (i64, Option<f64>) = sqlx::query_as(
+    let owed = sqlx::query!(
         r#"
-        SELECT count(*), EXTRACT(EPOCH FROM now() - min(since))::float8
+        SELECT count(*) AS "count!", EXTRACT(EPOCH FROM now() - min(since))::float8 AS age
         FROM (
             (SELECT e.occurred_at AS since
              FROM job_events e, relay_cursor c
@@ -133,7 +132,7 @@ where
     )
     .fetch_one(executor)
     .await?;
-    Ok((count, age.unwrap_or(0.0).max(0.0)))
+    Ok((owed.count, owed.age.unwrap_or(0.0).max(0.0)))
 }
 
 /// Events in the relay's park (refused by Kafka, or waiting behind a refused event of their
@@ -145,10 +144,12 @@ pub async fn relay_parked<'c, E>(executor: E) -> Result<(i64, i64), sqlx::Error>
 where
     E: sqlx::PgExecutor<'c>,
 {
-    // language=PostgreSQL
-    sqlx::query_as("SELECT count(*), count(DISTINCT key) FROM relay_parked")
-        .fetch_one(executor)
-        .await
+    let parked = sqlx::query!(
+        r#"SELECT count(*) AS "events!", count(DISTINCT key) AS "documents!" FROM relay_parked"#
+    )
+    .fetch_one(executor)
+    .await?;
+    Ok((parked.events, parked.documents))
 }
 
 /// Events the relay has not published yet, due or not: after its log cursor, unpublished
@@ -160,13 +161,12 @@ pub async fn unpublished<'c, E>(executor: E) -> Result<i64, sqlx::Error>
 where
     E: sqlx::PgExecutor<'c>,
 {
-    // language=PostgreSQL
-    sqlx::query_scalar(
+    sqlx::query_scalar!(
         r#"
         SELECT (SELECT count(*) FROM job_events e, relay_cursor c
                 WHERE NOT e.delayed AND (e.xid, e.seq) > (c.published_xid, c.published_seq))
              + (SELECT count(*) FROM outbox WHERE published_at IS NULL)
-             + (SELECT count(*) FROM relay_parked)
+             + (SELECT count(*) FROM relay_parked) AS "count!"
         "#,
     )
     .fetch_one(executor)
@@ -179,12 +179,12 @@ where
 /// # Errors
 /// The database failed.
 pub async fn totals(pool: &PgPool) -> Result<BTreeMap<String, i64>, sqlx::Error> {
-    // language=PostgreSQL
-    let rows: Vec<(String, i64)> =
-        sqlx::query_as("SELECT state::text, count(*) FROM jobs GROUP BY state ORDER BY state")
-            .fetch_all(pool)
-            .await?;
-    Ok(rows.into_iter().collect())
+    let rows = sqlx::query!(
+        r#"SELECT state::text AS "state!", count(*) AS "count!" FROM jobs GROUP BY state"#
+    )
+    .fetch_all(pool)
+    .await?;
+    Ok(rows.into_iter().map(|row| (row.state, row.count)).collect())
 }
 
 /// Publishes snapshots as Prometheus gauges. Owners seen before and now absent are set to

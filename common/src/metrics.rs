@@ -1,90 +1,14 @@
-//! Metric names shared by the binaries, described once at start.
+//! Metric names of what both services report: jobs accepted (by whichever intake), and the
+//! gauges over the job tables ([`crate::gauges`]). Each service names its own in its
+//! `metrics` module (`jobfold_processor::metrics`, `jobfold_relay::metrics`).
 //!
 //! Names follow `jobfold_<thing>_<unit>`; counters end in `_total`. Labels have bounded
 //! cardinality (topic, partition, outcome), never a job id.
 
-use metrics::{Unit, describe_counter, describe_gauge, describe_histogram};
+use metrics::{Unit, describe_counter, describe_gauge};
 
 /// Jobs accepted (new jobs only, not idempotent retries).
 pub const ACCEPTED_TOTAL: &str = "jobfold_accepted_total";
-/// Outbox rows published and marked by the relay.
-pub const RELAY_PUBLISHED_TOTAL: &str = "jobfold_relay_published_total";
-/// Deliveries the broker refused or timed out (the rows stay unpublished and are retried).
-pub const RELAY_DELIVERY_ERRORS_TOTAL: &str = "jobfold_relay_delivery_errors_total";
-/// Unpublished outbox rows that are due.
-pub const RELAY_BACKLOG: &str = "jobfold_relay_backlog";
-/// Age of the oldest due, unpublished outbox row.
-pub const RELAY_OLDEST_UNPUBLISHED_AGE_SECONDS: &str =
-    "jobfold_relay_oldest_unpublished_age_seconds";
-/// From an outbox row becoming available (its commit, or its due time) to its delivery report.
-pub const RELAY_PUBLISH_LATENCY_SECONDS: &str = "jobfold_relay_publish_latency_seconds";
-/// 1 while this relay holds the active lock, 0 while it stands by.
-pub const RELAY_ACTIVE: &str = "jobfold_relay_active";
-/// Published outbox rows deleted after the retention period.
-pub const RELAY_PRUNED_TOTAL: &str = "jobfold_relay_pruned_total";
-/// Events parked because Kafka refuses them for what they are, and those waiting behind
-/// them in their documents.
-pub const RELAY_PARKED: &str = "jobfold_relay_parked";
-/// Documents whose events are held in the park.
-pub const RELAY_PARKED_DOCUMENTS: &str = "jobfold_relay_parked_documents";
-/// Events Kafka (or the relay's size check) refused for what they are; each is parked.
-pub const RELAY_REFUSED_TOTAL: &str = "jobfold_relay_refused_total";
-/// How long the cluster's oldest transaction holding an id has been open: the relay reads
-/// only below it, so while it stays open nothing committed after it began is published.
-pub const RELAY_HORIZON_AGE_SECONDS: &str = "jobfold_relay_horizon_age_seconds";
-/// Messages the intake could not decode, stored in dead_letters.
-pub const DEAD_LETTERS_TOTAL: &str = "jobfold_dead_letters_total";
-/// Intake requests skipped because their request id was accepted before.
-pub const INTAKE_DUPLICATES_TOTAL: &str = "jobfold_intake_duplicates_total";
-
-/// Jobs running in this processor.
-pub const IN_FLIGHT: &str = "jobfold_in_flight";
-/// Gauge: messages the processor holds in memory (waiting behind their document, or running).
-pub const BUFFERED_MESSAGES: &str = "jobfold_buffered_messages";
-/// Gauge: partitions paused because they hold their `max_buffered` share.
-pub const PAUSED_PARTITIONS: &str = "jobfold_paused_partitions";
-/// Counter: times a partition was paused because it held its `max_buffered` share.
-pub const PARTITION_PAUSES_TOTAL: &str = "jobfold_partition_pauses_total";
-/// Documents whose next job is of a kind this processor has no handler for: they wait
-/// (a rolling deploy adding a kind) rather than being quarantined.
-pub const WAITING_FOR_HANDLER: &str = "jobfold_waiting_for_handler";
-/// Partitions of the events topic this processor holds in its consumer group.
-pub const ASSIGNED_PARTITIONS: &str = "jobfold_assigned_partitions";
-/// Attempts completed, by outcome: succeeded, retry_scheduled, quarantined, superseded.
-pub const COMPLETED_TOTAL: &str = "jobfold_completed_total";
-/// Redelivered dispatch events skipped as duplicates (by their job row), running nothing.
-pub const DUPLICATES_SKIPPED_TOTAL: &str = "jobfold_duplicates_skipped_total";
-/// Jobs per lease or completion transaction (`transaction` = `lease` | `completion`): the
-/// processor decides every dispatch waiting at once in one transaction.
-pub const TRANSACTION_JOBS: &str = "jobfold_transaction_jobs";
-/// Completions discarded because another generation held the job (zombie workers).
-pub const FENCED_COMPLETIONS_TOTAL: &str = "jobfold_fenced_completions_total";
-/// Heartbeat statements: one a beat renews every lease of this processor that is due.
-pub const HEARTBEAT_STATEMENTS_TOTAL: &str = "jobfold_heartbeat_statements_total";
-/// Gauge: leases this processor holds and keeps alive.
-pub const LEASES_HELD: &str = "jobfold_leases_held";
-/// How long a lease still had to run when its heartbeat renewed it.
-pub const LEASE_MARGIN_SECONDS: &str = "jobfold_lease_margin_seconds";
-/// Gauge: the least of those margins at the last heartbeat (near 0: leases about to lapse).
-pub const LEASE_MARGIN_MIN_SECONDS: &str = "jobfold_lease_margin_min_seconds";
-/// Gauge, by kind: jobs waiting for their kind's quota (rate limit or a 429's pause) in this
-/// processor; they hold no slot and have spent no attempt.
-pub const QUOTA_WAITING: &str = "jobfold_quota_waiting";
-/// Counter, by kind and unit (`requests`, `cost`): quota this processor took.
-pub const QUOTA_TAKEN_TOTAL: &str = "jobfold_quota_taken_total";
-/// Gauge, by kind: the share of its rate limits in force, 1 unless 429s cut it.
-pub const QUOTA_RATE_FACTOR: &str = "jobfold_quota_rate_factor";
-/// Counter, by kind: attempts refused for an outside service's quota (429).
-pub const THROTTLED_TOTAL: &str = "jobfold_throttled_total";
-/// Handler runs started (compare with completions: the difference is crashes and fencing).
-pub const HANDLER_RUNS_TOTAL: &str = "jobfold_handler_runs_total";
-/// Handler duration by kind.
-pub const HANDLER_DURATION_SECONDS: &str = "jobfold_handler_duration_seconds";
-/// Counter: rows deleted by retention, by table.
-pub const RETENTION_DELETED_TOTAL: &str = "jobfold_retention_deleted_total";
-/// Jobs the reaper dispatched again, by reason (lease_expired, stalled).
-pub const REAPER_DISPATCHED_TOTAL: &str = "jobfold_reaper_dispatched_total";
-
 /// Unfinished jobs by state (`queued`, `leased`, `retry_wait`), read from Postgres.
 pub const JOBS: &str = "jobfold_jobs";
 /// Accepted jobs not yet ended: accepted − (succeeded + quarantined + superseded).
@@ -93,153 +17,16 @@ pub const UNFINISHED_JOBS: &str = "jobfold_unfinished_jobs";
 pub const OLDEST_QUEUED_AGE_SECONDS: &str = "jobfold_oldest_queued_age_seconds";
 /// Queued jobs scheduled for later (their `run_at` ahead).
 pub const SCHEDULED_JOBS: &str = "jobfold_scheduled_jobs";
-/// Jobs cancelled, by the state they were in.
-pub const CANCELLED_TOTAL: &str = "jobfold_cancelled_total";
-/// Quarantined jobs replayed, by how (`one`, `bulk`).
-pub const REPLAYED_TOTAL: &str = "jobfold_replayed_total";
-/// Dead letters acted on, by action (`reinjected`, `deleted`).
-pub const DEAD_LETTER_ACTIONS_TOTAL: &str = "jobfold_dead_letter_actions_total";
 /// Leased jobs whose lease ran out.
 pub const EXPIRED_LEASES: &str = "jobfold_expired_leases";
 /// Quarantined jobs waiting for an operator, by owner.
 pub const QUARANTINED: &str = "jobfold_quarantined";
 /// Rows in `dead_letters`.
 pub const DEAD_LETTERS: &str = "jobfold_dead_letters";
-/// Messages of a partition after the lowest offset still in flight (what a restart would
-/// read again), by topic and partition; 0 from members not holding the partition.
-pub const CONSUMER_LAG: &str = "jobfold_consumer_lag";
-/// From acceptance to the job's end, by kind and outcome.
-pub const ACCEPT_TO_COMPLETE_SECONDS: &str = "jobfold_accept_to_complete_seconds";
 
 /// Describes every metric above to the installed recorder.
 pub fn describe() {
     describe_counter!(ACCEPTED_TOTAL, Unit::Count, "Jobs accepted (new jobs, not retries).");
-    describe_counter!(
-        RELAY_PUBLISHED_TOTAL,
-        Unit::Count,
-        "Events published and recorded (cursor moved or outbox row marked)."
-    );
-    describe_counter!(
-        RELAY_DELIVERY_ERRORS_TOTAL,
-        Unit::Count,
-        "Deliveries refused or timed out; the rows are retried."
-    );
-    describe_gauge!(
-        RELAY_BACKLOG,
-        Unit::Count,
-        "Events the relay still owes Kafka: after its log cursor, or due in the outbox."
-    );
-    describe_gauge!(
-        RELAY_OLDEST_UNPUBLISHED_AGE_SECONDS,
-        Unit::Seconds,
-        "Age of the oldest due, unpublished outbox row."
-    );
-    describe_histogram!(
-        RELAY_PUBLISH_LATENCY_SECONDS,
-        Unit::Seconds,
-        "From an outbox row becoming available to its delivery report."
-    );
-    describe_gauge!(RELAY_ACTIVE, Unit::Count, "1 while this relay is the active one.");
-    describe_counter!(RELAY_PRUNED_TOTAL, Unit::Count, "Published outbox rows pruned.");
-    describe_gauge!(
-        RELAY_PARKED,
-        Unit::Count,
-        "Events parked: refused by Kafka, or waiting behind a refused event of their document."
-    );
-    describe_gauge!(RELAY_PARKED_DOCUMENTS, Unit::Count, "Documents with parked events.");
-    describe_counter!(
-        RELAY_REFUSED_TOTAL,
-        Unit::Count,
-        "Events refused for what they are (size, bytes) and parked."
-    );
-    describe_gauge!(
-        RELAY_HORIZON_AGE_SECONDS,
-        Unit::Seconds,
-        "Age of the cluster's oldest transaction holding an id; the relay reads below it."
-    );
-    describe_counter!(DEAD_LETTERS_TOTAL, Unit::Count, "Undecodable messages dead-lettered.");
-    describe_gauge!(IN_FLIGHT, Unit::Count, "Jobs running in this processor.");
-    describe_gauge!(
-        BUFFERED_MESSAGES,
-        Unit::Count,
-        "Messages held in memory: waiting behind their document's running job, or running."
-    );
-    describe_gauge!(PAUSED_PARTITIONS, Unit::Count, "Partitions paused: their buffer is full.");
-    describe_counter!(
-        PARTITION_PAUSES_TOTAL,
-        Unit::Count,
-        "Times a partition was paused because it held its max_buffered share."
-    );
-    describe_gauge!(
-        WAITING_FOR_HANDLER,
-        Unit::Count,
-        "Documents whose next job waits for a kind this processor has no handler for."
-    );
-    describe_gauge!(
-        ASSIGNED_PARTITIONS,
-        Unit::Count,
-        "Partitions of the events topic this processor holds in its consumer group."
-    );
-    describe_counter!(COMPLETED_TOTAL, Unit::Count, "Attempts completed, by outcome.");
-    describe_counter!(
-        DUPLICATES_SKIPPED_TOTAL,
-        Unit::Count,
-        "Redelivered dispatch events skipped as duplicates, running nothing."
-    );
-    describe_histogram!(
-        TRANSACTION_JOBS,
-        Unit::Count,
-        "Jobs per lease or completion transaction, by transaction."
-    );
-    describe_counter!(
-        HEARTBEAT_STATEMENTS_TOTAL,
-        Unit::Count,
-        "Heartbeat statements, each renewing every lease of this processor that was due."
-    );
-    describe_gauge!(LEASES_HELD, Unit::Count, "Leases this processor holds and keeps alive.");
-    describe_histogram!(
-        LEASE_MARGIN_SECONDS,
-        Unit::Seconds,
-        "How long a lease still had to run when its heartbeat renewed it."
-    );
-    describe_gauge!(
-        LEASE_MARGIN_MIN_SECONDS,
-        Unit::Seconds,
-        "The least time a lease renewed by the last heartbeat still had to run."
-    );
-    describe_gauge!(
-        QUOTA_WAITING,
-        Unit::Count,
-        "Jobs waiting for their kind's quota in this processor (no slot held, no attempt spent)."
-    );
-    describe_counter!(
-        QUOTA_TAKEN_TOTAL,
-        Unit::Count,
-        "Quota this processor took, by kind and unit."
-    );
-    describe_gauge!(
-        QUOTA_RATE_FACTOR,
-        Unit::Count,
-        "The share of a kind's rate limits in force: 1 unless its outside service answered 429."
-    );
-    describe_counter!(
-        THROTTLED_TOTAL,
-        Unit::Count,
-        "Attempts refused for an outside service's quota (429), by kind."
-    );
-    describe_counter!(
-        FENCED_COMPLETIONS_TOTAL,
-        Unit::Count,
-        "Completions discarded: another generation held the job."
-    );
-    describe_counter!(HANDLER_RUNS_TOTAL, Unit::Count, "Handler runs started.");
-    describe_histogram!(HANDLER_DURATION_SECONDS, Unit::Seconds, "Handler duration by kind.");
-    describe_counter!(
-        RETENTION_DELETED_TOTAL,
-        Unit::Count,
-        "Rows deleted by retention ([retention]), by table."
-    );
-    describe_counter!(REAPER_DISPATCHED_TOTAL, Unit::Count, "Jobs dispatched again by the reaper.");
     describe_gauge!(JOBS, Unit::Count, "Unfinished jobs by state.");
     describe_gauge!(
         UNFINISHED_JOBS,
@@ -251,34 +38,8 @@ pub fn describe() {
         Unit::Seconds,
         "Seconds since the oldest queued job became due (accepted, or its run_at passed)."
     );
-    describe_gauge!(EXPIRED_LEASES, Unit::Count, "Leased jobs whose lease ran out.");
     describe_gauge!(SCHEDULED_JOBS, Unit::Count, "Queued jobs scheduled for later (run_at ahead).");
-    describe_counter!(CANCELLED_TOTAL, Unit::Count, "Jobs cancelled, by the state they were in.");
-    describe_counter!(
-        REPLAYED_TOTAL,
-        Unit::Count,
-        "Quarantined jobs replayed, one at a time or in bulk."
-    );
-    describe_counter!(
-        DEAD_LETTER_ACTIONS_TOTAL,
-        Unit::Count,
-        "Dead letters re-injected to the intake topic or deleted."
-    );
+    describe_gauge!(EXPIRED_LEASES, Unit::Count, "Leased jobs whose lease ran out.");
     describe_gauge!(QUARANTINED, Unit::Count, "Quarantined jobs by owner.");
     describe_gauge!(DEAD_LETTERS, Unit::Count, "Rows in dead_letters.");
-    describe_gauge!(
-        CONSUMER_LAG,
-        Unit::Count,
-        "Messages after the lowest offset in flight, by topic and partition."
-    );
-    describe_histogram!(
-        ACCEPT_TO_COMPLETE_SECONDS,
-        Unit::Seconds,
-        "From acceptance to the job's end, by kind and outcome."
-    );
-    describe_counter!(
-        INTAKE_DUPLICATES_TOTAL,
-        Unit::Count,
-        "Intake requests already accepted before."
-    );
 }

@@ -196,8 +196,7 @@ impl Handler for ConvertAudio {
         job: &JobContext,
         output: &Value,
     ) -> Result<Committed, sqlx::Error> {
-        // language=PostgreSQL
-        let written = sqlx::query(
+        let written = sqlx::query!(
             r#"
             INSERT INTO audio_conversions (document_id, version, path, sha256, bytes, job_id)
             VALUES ($1, $2, $3, $4, $5, $6)
@@ -206,23 +205,21 @@ impl Handler for ConvertAudio {
                     bytes = EXCLUDED.bytes, job_id = EXCLUDED.job_id, updated_at = now()
                 WHERE audio_conversions.version <= EXCLUDED.version
             "#,
+            &job.document_id,
+            job.input_version,
+            output["path"].as_str().unwrap_or_default(),
+            output["sha256"].as_str().unwrap_or_default(),
+            output["bytes"].as_i64().unwrap_or_default(),
+            job.job_id,
         )
-        .bind(&job.document_id)
-        .bind(job.input_version)
-        .bind(output["path"].as_str().unwrap_or_default())
-        .bind(output["sha256"].as_str().unwrap_or_default())
-        .bind(output["bytes"].as_i64().unwrap_or_default())
-        .bind(job.job_id)
         .execute(&mut *tx)
         .await?;
-        crate::applied_or_stale(
-            tx,
-            written.rows_affected(),
-            "audio_conversions",
-            "document_id",
-            &job.document_id,
+        let newer = sqlx::query_scalar!(
+            "SELECT version FROM audio_conversions WHERE document_id = $1",
+            &job.document_id
         )
-        .await
+        .fetch_one(&mut *tx);
+        crate::applied_or_stale(written.rows_affected(), newer).await
     }
 }
 

@@ -55,8 +55,7 @@ impl Handler for IndexDocument {
     ) -> Result<Committed, sqlx::Error> {
         // Only over an older (or the same) version: a late, older job never overwrites a newer
         // index. Two jobs of the same version each write once.
-        // language=PostgreSQL
-        let written = sqlx::query(
+        let written = sqlx::query!(
             r#"
             INSERT INTO document_index (document_id, version, output, updated_at)
             VALUES ($1, $2, $3, now())
@@ -64,20 +63,18 @@ impl Handler for IndexDocument {
                 SET version = EXCLUDED.version, output = EXCLUDED.output, updated_at = now()
                 WHERE document_index.version <= EXCLUDED.version
             "#,
+            &job.document_id,
+            job.input_version,
+            output,
         )
-        .bind(&job.document_id)
-        .bind(job.input_version)
-        .bind(output)
         .execute(&mut *tx)
         .await?;
-        crate::applied_or_stale(
-            tx,
-            written.rows_affected(),
-            "document_index",
-            "document_id",
-            &job.document_id,
+        let newer = sqlx::query_scalar!(
+            "SELECT version FROM document_index WHERE document_id = $1",
+            &job.document_id
         )
-        .await
+        .fetch_one(&mut *tx);
+        crate::applied_or_stale(written.rows_affected(), newer).await
     }
 }
 

@@ -17,7 +17,6 @@ pub mod index;
 pub mod summarize;
 
 use jobfold_processor::handler::Committed;
-use sqlx::PgConnection;
 
 /// The examples' tables (versions from 100001), after jobfold's own.
 pub static MIGRATOR: sqlx::migrate::Migrator =
@@ -34,24 +33,17 @@ pub async fn migrate(pool: &sqlx::PgPool) -> anyhow::Result<()> {
 }
 
 /// After a conditional write (`... WHERE version <= EXCLUDED.version`): [`Committed::Applied`]
-/// if it wrote a row, else [`Committed::Stale`] with the newer version the table holds.
+/// if it wrote a row, else [`Committed::Stale`] with the newer version the table holds, as
+/// `newer` (a look-up, run only then) reads it.
 ///
 /// # Errors
 /// The look-up failed.
 pub async fn applied_or_stale(
-    tx: &mut PgConnection,
     written: u64,
-    table: &str,
-    key: &str,
-    document_id: &str,
+    newer: impl std::future::Future<Output = Result<i64, sqlx::Error>>,
 ) -> Result<Committed, sqlx::Error> {
     if written > 0 {
         return Ok(Committed::Applied);
     }
-    // `table` and `key` are this crate's own names, never input.
-    let newer: i64 = sqlx::query_scalar(&format!("SELECT version FROM {table} WHERE {key} = $1"))
-        .bind(document_id)
-        .fetch_one(tx)
-        .await?;
-    Ok(Committed::Stale { newer_version: newer })
+    Ok(Committed::Stale { newer_version: newer.await? })
 }

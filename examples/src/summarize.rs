@@ -144,8 +144,7 @@ impl Handler for Summarize {
         job: &JobContext,
         output: &Value,
     ) -> Result<Committed, sqlx::Error> {
-        // language=PostgreSQL
-        let written = sqlx::query(
+        let written = sqlx::query!(
             r#"
             INSERT INTO conversation_summaries (conversation_id, version, summary, model, job_id)
             VALUES ($1, $2, $3, $4, $5)
@@ -154,22 +153,20 @@ impl Handler for Summarize {
                     model = EXCLUDED.model, job_id = EXCLUDED.job_id, updated_at = now()
                 WHERE conversation_summaries.version <= EXCLUDED.version
             "#,
+            &job.document_id,
+            job.input_version,
+            output["summary"].as_str().unwrap_or_default(),
+            output["model"].as_str().unwrap_or_default(),
+            job.job_id,
         )
-        .bind(&job.document_id)
-        .bind(job.input_version)
-        .bind(output["summary"].as_str().unwrap_or_default())
-        .bind(output["model"].as_str().unwrap_or_default())
-        .bind(job.job_id)
         .execute(&mut *tx)
         .await?;
-        crate::applied_or_stale(
-            tx,
-            written.rows_affected(),
-            "conversation_summaries",
-            "conversation_id",
-            &job.document_id,
+        let newer = sqlx::query_scalar!(
+            "SELECT version FROM conversation_summaries WHERE conversation_id = $1",
+            &job.document_id
         )
-        .await
+        .fetch_one(&mut *tx);
+        crate::applied_or_stale(written.rows_affected(), newer).await
     }
 }
 

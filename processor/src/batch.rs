@@ -8,7 +8,7 @@
 use std::future::Future;
 use std::sync::Arc;
 
-use jobfold_common::metrics as pm;
+use crate::metrics as pm;
 use tokio::sync::{Mutex, mpsc, oneshot};
 
 type Reply<R> = oneshot::Sender<anyhow::Result<R>>;

@@ -14,9 +14,9 @@
 
 use std::collections::HashMap;
 
+use crate::metrics as pm;
 use chrono::Utc;
 use jobfold_common::config::Config;
-use jobfold_common::metrics as pm;
 use jobfold_schemas::event::TraceContext;
 use serde_json::Value;
 use sqlx::PgPool;

@@ -1,7 +1,8 @@
 //! Poison messages: kept in `dead_letters` with their coordinates and raw bytes, so the
 //! partition moves on and nothing is lost.
 
-use jobfold_common::metrics as m;
+use crate::internal_events::{Coordinates, DeadLettered};
+use crate::metrics as m;
 use rdkafka::Message;
 use sqlx::PgPool;
 
@@ -19,38 +20,29 @@ pub async fn store(
     // The reason may quote the message; Postgres text cannot hold U+0000.
     let error = error.replace('\0', "\u{fffd}");
     let error = error.as_str();
-    tracing::warn!(
-        topic = message.topic(),
-        partition = message.partition(),
-        offset = message.offset(),
-        group,
-        error,
-        "Dead-lettering a message."
-    );
-    // language=PostgreSQL
-    sqlx::query(
+    sqlx::query!(
         r#"
         INSERT INTO dead_letters (consumer_group, topic, kafka_partition, kafka_offset,
                                   raw_key, raw_value, error)
         VALUES ($1, $2, $3, $4, $5, $6, $7)
         ON CONFLICT ON CONSTRAINT dead_letters_coordinates_key DO NOTHING
         "#,
+        group,
+        message.topic(),
+        message.partition(),
+        message.offset(),
+        message.key(),
+        message.payload(),
+        error,
     )
-    .bind(group)
-    .bind(message.topic())
-    .bind(message.partition())
-    .bind(message.offset())
-    .bind(message.key())
-    .bind(message.payload())
-    .bind(error)
     .execute(pool)
     .await?;
-    metrics::counter!(m::DEAD_LETTERS_TOTAL, "topic" => message.topic().to_owned()).increment(1);
+    DeadLettered { at: Coordinates::of(message), group, error }.emit();
     Ok(())
 }
 
 /// A dead letter as operators list it (`GET /v1/dead-letters`, `jobfold dead-letters list`).
-#[derive(Debug, Clone, serde::Serialize, sqlx::FromRow)]
+#[derive(Debug, Clone, serde::Serialize)]
 pub struct DeadLetter {
     pub id: i64,
     pub consumer_group: String,
@@ -97,12 +89,17 @@ pub struct DeadLetterPage {
     pub next: Option<i64>,
 }
 
-/// A [`DeadLetter`]'s columns: a macro, so that each statement is one literal.
-macro_rules! columns {
-    () => {
-        "id, consumer_group, topic, kafka_partition, kafka_offset, error, received_at, \
-         length(raw_key) AS key_bytes, length(raw_value) AS value_bytes, reinjected_at, \
-         reinjected_count"
+/// `sqlx::query_as!` of [`DeadLetter`]s: `FROM dead_letters` and `$rest`, with its arguments.
+macro_rules! select_dead_letters {
+    ($rest:literal $(, $arg:expr)* $(,)?) => {
+        sqlx::query_as!(
+            DeadLetter,
+            r#"SELECT id, consumer_group, topic, kafka_partition, kafka_offset, error,
+                      received_at, length(raw_key) AS key_bytes, length(raw_value) AS value_bytes,
+                      reinjected_at, reinjected_count
+               FROM dead_letters "# + $rest
+            $(, $arg)*
+        )
     };
 }
 
@@ -112,19 +109,15 @@ macro_rules! columns {
 /// The database failed.
 pub async fn list(pool: &PgPool, filter: &DeadLetterFilter) -> Result<DeadLetterPage, sqlx::Error> {
     let limit = filter.limit.unwrap_or(50).clamp(1, 1000);
-    // language=PostgreSQL
-    let dead_letters: Vec<DeadLetter> = sqlx::query_as(concat!(
-        "SELECT ",
-        columns!(),
-        " FROM dead_letters \
-         WHERE ($1::text IS NULL OR topic = $1) AND ($2::text IS NULL OR consumer_group = $2) \
+    let dead_letters = select_dead_letters!(
+        "WHERE ($1::text IS NULL OR topic = $1) AND ($2::text IS NULL OR consumer_group = $2) \
            AND id > $3 \
-         ORDER BY id LIMIT $4"
-    ))
-    .bind(&filter.topic)
-    .bind(&filter.consumer_group)
-    .bind(filter.after.unwrap_or(0))
-    .bind(limit)
+         ORDER BY id LIMIT $4",
+        filter.topic.as_deref(),
+        filter.consumer_group.as_deref(),
+        filter.after.unwrap_or(0),
+        limit,
+    )
     .fetch_all(pool)
     .await?;
     let next =
@@ -150,24 +143,21 @@ pub async fn show(pool: &PgPool, id: i64) -> Result<Option<DeadLetterDetail>, sq
 }
 
 /// A dead letter's row, raw bytes included.
-#[derive(sqlx::FromRow)]
 struct Stored {
-    #[sqlx(flatten)]
     letter: DeadLetter,
     raw_key: Option<Vec<u8>>,
     raw_value: Option<Vec<u8>>,
 }
 
 async fn stored(pool: &PgPool, id: i64) -> Result<Option<Stored>, sqlx::Error> {
-    // language=PostgreSQL
-    sqlx::query_as(concat!(
-        "SELECT ",
-        columns!(),
-        ", raw_key, raw_value FROM dead_letters WHERE id = $1"
-    ))
-    .bind(id)
-    .fetch_optional(pool)
-    .await
+    // Two reads: a letter deleted between them is not found.
+    let Some(letter) = select_dead_letters!("WHERE id = $1", id).fetch_optional(pool).await? else {
+        return Ok(None);
+    };
+    let raw = sqlx::query!("SELECT raw_key, raw_value FROM dead_letters WHERE id = $1", id)
+        .fetch_optional(pool)
+        .await?;
+    Ok(raw.map(|raw| Stored { letter, raw_key: raw.raw_key, raw_value: raw.raw_value }))
 }
 
 /// The bytes as text: UTF-8 where they are, each other byte and each control character
@@ -188,7 +178,7 @@ pub fn printable(bytes: &[u8]) -> String {
 /// # Errors
 /// The database failed.
 pub async fn delete(pool: &PgPool, id: i64) -> Result<bool, sqlx::Error> {
-    let gone = sqlx::query("DELETE FROM dead_letters WHERE id = $1").bind(id).execute(pool).await?;
+    let gone = sqlx::query!("DELETE FROM dead_letters WHERE id = $1", id).execute(pool).await?;
     if gone.rows_affected() == 1 {
         metrics::counter!(m::DEAD_LETTER_ACTIONS_TOTAL, "action" => "deleted").increment(1);
     }
@@ -257,12 +247,11 @@ pub async fn reinject(
         .send(record, std::time::Duration::from_secs(30))
         .await
         .map_err(|(e, _)| ReinjectError::Kafka(e.to_string()))?;
-    // language=PostgreSQL
-    sqlx::query(
+    sqlx::query!(
         "UPDATE dead_letters SET reinjected_at = now(), reinjected_count = reinjected_count + 1 \
          WHERE id = $1",
+        id,
     )
-    .bind(id)
     .execute(pool)
     .await?;
     metrics::counter!(m::DEAD_LETTER_ACTIONS_TOTAL, "action" => "reinjected").increment(1);

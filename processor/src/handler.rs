@@ -276,13 +276,13 @@ impl Handlers {
         if kinds.is_empty() {
             return Ok(());
         }
-        // language=PostgreSQL
-        sqlx::query(
+        sqlx::query!(
             "INSERT INTO job_kinds (kind, registered_by) SELECT unnest($1::text[]), $2 \
-             ON CONFLICT (kind) DO UPDATE SET last_registered = now(), registered_by = EXCLUDED.registered_by",
+             ON CONFLICT (kind) DO UPDATE \
+             SET last_registered = now(), registered_by = EXCLUDED.registered_by",
+            &kinds as &[&str],
+            by,
         )
-        .bind(&kinds)
-        .bind(by)
         .execute(pool)
         .await?;
         Ok(())

@@ -592,7 +592,7 @@ async fn cancel(
         }
     };
     tx.commit().await?;
-    metrics::counter!(jobfold_common::metrics::CANCELLED_TOTAL, "was" => was.as_str()).increment(1);
+    crate::internal_events::JobCancelled { job_id: job.job_id, was: was.as_str() }.emit();
     let body = json!({ "job_id": job.job_id, "state": job.state.as_str(), "was": was.as_str() });
     Ok((StatusCode::OK, axum::Json(body)).into_response())
 }
@@ -710,14 +710,14 @@ async fn replay(
         }
     };
     tx.commit().await?;
-    metrics::counter!(jobfold_common::metrics::REPLAYED_TOTAL, "how" => "one").increment(1);
+    crate::internal_events::JobsReplayed { count: 1, how: "one" }.emit();
     let body =
         json!({ "job_id": job.job_id, "state": "queued", "input_version": job.input_version });
     Ok((StatusCode::ACCEPTED, axum::Json(body)).into_response())
 }
 
 async fn ready(State(state): State<ApiState>) -> Result<&'static str, ApiError> {
-    sqlx::query("SELECT 1").execute(&state.pool).await?;
+    sqlx::query_scalar!("SELECT 1 AS one").fetch_one(&state.pool).await?;
     Ok("ready")
 }
 

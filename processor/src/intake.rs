@@ -16,9 +16,10 @@
 
 use std::time::Duration;
 
+use crate::internal_events::{MessageError, MessageRetried};
+use crate::metrics as m;
 use jobfold_common::accept::{Acceptor, NewJob};
 use jobfold_common::config::Config;
-use jobfold_common::metrics as m;
 use jobfold_schemas::event::{TRACEPARENT, TRACESTATE, TraceContext};
 use jobfold_schemas::{Decoder, JobRequest};
 use rdkafka::Message;
@@ -110,7 +111,8 @@ impl Intake {
                         break;
                     }
                     Err(e) => {
-                        tracing::warn!(error = %e, partition = message.partition(), offset = message.offset(), "Intake message will be retried.");
+                        let error = MessageError::at(&message, e.into());
+                        MessageRetried { error: &error, stage: "intake", backoff }.emit();
                         tokio::select! {
                             biased;
                             _ = shutdown.cancelled() => return self.commit(),

@@ -21,9 +21,9 @@
 
 use std::collections::HashMap;
 
+use crate::metrics as pm;
 use chrono::{DateTime, Utc};
 use jobfold_common::config::Config;
-use jobfold_common::metrics as pm;
 use jobfold_schemas::event::{ErrorClass, TraceContext};
 use sqlx::PgPool;
 use uuid::Uuid;

@@ -24,6 +24,9 @@
 //! - [`dead_letter`]: poison messages kept with their coordinates and raw bytes.
 //! - [`handler`]: the trait users implement and the registry by kind; [`remote`] runs a kind
 //!   by calling a URL (handlers in any language).
+//! - [`metrics`]: the processor's metric names; [`internal_events`]: what it reports, each
+//!   event's log line and metrics in one call, and the errors that say where in Kafka the
+//!   message they are about sits.
 //!
 //! Shutdown: the HTTP server stops accepting connections and finishes requests in flight;
 //! the intake finishes the message in flight and commits its stored offsets.
@@ -37,8 +40,10 @@ pub mod handler;
 pub mod heartbeat;
 pub mod http;
 pub mod intake;
+pub mod internal_events;
 pub mod lag;
 pub mod lease;
+pub mod metrics;
 pub mod offsets;
 pub mod quota;
 pub mod reaper;
@@ -52,7 +57,9 @@ pub mod worker;
 use anyhow::Context;
 use jobfold_common::accept::Acceptor;
 use jobfold_common::config::Config;
-use jobfold_common::{db, gauges, kafka, metrics as m};
+use jobfold_common::{db, gauges, kafka};
+
+use crate::metrics as m;
 use jobfold_schemas::codec::registry_settings;
 use jobfold_schemas::{Codec, Decoder, JobEvent, JobRequest};
 use tokio::task::JoinSet;

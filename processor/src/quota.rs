@@ -22,8 +22,9 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use crate::internal_events::KindThrottled;
+use crate::metrics as pm;
 use jobfold_common::config::Config;
-use jobfold_common::metrics as pm;
 use sqlx::PgPool;
 use tokio::sync::OwnedMutexGuard;
 use tokio_util::sync::CancellationToken;
@@ -145,19 +146,19 @@ impl Quotas {
             let cost =
                 if limit.cost_per_second > 0.0 { (cost as f64).min(limit.cost_cap) } else { 0.0 };
             let requests = if limit.requests_per_second > 0.0 { 1.0 } else { 0.0 };
-            // language=PostgreSQL
-            let wait: f64 =
-                sqlx::query_scalar("SELECT take_kind_quota($1, $2, $3, $4, $5, $6, $7, $8)")
-                    .bind(kind)
-                    .bind(requests)
-                    .bind(cost)
-                    .bind(limit.requests_cap)
-                    .bind(limit.requests_per_second)
-                    .bind(limit.cost_cap)
-                    .bind(limit.cost_per_second)
-                    .bind(RECOVERY.as_secs_f64())
-                    .fetch_one(&self.pool)
-                    .await?;
+            let wait = sqlx::query_scalar!(
+                r#"SELECT take_kind_quota($1, $2, $3, $4, $5, $6, $7, $8) AS "wait!""#,
+                kind,
+                requests,
+                cost,
+                limit.requests_cap,
+                limit.requests_per_second,
+                limit.cost_cap,
+                limit.cost_per_second,
+                RECOVERY.as_secs_f64(),
+            )
+            .fetch_one(&self.pool)
+            .await?;
             if wait <= 0.0 {
                 if requests > 0.0 {
                     metrics::counter!(pm::QUOTA_TAKEN_TOTAL, "kind" => label.to_owned(), "unit" => "requests").increment(1);
@@ -186,26 +187,21 @@ impl Quotas {
             self.retry_base.get(kind).copied().unwrap_or(self.default_retry_base)
         });
         self.pause(kind, Instant::now() + pause);
-        metrics::counter!(pm::THROTTLED_TOTAL, "kind" => label.to_owned()).increment(1);
-        // language=PostgreSQL
-        let factor = sqlx::query_scalar::<_, f64>("SELECT throttle_kind($1, $2, $3)")
-            .bind(kind)
-            .bind(pause.as_secs_f64())
-            .bind(RECOVERY.as_secs_f64())
-            .fetch_one(&self.pool)
-            .await;
-        match factor {
-            Ok(factor) => {
-                tracing::info!(
-                    kind,
-                    ?pause,
-                    factor,
-                    "Kind throttled by its outside service; backing off."
-                );
-            }
-            // This processor still backs off; the others find out from their own 429s.
-            Err(e) => tracing::warn!(kind, error = %e, "Recording the throttled kind failed."),
-        }
+        let factor = sqlx::query_scalar!(
+            r#"SELECT throttle_kind($1, $2, $3) AS "factor!""#,
+            kind,
+            pause.as_secs_f64(),
+            RECOVERY.as_secs_f64(),
+        )
+        .fetch_one(&self.pool)
+        .await;
+        // This processor still backs off; the others find out from their own 429s.
+        let factor = factor
+            .inspect_err(
+                |e| tracing::warn!(kind, error = %e, "Recording the throttled kind failed."),
+            )
+            .ok();
+        KindThrottled { kind, label, pause, factor }.emit();
         pause
     }
 
@@ -222,12 +218,14 @@ impl Quotas {
                 _ = shutdown.cancelled() => return,
                 _ = tokio::time::sleep(POLL) => {}
             }
-            // language=PostgreSQL
-            let rows = sqlx::query_as::<_, (String, f64, f64)>(
-                "SELECT kind, greatest(0, extract(epoch FROM paused_until - clock_timestamp()))::float8, \
-                        kind_quota_factor(q, clock_timestamp(), $1) FROM kind_quotas q",
+            let rows = sqlx::query!(
+                r#"SELECT kind,
+                          greatest(0, extract(epoch FROM paused_until - clock_timestamp()))::float8
+                              AS "paused_for!",
+                          kind_quota_factor(q, clock_timestamp(), $1) AS "factor!"
+                   FROM kind_quotas q"#,
+                RECOVERY.as_secs_f64(),
             )
-            .bind(RECOVERY.as_secs_f64())
             .fetch_all(&self.pool)
             .await;
             let rows = match rows {
@@ -238,7 +236,8 @@ impl Quotas {
                 }
             };
             let now = Instant::now();
-            for (kind, pause, factor) in rows {
+            for row in rows {
+                let (kind, pause, factor) = (row.kind, row.paused_for, row.factor);
                 if pause > 0.0 {
                     self.pause(&kind, now + Duration::from_secs_f64(pause));
                 }

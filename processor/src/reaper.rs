@@ -12,15 +12,17 @@
 //! frozen member's partitions). Looking sooner only adds events to that backlog — under load
 //! a re-dispatch every grace period feeds on itself.
 
+use crate::metrics as m;
 use chrono::{DateTime, Utc};
 use jobfold_common::config::Config;
-use jobfold_common::metrics as m;
 use jobfold_schemas::Payload;
 use jobfold_schemas::event::{DispatchReason, RetryDue};
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 
-use crate::store::{Events, JobRow, job_columns};
+use jobfold_schemas::fold::Status;
+
+use crate::store::{Events, select_job_rows};
 
 /// Jobs re-dispatched per round, at most.
 const ROUND: i64 = 500;
@@ -41,35 +43,30 @@ pub async fn run(config: Config, pool: PgPool, events: Events, shutdown: Cancell
     }
 }
 
-/// Which jobs the reaper dispatches: `$1` is the grace, `$2` stall_after, in seconds.
-macro_rules! due {
-    () => {
-        r#"
-    finished_at IS NULL
-    AND ((state = 'leased' AND lease_until < now() - make_interval(secs => $1))
-      OR (state = 'queued' AND coalesce(run_at, accepted_at) < now() - make_interval(secs => $2)))
-    AND coalesce(next_attempt_at, '-infinity') < now()
-"#
-    };
-}
-
 /// One round: dispatches expired leases and stalled jobs again; returns how many.
 ///
 /// Candidates are found without locks; each is then re-checked, locked and dispatched in a
-/// transaction of its own that locks it first (see [`JobRow::fresh_xid`]).
+/// transaction of its own that locks it first (see [`crate::store::JobRow::fresh_xid`]).
 ///
 /// # Errors
 /// The database failed.
 pub async fn reap(config: &Config, pool: &PgPool, events: &Events) -> anyhow::Result<u64> {
-    // language=PostgreSQL
-    let candidates: Vec<uuid::Uuid> = sqlx::query_scalar(concat!(
-        "SELECT job_id FROM jobs WHERE ",
-        due!(),
-        " ORDER BY accepted_at LIMIT $3"
-    ))
-    .bind(config.processor.reaper_grace.as_secs_f64())
-    .bind(config.processor.stall_after.as_secs_f64())
-    .bind(ROUND)
+    // Which jobs the reaper dispatches: `$1` is the grace, `$2` stall_after, in seconds.
+    // `dispatch` checks the same under the lock.
+    let candidates = sqlx::query_scalar!(
+        r#"
+        SELECT job_id FROM jobs
+        WHERE finished_at IS NULL
+          AND ((state = 'leased' AND lease_until < now() - make_interval(secs => $1))
+            OR (state = 'queued'
+                AND coalesce(run_at, accepted_at) < now() - make_interval(secs => $2)))
+          AND coalesce(next_attempt_at, '-infinity') < now()
+        ORDER BY accepted_at LIMIT $3
+        "#,
+        config.processor.reaper_grace.as_secs_f64(),
+        config.processor.stall_after.as_secs_f64(),
+        ROUND,
+    )
     .fetch_all(pool)
     .await?;
     let mut dispatched = 0;
@@ -87,24 +84,28 @@ async fn dispatch(
     job_id: uuid::Uuid,
 ) -> anyhow::Result<bool> {
     let mut tx = pool.begin().await?;
-    // language=PostgreSQL
-    let locked = sqlx::query_as::<_, JobRowWithReason>(concat!(
-        "SELECT ",
-        job_columns!(),
-        ", CASE WHEN state = 'leased' THEN 'lease_expired' ELSE 'stalled' END AS reason \
-         FROM jobs WHERE job_id = $3 AND ",
-        due!(),
-        " FOR UPDATE SKIP LOCKED"
-    ))
-    .bind(config.processor.reaper_grace.as_secs_f64())
-    .bind(config.processor.stall_after.as_secs_f64())
-    .bind(job_id)
+    // Still due, as `reap` found it ($1 the grace, $2 stall_after, in seconds).
+    let locked = select_job_rows!(
+        r#"
+        FROM jobs
+        WHERE job_id = $3
+          AND finished_at IS NULL
+          AND ((state = 'leased' AND lease_until < now() - make_interval(secs => $1))
+            OR (state = 'queued'
+                AND coalesce(run_at, accepted_at) < now() - make_interval(secs => $2)))
+          AND coalesce(next_attempt_at, '-infinity') < now()
+        FOR UPDATE SKIP LOCKED
+        "#,
+        config.processor.reaper_grace.as_secs_f64(),
+        config.processor.stall_after.as_secs_f64(),
+        job_id,
+    )
     .fetch_optional(&mut *tx)
     .await?;
-    let Some(JobRowWithReason { mut job, reason }) = locked else {
+    let Some(mut job) = locked else {
         return Ok(false);
     };
-    let (why, label) = if reason == "lease_expired" {
+    let (why, label) = if job.state == Status::Leased {
         (DispatchReason::LeaseExpired, "lease_expired")
     } else {
         (DispatchReason::Stalled, "stalled")
@@ -113,20 +114,10 @@ async fn dispatch(
         Utc::now() + chrono::Duration::from_std(config.processor.stall_after)?;
     let due = Payload::RetryDue(RetryDue { due_at: Utc::now(), reason: why });
     events.append(&mut tx, &mut job, due, None, None).await?;
-    // language=PostgreSQL
-    sqlx::query("UPDATE jobs SET next_attempt_at = $2 WHERE job_id = $1")
-        .bind(job.job_id)
-        .bind(next_look)
+    sqlx::query!("UPDATE jobs SET next_attempt_at = $2 WHERE job_id = $1", job.job_id, next_look)
         .execute(&mut *tx)
         .await?;
     tx.commit().await?;
     metrics::counter!(m::REAPER_DISPATCHED_TOTAL, "reason" => label).increment(1);
     Ok(true)
-}
-
-#[derive(sqlx::FromRow)]
-struct JobRowWithReason {
-    #[sqlx(flatten)]
-    job: JobRow,
-    reason: String,
 }

@@ -17,9 +17,9 @@
 
 use std::time::Duration;
 
+use crate::metrics as pm;
 use chrono::{DateTime, Utc};
 use jobfold_common::config::Config;
-use jobfold_common::metrics as pm;
 use sqlx::{PgConnection, PgPool};
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
@@ -68,46 +68,45 @@ pub async fn sweep(
     batch: usize,
 ) -> anyhow::Result<usize> {
     let mut tx = pool.begin().await?;
-    // language=PostgreSQL
-    let cursor: Option<(DateTime<Utc>, Uuid)> = sqlx::query_as(
+    let cursor = sqlx::query!(
         "SELECT finished_at, job_id FROM retention_cursor WHERE name = $1 FOR UPDATE SKIP LOCKED",
+        name,
     )
-    .bind(name)
     .fetch_optional(&mut *tx)
     .await?;
-    let Some((finished_at, job_id)) = cursor else { return Ok(0) };
+    let Some(cursor) = cursor else { return Ok(0) };
     let cutoff = Utc::now() - chrono::Duration::from_std(after)?;
-    // language=PostgreSQL
-    let passed: Vec<(Uuid, DateTime<Utc>, bool)> = sqlx::query_as(
+    let passed = sqlx::query!(
         r#"
-        SELECT job_id, finished_at, state IN ('succeeded', 'superseded', 'cancelled')
+        SELECT job_id, finished_at AS "finished_at!",
+               state IN ('succeeded', 'superseded', 'cancelled') AS "ended!"
         FROM jobs
         WHERE finished_at IS NOT NULL AND (finished_at, job_id) > ($1, $2) AND finished_at < $3
         ORDER BY finished_at, job_id
         LIMIT $4
         "#,
+        cursor.finished_at,
+        cursor.job_id,
+        cutoff,
+        i64::try_from(batch)?,
     )
-    .bind(finished_at)
-    .bind(job_id)
-    .bind(cutoff)
-    .bind(i64::try_from(batch)?)
     .fetch_all(&mut *tx)
     .await?;
-    let Some(&(last_job, last_finished, _)) = passed.last() else { return Ok(0) };
-    let ended: Vec<Uuid> = passed.iter().filter(|p| p.2).map(|p| p.0).collect();
+    let Some(last) = passed.last() else { return Ok(0) };
+    let (last_job, last_finished) = (last.job_id, last.finished_at);
+    let ended: Vec<Uuid> = passed.iter().filter(|p| p.ended).map(|p| p.job_id).collect();
     match name {
         "job_events" => delete_events(&mut tx, &ended).await?,
         "job_results" => delete_results(&mut tx, &ended).await?,
         "jobs" => delete_jobs(&mut tx, &ended, cutoff).await?,
         other => anyhow::bail!("no retention sweep is called {other}"),
     }
-    // language=PostgreSQL
-    sqlx::query(
+    sqlx::query!(
         "UPDATE retention_cursor SET finished_at = $2, job_id = $3, swept_at = now() WHERE name = $1",
+        name,
+        last_finished,
+        last_job,
     )
-    .bind(name)
-    .bind(last_finished)
-    .bind(last_job)
     .execute(&mut *tx)
     .await?;
     tx.commit().await?;
@@ -119,35 +118,30 @@ fn deleted(table: &'static str, rows: u64) {
 }
 
 async fn delete_results(tx: &mut PgConnection, jobs: &[Uuid]) -> sqlx::Result<()> {
-    // language=PostgreSQL
-    let done = sqlx::query("DELETE FROM job_results WHERE job_id = ANY($1)")
-        .bind(jobs)
-        .execute(tx)
-        .await?;
+    let done =
+        sqlx::query!("DELETE FROM job_results WHERE job_id = ANY($1)", jobs).execute(tx).await?;
     deleted("job_results", done.rows_affected());
     Ok(())
 }
 
 /// The jobs' events on Kafka, and their published outbox rows.
 async fn delete_events(tx: &mut PgConnection, jobs: &[Uuid]) -> sqlx::Result<()> {
-    // language=PostgreSQL
-    let outbox = sqlx::query(
+    let outbox = sqlx::query!(
         "DELETE FROM outbox o USING job_events e \
          WHERE o.seq = e.seq AND e.job_id = ANY($1) AND o.published_at IS NOT NULL",
+        jobs,
     )
-    .bind(jobs)
     .execute(&mut *tx)
     .await?;
     deleted("outbox", outbox.rows_affected());
-    // language=PostgreSQL
-    let events = sqlx::query(
+    let events = sqlx::query!(
         r#"
         DELETE FROM job_events e USING relay_cursor c
         WHERE e.job_id = ANY($1) AND (e.xid, e.seq) <= (c.published_xid, c.published_seq)
           AND NOT EXISTS (SELECT 1 FROM outbox o WHERE o.seq = e.seq)
         "#,
+        jobs,
     )
-    .bind(jobs)
     .execute(&mut *tx)
     .await?;
     deleted("job_events", events.rows_affected());
@@ -163,8 +157,7 @@ async fn delete_jobs(
     cutoff: DateTime<Utc>,
 ) -> anyhow::Result<()> {
     // Locked in job_id order, as the lease transactions lock them.
-    // language=PostgreSQL
-    let doomed: Vec<Uuid> = sqlx::query_scalar(
+    let doomed = sqlx::query_scalar!(
         r#"
         WITH passed AS (
             SELECT job_id, document_id, kind, input_version, state FROM jobs WHERE job_id = ANY($1)
@@ -190,9 +183,9 @@ async fn delete_jobs(
         ORDER BY j.job_id
         FOR UPDATE OF j
         "#,
+        jobs,
+        cutoff,
     )
-    .bind(jobs)
-    .bind(cutoff)
     .fetch_all(&mut *tx)
     .await?;
     if doomed.is_empty() {
@@ -200,14 +193,10 @@ async fn delete_jobs(
     }
     delete_events(tx, &doomed).await?;
     delete_results(tx, &doomed).await?;
-    // language=PostgreSQL
-    sqlx::query("DELETE FROM quarantine WHERE job_id = ANY($1)")
-        .bind(&doomed)
+    sqlx::query!("DELETE FROM quarantine WHERE job_id = ANY($1)", &doomed)
         .execute(&mut *tx)
         .await?;
-    // language=PostgreSQL
-    let done =
-        sqlx::query("DELETE FROM jobs WHERE job_id = ANY($1)").bind(&doomed).execute(tx).await?;
+    let done = sqlx::query!("DELETE FROM jobs WHERE job_id = ANY($1)", &doomed).execute(tx).await?;
     deleted("jobs", done.rows_affected());
     Ok(())
 }

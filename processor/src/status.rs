@@ -9,8 +9,10 @@ use serde::{Deserialize, Serialize};
 use sqlx::PgPool;
 use uuid::Uuid;
 
+use crate::store::quarantine_match;
+
 /// A job as the projection holds it, with why it stopped if it is quarantined.
-#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+#[derive(Debug, Clone, Serialize)]
 pub struct JobStatus {
     pub job_id: Uuid,
     pub document_id: String,
@@ -36,18 +38,22 @@ pub struct JobStatus {
     pub quarantine_owner: Option<String>,
 }
 
-/// What a [`JobStatus`] is read with, before its join with `quarantine q`: a macro, so that
-/// the one-job statement is one literal.
+/// `sqlx::$macro!` over [`JobStatus`] rows: `$head` (`"SELECT"`, or `"EXPLAIN SELECT"` to
+/// read the plan), the columns, `FROM jobs j`, then `$rest` (which joins `quarantine q`).
 macro_rules! job_status {
-    () => {
-        r#"
-    SELECT j.job_id, j.document_id, j.kind, j.input_version, j.state::text AS state,
-           j.attempt, j.max_attempts, j.generation, j.lease_until, j.lease_owner,
-           j.next_attempt_at, j.deadline, j.accepted_at, j.run_at, j.finished_at, j.last_error,
-           j.stream_version, j.idempotency_key,
-           q.reason AS quarantine_reason, q.owner AS quarantine_owner
-    FROM jobs j
-"#
+    ($macro:ident!([$($out:path)?] $head:literal, [$($rest:literal),+] $(, $arg:expr)* $(,)?)) => {
+        sqlx::$macro!(
+            $($out,)?
+            $head + r#"
+            j.job_id, j.document_id, j.kind, j.input_version, j.state::text AS "state!",
+            j.attempt, j.max_attempts, j.generation, j.lease_until, j.lease_owner,
+            j.next_attempt_at, j.deadline, j.accepted_at, j.run_at, j.finished_at,
+            j.last_error, j.stream_version, j.idempotency_key,
+            q.reason AS "quarantine_reason?", q.owner AS "quarantine_owner?"
+            FROM jobs j
+            "# $(+ $rest)+
+            $(, $arg)*
+        )
     };
 }
 
@@ -56,11 +62,11 @@ macro_rules! job_status {
 /// # Errors
 /// The database failed.
 pub async fn job(pool: &PgPool, job_id: Uuid) -> Result<Option<JobStatus>, sqlx::Error> {
-    sqlx::query_as(concat!(
-        job_status!(),
-        " LEFT JOIN quarantine q USING (job_id) WHERE j.job_id = $1"
+    job_status!(query_as!(
+        [JobStatus] "SELECT",
+        ["LEFT JOIN quarantine q USING (job_id) WHERE j.job_id = $1"],
+        job_id
     ))
-    .bind(job_id)
     .fetch_optional(pool)
     .await
 }
@@ -141,9 +147,9 @@ fn first_id_at(at: DateTime<Utc>) -> Uuid {
 /// # Errors
 /// The database failed.
 pub async fn jobs(pool: &PgPool, filter: &JobFilter) -> Result<JobPage, sqlx::Error> {
-    let limit = filter.limit.unwrap_or(50).clamp(1, JOBS_LIMIT_MAX);
-    let jobs: Vec<JobStatus> = jobs_query(filter, "").build_query_as().fetch_all(pool).await?;
-    let next = (jobs.len() as i64 == limit).then(|| jobs.last().map(|j| j.job_id)).flatten();
+    let p = JobParams::of(filter);
+    let jobs = jobs_listing!(query_as!([JobStatus] "SELECT"), filter, p, pool)?;
+    let next = (jobs.len() as i64 == p.limit).then(|| jobs.last().map(|j| j.job_id)).flatten();
     Ok(JobPage { jobs, next })
 }
 
@@ -153,52 +159,113 @@ pub async fn jobs(pool: &PgPool, filter: &JobFilter) -> Result<JobPage, sqlx::Er
 /// # Errors
 /// The database failed.
 pub async fn jobs_plan(pool: &PgPool, filter: &JobFilter) -> Result<String, sqlx::Error> {
-    let lines: Vec<String> =
-        jobs_query(filter, "EXPLAIN ").build_query_scalar().fetch_all(pool).await?;
-    Ok(lines.join("\n"))
+    let p = JobParams::of(filter);
+    let lines: Vec<Option<String>> =
+        jobs_listing!(query_scalar!([] "EXPLAIN SELECT"), filter, p, pool)?;
+    Ok(lines.into_iter().flatten().collect::<Vec<_>>().join("\n"))
 }
 
-/// The statement behind [`jobs`], after `prefix`.
-fn jobs_query<'a>(filter: &'a JobFilter, prefix: &str) -> sqlx::QueryBuilder<'a, sqlx::Postgres> {
-    let limit = filter.limit.unwrap_or(50).clamp(1, JOBS_LIMIT_MAX);
-    let order = filter.order.unwrap_or_default();
-    // A quarantined job has its quarantine row: joined, not left-joined, so the page can be
-    // read in the quarantine table's job id order.
-    let join = if filter.state == Some(Status::Quarantined) { "JOIN" } else { "LEFT JOIN" };
-    let mut query = sqlx::QueryBuilder::new(format!(
-        "{prefix}{} {join} quarantine q USING (job_id) WHERE true",
-        job_status!()
-    ));
-    // (The join alone selects the quarantined: a job has a quarantine row exactly while it
-    // is quarantined. Its state tested too, the planner would take the two for independent,
-    // expect a handful of rows, and read them all.)
-    if let Some(state) = filter.state.filter(|s| *s != Status::Quarantined) {
-        query.push(" AND j.state = ").push_bind(state.as_str()).push("::job_state");
-        if matches!(state, Status::Queued | Status::Leased | Status::RetryWait) {
-            query.push(" AND j.finished_at IS NULL");
+/// A [`JobFilter`] as the listing's parameters: each `None` turns its condition off.
+#[derive(Debug, Clone, Copy)]
+struct JobParams<'a> {
+    /// The state, unless quarantined (the join selects those).
+    state: Option<&'static str>,
+    /// Only unfinished jobs: the state is one of them (`jobs_unfinished_idx` serves it).
+    unfinished: bool,
+    kind: Option<&'a str>,
+    document: Option<&'a str>,
+    /// `since`, to the millisecond, as acceptance times are kept; and the first job id then.
+    since: Option<DateTime<Utc>>,
+    first_id: Option<Uuid>,
+    after: Option<Uuid>,
+    limit: i64,
+}
+
+impl<'a> JobParams<'a> {
+    fn of(filter: &'a JobFilter) -> Self {
+        // (The join alone selects the quarantined: a job has a quarantine row exactly while
+        // it is quarantined. Its state tested too, the planner would take the two for
+        // independent, expect a handful of rows, and read them all.)
+        let state = filter.state.filter(|s| *s != Status::Quarantined);
+        let since =
+            filter.since.and_then(|t| DateTime::from_timestamp_millis(t.timestamp_millis()));
+        Self {
+            state: state.map(Status::as_str),
+            unfinished: matches!(state, Some(Status::Queued | Status::Leased | Status::RetryWait)),
+            kind: filter.kind.as_deref(),
+            document: filter.document_id.as_deref(),
+            since,
+            first_id: since.map(first_id_at),
+            after: filter.after,
+            limit: filter.limit.unwrap_or(50).clamp(1, JOBS_LIMIT_MAX),
         }
     }
-    if let Some(kind) = &filter.kind {
-        query.push(" AND j.kind = ").push_bind(kind);
-    }
-    if let Some(document) = &filter.document_id {
-        query.push(" AND j.document_id = ").push_bind(document);
-    }
-    // To the millisecond, as acceptance times are kept.
-    if let Some(since) =
-        filter.since.and_then(|t| DateTime::from_timestamp_millis(t.timestamp_millis()))
-    {
-        query.push(" AND j.job_id >= ").push_bind(first_id_at(since));
-        query.push(" AND j.accepted_at >= ").push_bind(since);
-    }
-    if let Some(after) = filter.after {
-        query.push(if order == Order::Asc { " AND j.job_id > " } else { " AND j.job_id < " });
-        query.push_bind(after);
-    }
-    query.push(if order == Order::Asc { " ORDER BY j.job_id" } else { " ORDER BY j.job_id DESC" });
-    query.push(" LIMIT ").push_bind(limit);
-    query
 }
+
+/// The statement behind [`jobs`] (`$macro!` with `$head` as [`job_status!`] takes them),
+/// one of four texts: the quarantined are joined, not left-joined, so that the page can be
+/// read in the quarantine table's job id order; and each order has its own. A filter left
+/// out is a condition that Postgres folds away when it plans the statement for the values
+/// given: it is planned for each call (`plan_cache_mode = force_custom_plan`, for the
+/// listing's transaction only), so each call gets the plan of its own filters, never a
+/// generic plan made for the first ones.
+macro_rules! jobs_listing {
+    ($macro:ident!([$($out:path)?] $head:literal), $filter:expr, $p:expr, $pool:expr) => {{
+        macro_rules! listing {
+            ($tx:ident, $join:literal, $order:literal) => {
+                job_status!($macro!(
+                    [$($out)?] $head,
+                    [$join, r#" quarantine q USING (job_id)
+                    WHERE ($1::text IS NULL OR j.state = $1::text::job_state)
+                      AND (NOT $2 OR j.finished_at IS NULL)
+                      AND ($3::text IS NULL OR j.kind = $3)
+                      AND ($4::text IS NULL OR j.document_id = $4)
+                      AND ($5::uuid IS NULL OR j.job_id >= $5)
+                      AND ($6::timestamptz IS NULL OR j.accepted_at >= $6)
+                    "#, $order],
+                    $p.state,
+                    $p.unfinished,
+                    $p.kind,
+                    $p.document,
+                    $p.first_id,
+                    $p.since,
+                    $p.after,
+                    $p.limit,
+                ))
+                .fetch_all(&mut *$tx)
+                .await
+            };
+        }
+        let mut tx = $pool.begin().await?;
+        sqlx::query!("SET LOCAL plan_cache_mode = force_custom_plan").execute(&mut *tx).await?;
+        let quarantined = $filter.state == Some(Status::Quarantined);
+        let page = match ($filter.order.unwrap_or_default(), quarantined) {
+            (Order::Asc, false) => listing!(
+                tx,
+                "LEFT JOIN",
+                "AND ($7::uuid IS NULL OR j.job_id > $7) ORDER BY j.job_id LIMIT $8"
+            ),
+            (Order::Asc, true) => listing!(
+                tx,
+                "JOIN",
+                "AND ($7::uuid IS NULL OR j.job_id > $7) ORDER BY j.job_id LIMIT $8"
+            ),
+            (Order::Desc, false) => listing!(
+                tx,
+                "LEFT JOIN",
+                "AND ($7::uuid IS NULL OR j.job_id < $7) ORDER BY j.job_id DESC LIMIT $8"
+            ),
+            (Order::Desc, true) => listing!(
+                tx,
+                "JOIN",
+                "AND ($7::uuid IS NULL OR j.job_id < $7) ORDER BY j.job_id DESC LIMIT $8"
+            ),
+        };
+        tx.commit().await?;
+        page
+    }};
+}
+use jobs_listing;
 
 /// One event of a job's history.
 #[derive(Debug, Clone, Serialize)]
@@ -225,40 +292,40 @@ pub async fn events(
     decoder: &Decoder<JobEvent>,
     job_id: Uuid,
 ) -> anyhow::Result<Option<Vec<EventEntry>>> {
-    // language=PostgreSQL
-    let exists: bool = sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM jobs WHERE job_id = $1)")
-        .bind(job_id)
-        .fetch_one(pool)
-        .await?;
+    let exists = sqlx::query_scalar!(
+        r#"SELECT EXISTS (SELECT 1 FROM jobs WHERE job_id = $1) AS "exists!""#,
+        job_id
+    )
+    .fetch_one(pool)
+    .await?;
     if !exists {
         return Ok(None);
     }
-    type Row = (i64, i32, String, DateTime<Utc>, Vec<u8>, Option<DateTime<Utc>>, bool);
-    // language=PostgreSQL
-    let rows: Vec<Row> = sqlx::query_as(
+    let rows = sqlx::query!(
         r#"
-        SELECT e.seq, e.stream_version, e.kind, e.occurred_at, e.body, o.published_at,
+        SELECT e.seq, e.stream_version, e.kind, e.occurred_at, e.body,
+               o.published_at AS "published_at?",
                CASE WHEN e.delayed THEN o.seq IS NULL OR o.published_at IS NOT NULL
                     ELSE (e.xid, e.seq) <= (c.published_xid, c.published_seq)
-               END AS published
+               END AS "published!"
         FROM job_events e LEFT JOIN outbox o USING (seq) CROSS JOIN relay_cursor c
         WHERE e.job_id = $1
         ORDER BY e.stream_version
         "#,
+        job_id,
     )
-    .bind(job_id)
     .fetch_all(pool)
     .await?;
     let mut entries = Vec::with_capacity(rows.len());
-    for (seq, stream_version, kind, occurred_at, body, published_at, published) in rows {
-        let event = decoder.decode(&body).await?;
+    for row in rows {
+        let event = decoder.decode(&row.body).await?;
         entries.push(EventEntry {
-            seq,
-            stream_version,
-            kind,
-            occurred_at,
-            published_at,
-            published,
+            seq: row.seq,
+            stream_version: row.stream_version,
+            kind: row.kind,
+            occurred_at: row.occurred_at,
+            published_at: row.published_at,
+            published: row.published,
             event: event.to_json(),
         });
     }
@@ -283,24 +350,8 @@ pub struct QuarantineFilter {
     pub limit: Option<i64>,
 }
 
-/// The quarantine rows (`q`, joined to `j`) a [`QuarantineFilter`] selects: `$1` owner, `$2`
-/// kind, `$3` reason text, `$4` since, `$5` until. Listing and bulk replay share
-/// it: a macro, so that each statement is one literal.
-macro_rules! quarantine_match {
-    () => {
-        r#"
-    ($1::text IS NULL OR q.owner = $1)
-    AND ($2::text IS NULL OR j.kind = $2)
-    AND ($3::text IS NULL OR q.reason ILIKE '%' || $3 || '%')
-    AND ($4::timestamptz IS NULL OR q.quarantined_at >= $4)
-    AND ($5::timestamptz IS NULL OR q.quarantined_at < $5)
-"#
-    };
-}
-pub(crate) use quarantine_match;
-
 /// A quarantined job, waiting for its owner.
-#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+#[derive(Debug, Clone, Serialize)]
 pub struct Quarantined {
     pub job_id: Uuid,
     pub kind: String,
@@ -325,20 +376,13 @@ pub async fn quarantined(
     filter: &QuarantineFilter,
 ) -> Result<Vec<Quarantined>, sqlx::Error> {
     let limit = filter.limit.unwrap_or(50).clamp(1, QUARANTINE_LIMIT_MAX);
-    // language=PostgreSQL
-    sqlx::query_as(concat!(
-        "SELECT q.job_id, j.kind, j.document_id, q.input_version, q.error_class, q.owner, \
-                q.attempts, q.reason, q.quarantined_at \
-         FROM quarantine q JOIN jobs j USING (job_id) WHERE ",
-        quarantine_match!(),
-        " ORDER BY q.quarantined_at DESC LIMIT $6"
+    quarantine_match!(query_as!(
+        [Quarantined] "SELECT q.job_id, j.kind, j.document_id, q.input_version, q.error_class, \
+                       q.owner, q.attempts, q.reason, q.quarantined_at",
+        "ORDER BY q.quarantined_at DESC LIMIT $6",
+        filter,
+        limit,
     ))
-    .bind(&filter.owner)
-    .bind(&filter.kind)
-    .bind(&filter.reason)
-    .bind(filter.since)
-    .bind(filter.until)
-    .bind(limit)
     .fetch_all(pool)
     .await
 }
@@ -393,21 +437,22 @@ pub async fn overview(pool: &PgPool) -> Result<Overview, sqlx::Error> {
     let gauges = jobfold_common::gauges::read(pool).await?;
     let window = i64::from(RATE_WINDOW_SECONDS);
     let from_id = first_id_at(Utc::now() - chrono::Duration::seconds(window));
-    // language=PostgreSQL
-    let (at, accepted, succeeded, quarantined): (DateTime<Utc>, i64, i64, i64) = sqlx::query_as(
+    let counted = sqlx::query!(
         r#"
-        SELECT now(),
-               (SELECT count(*) FROM jobs WHERE job_id >= $1),
-               count(*) FILTER (WHERE state = 'succeeded'),
-               count(*) FILTER (WHERE state = 'quarantined')
+        SELECT now() AS "at!",
+               (SELECT count(*) FROM jobs WHERE job_id >= $1) AS "accepted!",
+               count(*) FILTER (WHERE state = 'succeeded') AS "succeeded!",
+               count(*) FILTER (WHERE state = 'quarantined') AS "quarantined!"
         FROM jobs
         WHERE finished_at >= now() - make_interval(secs => $2)
         "#,
+        from_id,
+        window as f64,
     )
-    .bind(from_id)
-    .bind(window as f64)
     .fetch_one(pool)
     .await?;
+    let (at, accepted, succeeded, quarantined) =
+        (counted.at, counted.accepted, counted.succeeded, counted.quarantined);
     let per_second = |n: i64| n as f64 / window as f64;
     Ok(Overview {
         at,
@@ -436,9 +481,7 @@ pub async fn overview(pool: &PgPool) -> Result<Overview, sqlx::Error> {
 /// # Errors
 /// The database failed.
 pub async fn input(pool: &PgPool, job_id: Uuid) -> Result<Option<serde_json::Value>, sqlx::Error> {
-    // language=PostgreSQL
-    sqlx::query_scalar("SELECT payload FROM jobs WHERE job_id = $1")
-        .bind(job_id)
+    sqlx::query_scalar!("SELECT payload FROM jobs WHERE job_id = $1", job_id)
         .fetch_optional(pool)
         .await
 }
@@ -452,15 +495,14 @@ pub async fn result(
     pool: &PgPool,
     job_id: Uuid,
 ) -> Result<Option<Option<serde_json::Value>>, sqlx::Error> {
-    // language=PostgreSQL
-    sqlx::query_scalar(
+    sqlx::query_scalar!(
         r#"
-        SELECT r.result
+        SELECT r.result AS "result?"
         FROM jobs j LEFT JOIN job_results r ON r.job_id = j.job_id AND r.input_version = j.input_version
         WHERE j.job_id = $1
         "#,
+        job_id,
     )
-    .bind(job_id)
     .fetch_optional(pool)
     .await
 }

@@ -31,8 +31,8 @@ use jobfold_schemas::fold::Status;
 use sqlx::PgConnection;
 use uuid::Uuid;
 
-/// The projection row, as the processor needs it.
-#[derive(Debug, Clone, sqlx::FromRow)]
+/// The projection row, as the processor needs it (`select_job_rows!` selects it).
+#[derive(Debug, Clone)]
 pub struct JobRow {
     pub job_id: Uuid,
     pub document_id: String,
@@ -41,7 +41,6 @@ pub struct JobRow {
     pub input_version: i64,
     /// Moved only by [`Events`] as it appends, through [`Status::after`]: the schemas
     /// crate's state machine, the one the fold uses.
-    #[sqlx(try_from = "String")]
     pub state: Status,
     pub attempt: i32,
     pub generation: i64,
@@ -55,28 +54,85 @@ pub struct JobRow {
     pub dispatch_version: i32,
     pub accepted_at: DateTime<Utc>,
     /// A scheduled job's first due time.
-    #[sqlx(default)]
     pub run_at: Option<DateTime<Utc>>,
     /// This transaction's xid is above that of every earlier writer of this job. Only such a
     /// transaction may append to the job's stream, or the relay, which follows xid order,
     /// could publish the job's events out of order. Set by [`lock_job`] (true when the row was
     /// locked by a transaction that had no xid yet: its xid comes after the lock) and
     /// [`lock_jobs`] (from the job's latest event).
-    #[sqlx(default)]
     pub fresh_xid: bool,
 }
 
-/// The columns of a [`JobRow`], `fresh_xid` included, as a `SELECT … FROM jobs` lists them:
-/// a macro, so that each statement naming them is one literal, put together at compile time.
-macro_rules! job_columns {
-    () => {
-        "job_id, document_id, kind, payload, input_version, \
-    state::text AS state, attempt, generation, lease_until, lease_owner, max_attempts, \
-    deadline, stream_version, dispatch_version, accepted_at, run_at, \
-    pg_current_xact_id_if_assigned() IS NULL AS fresh_xid"
+/// A `job_state` as Postgres sends it, decoded into a [`Status`] (a label that names none
+/// is an error of the row, not a panic).
+#[derive(Debug, Clone, Copy)]
+pub struct StateColumn(Status);
+
+impl sqlx::Type<sqlx::Postgres> for StateColumn {
+    fn type_info() -> sqlx::postgres::PgTypeInfo {
+        sqlx::postgres::PgTypeInfo::with_name("job_state")
+    }
+}
+
+impl<'r> sqlx::Decode<'r, sqlx::Postgres> for StateColumn {
+    fn decode(value: sqlx::postgres::PgValueRef<'r>) -> Result<Self, sqlx::error::BoxDynError> {
+        let label = <&str as sqlx::Decode<sqlx::Postgres>>::decode(value)?;
+        Ok(Self(label.parse()?))
+    }
+}
+
+impl From<StateColumn> for Status {
+    fn from(column: StateColumn) -> Self {
+        column.0
+    }
+}
+
+/// `sqlx::query_as!(JobRow, …)`: a [`JobRow`]'s columns, `fresh_xid` included, then
+/// `FROM jobs …` as the given literal goes on, with its arguments: one statement, checked at
+/// compile time like any other.
+macro_rules! select_job_rows {
+    ($rest:literal $(, $arg:expr)* $(,)?) => {
+        sqlx::query_as!(
+            $crate::store::JobRow,
+            r#"SELECT job_id, document_id, kind, payload, input_version,
+                      state AS "state: crate::store::StateColumn", attempt, generation,
+                      lease_until, lease_owner, max_attempts, deadline, stream_version,
+                      dispatch_version, accepted_at, run_at,
+                      pg_current_xact_id_if_assigned() IS NULL AS "fresh_xid!"
+               "# + $rest
+            $(, $arg)*
+        )
     };
 }
-pub(crate) use job_columns;
+pub(crate) use select_job_rows;
+
+/// `sqlx::$macro!` over the quarantine rows (`q`, joined to `j`) a filter selects (a
+/// [`crate::status::QuarantineFilter`] or a [`BulkFilter`]): `$head`, then
+/// `FROM quarantine q JOIN jobs j USING (job_id) WHERE` the filter (`$1` owner, `$2` kind,
+/// `$3` reason text, `$4` since, `$5` until), then `$tail`, with further arguments from `$6`
+/// on. Listing and bulk replay share it.
+macro_rules! quarantine_match {
+    ($macro:ident!([$($out:path)?] $head:literal, $tail:literal, $f:expr $(, $arg:expr)* $(,)?)) => {
+        sqlx::$macro!(
+            $($out,)?
+            $head + r#"
+            FROM quarantine q JOIN jobs j USING (job_id)
+            WHERE ($1::text IS NULL OR q.owner = $1)
+              AND ($2::text IS NULL OR j.kind = $2)
+              AND ($3::text IS NULL OR q.reason ILIKE '%' || $3 || '%')
+              AND ($4::timestamptz IS NULL OR q.quarantined_at >= $4)
+              AND ($5::timestamptz IS NULL OR q.quarantined_at < $5)
+            "# + $tail,
+            $f.owner.as_deref(),
+            $f.kind.as_deref(),
+            $f.reason.as_deref(),
+            $f.since,
+            $f.until
+            $(, $arg)*
+        )
+    };
+}
+pub(crate) use quarantine_match;
 
 /// Reads the job row and locks it until the transaction ends. Call it before any other
 /// write of the transaction if the transaction appends events (see [`JobRow::fresh_xid`]).
@@ -84,11 +140,7 @@ pub(crate) use job_columns;
 /// # Errors
 /// The database failed.
 pub async fn lock_job(tx: &mut PgConnection, job_id: Uuid) -> Result<Option<JobRow>, sqlx::Error> {
-    // language=PostgreSQL
-    sqlx::query_as(concat!("SELECT ", job_columns!(), " FROM jobs WHERE job_id = $1 FOR UPDATE"))
-        .bind(job_id)
-        .fetch_optional(tx)
-        .await
+    select_job_rows!("FROM jobs WHERE job_id = $1 FOR UPDATE", job_id).fetch_optional(tx).await
 }
 
 /// [`lock_job`] for several jobs, locked in `job_id` order (so two such transactions never
@@ -105,24 +157,19 @@ pub async fn lock_jobs(
     tx: &mut PgConnection,
     job_ids: &[Uuid],
 ) -> Result<Vec<JobRow>, sqlx::Error> {
-    // language=PostgreSQL
-    let mut jobs: Vec<JobRow> = sqlx::query_as(concat!(
-        "SELECT ",
-        job_columns!(),
-        " FROM jobs WHERE job_id = ANY($1) ORDER BY job_id FOR UPDATE"
-    ))
-    .bind(job_ids)
-    .fetch_all(&mut *tx)
-    .await?;
-    // language=PostgreSQL
-    let late: Vec<Uuid> = sqlx::query_scalar(
+    let mut jobs =
+        select_job_rows!("FROM jobs WHERE job_id = ANY($1) ORDER BY job_id FOR UPDATE", job_ids)
+            .fetch_all(&mut *tx)
+            .await?;
+    let locked: Vec<Uuid> = jobs.iter().map(|j| j.job_id).collect();
+    let late = sqlx::query_scalar!(
         r#"
-        SELECT j.job_id FROM unnest($1::uuid[]) AS j(job_id)
+        SELECT j.job_id AS "job_id!" FROM unnest($1::uuid[]) AS j(job_id)
         WHERE (SELECT e.xid FROM job_events e WHERE e.job_id = j.job_id
                ORDER BY e.stream_version DESC LIMIT 1) > pg_current_xact_id()
         "#,
+        &locked,
     )
-    .bind(jobs.iter().map(|j| j.job_id).collect::<Vec<_>>())
     .fetch_all(&mut *tx)
     .await?;
     for job in &mut jobs {
@@ -142,17 +189,16 @@ pub async fn newest_succeeded_each(
 ) -> Result<Vec<Option<i64>>, sqlx::Error> {
     let documents: Vec<&str> = pairs.iter().map(|p| p.0).collect();
     let kinds: Vec<&str> = pairs.iter().map(|p| p.1).collect();
-    // language=PostgreSQL
-    sqlx::query_scalar(
+    sqlx::query_scalar!(
         r#"
         SELECT (SELECT max(j.input_version) FROM jobs j
                 WHERE j.document_id = p.document_id AND j.kind = p.kind AND j.state = 'succeeded')
         FROM unnest($1::text[], $2::text[]) WITH ORDINALITY AS p(document_id, kind, n)
         ORDER BY p.n
         "#,
+        &documents as &[&str],
+        &kinds as &[&str],
     )
-    .bind(documents)
-    .bind(kinds)
     .fetch_all(tx)
     .await
 }
@@ -206,10 +252,9 @@ pub async fn take_leases(
         });
         appends.push((job, payload, trace));
     }
-    let states = states_of(&appends);
+    let states = states_of(&appends)?;
     events.append_each_then_update_jobs(tx, appends).await?;
-    // language=PostgreSQL
-    sqlx::query(
+    sqlx::query!(
         r#"
         UPDATE jobs j SET state = l.state::job_state, generation = l.generation,
                           attempt = l.attempt, lease_until = l.lease_until, lease_owner = $6,
@@ -221,15 +266,15 @@ pub async fn take_leases(
                  dispatch_version)
         WHERE j.job_id = l.job_id
         "#,
+        &job_ids,
+        &generations,
+        &attempts,
+        &versions,
+        &untils,
+        owner,
+        &states as &[&str],
+        &dispatched,
     )
-    .bind(job_ids)
-    .bind(generations)
-    .bind(attempts)
-    .bind(versions)
-    .bind(untils)
-    .bind(owner)
-    .bind(states?)
-    .bind(dispatched)
     .execute(&mut *tx)
     .await?;
     Ok(())
@@ -261,8 +306,7 @@ pub async fn heartbeat(
     let ttls: Vec<f64> = leases.iter().map(|l| l.2.as_secs_f64()).collect();
     // Rows another transaction holds are skipped, not waited for: one job's slow completion
     // must not hold every other lease's heartbeat.
-    // language=PostgreSQL
-    let renewed: Vec<(Uuid, i64)> = sqlx::query_as(
+    let renewed = sqlx::query!(
         "WITH held AS ( \
              SELECT j.job_id, w.ttl FROM jobs j \
              JOIN unnest($1::uuid[], $2::bigint[], $3::float8[]) AS w(job_id, generation, ttl) \
@@ -272,12 +316,13 @@ pub async fn heartbeat(
          UPDATE jobs j SET lease_until = now() + make_interval(secs => held.ttl) \
          FROM held WHERE j.job_id = held.job_id \
          RETURNING j.job_id, j.generation",
+        &ids,
+        &generations,
+        &ttls,
     )
-    .bind(&ids)
-    .bind(&generations)
-    .bind(&ttls)
     .fetch_all(pool)
     .await?;
+    let renewed: Vec<(Uuid, i64)> = renewed.into_iter().map(|r| (r.job_id, r.generation)).collect();
     if renewed.len() == leases.len() {
         return Ok(Renewed { renewed, busy: Vec::new() });
     }
@@ -286,17 +331,17 @@ pub async fn heartbeat(
     let missing: Vec<(Uuid, i64)> =
         leases.iter().map(|l| (l.0, l.1)).filter(|l| !done.contains(l)).collect();
     let (ids, generations): (Vec<Uuid>, Vec<i64>) = missing.iter().copied().unzip();
-    // language=PostgreSQL
-    let busy: Vec<(Uuid, i64)> = sqlx::query_as(
+    let busy = sqlx::query!(
         "SELECT j.job_id, j.generation FROM jobs j \
          JOIN unnest($1::uuid[], $2::bigint[]) AS w(job_id, generation) \
            ON j.job_id = w.job_id AND j.generation = w.generation \
          WHERE j.state = 'leased'",
+        &ids,
+        &generations,
     )
-    .bind(&ids)
-    .bind(&generations)
     .fetch_all(pool)
     .await?;
+    let busy = busy.into_iter().map(|r| (r.job_id, r.generation)).collect();
     Ok(Renewed { renewed, busy })
 }
 
@@ -314,14 +359,13 @@ pub async fn supersede(
 ) -> anyhow::Result<()> {
     let payload = Payload::JobSuperseded(JobSuperseded { by_input_version: newer });
     events.append(tx, job, payload, None, trace).await?;
-    // language=PostgreSQL
-    sqlx::query(
-        "UPDATE jobs SET state = $2::job_state, finished_at = now(), lease_until = NULL, \
+    sqlx::query!(
+        "UPDATE jobs SET state = $2::text::job_state, finished_at = now(), lease_until = NULL, \
          lease_owner = NULL, next_attempt_at = NULL, dispatch_version = $3 WHERE job_id = $1",
+        job.job_id,
+        job.state.as_str(),
+        job.dispatch_version,
     )
-    .bind(job.job_id)
-    .bind(job.state.as_str())
-    .bind(job.dispatch_version)
     .execute(&mut *tx)
     .await?;
     Ok(())
@@ -348,20 +392,18 @@ pub async fn quarantine(
         attempts: job.attempt,
     });
     events.append(tx, job, payload, None, trace).await?;
-    // language=PostgreSQL
-    sqlx::query(
-        "UPDATE jobs SET state = $3::job_state, finished_at = now(), lease_until = NULL, \
+    sqlx::query!(
+        "UPDATE jobs SET state = $3::text::job_state, finished_at = now(), lease_until = NULL, \
          lease_owner = NULL, next_attempt_at = NULL, last_error = $2, dispatch_version = $4 \
          WHERE job_id = $1",
+        job.job_id,
+        reason,
+        job.state.as_str(),
+        job.dispatch_version,
     )
-    .bind(job.job_id)
-    .bind(reason)
-    .bind(job.state.as_str())
-    .bind(job.dispatch_version)
     .execute(&mut *tx)
     .await?;
-    // language=PostgreSQL
-    sqlx::query(
+    sqlx::query!(
         r#"
         INSERT INTO quarantine (job_id, reason, error_class, input_version, last_attempt_at,
                                 attempts, owner)
@@ -371,13 +413,13 @@ pub async fn quarantine(
                 input_version = EXCLUDED.input_version, last_attempt_at = EXCLUDED.last_attempt_at,
                 attempts = EXCLUDED.attempts, owner = EXCLUDED.owner, quarantined_at = now()
         "#,
+        job.job_id,
+        reason,
+        class.as_str(),
+        job.input_version,
+        job.attempt,
+        owner,
     )
-    .bind(job.job_id)
-    .bind(reason)
-    .bind(class.as_str())
-    .bind(job.input_version)
-    .bind(job.attempt)
-    .bind(owner)
     .execute(&mut *tx)
     .await?;
     Ok(())
@@ -418,31 +460,29 @@ pub async fn succeed_all(
         results.push(result);
         appends.push((job, payload, trace));
     }
-    // language=PostgreSQL
-    sqlx::query(
+    sqlx::query!(
         "INSERT INTO job_results (job_id, input_version, generation, result) \
          SELECT * FROM unnest($1::uuid[], $2::bigint[], $3::bigint[], $4::jsonb[])",
+        &job_ids,
+        &input_versions,
+        &generations,
+        &results,
     )
-    .bind(&job_ids)
-    .bind(input_versions)
-    .bind(generations)
-    .bind(results)
     .execute(&mut *tx)
     .await?;
-    let states = states_of(&appends);
+    let states = states_of(&appends)?;
     events.append_each_then_update_jobs(tx, appends).await?;
-    // language=PostgreSQL
-    sqlx::query(
+    sqlx::query!(
         r#"
         UPDATE jobs j SET state = s.state::job_state, finished_at = now(), lease_until = NULL,
                           lease_owner = NULL, last_error = NULL, stream_version = s.stream_version
         FROM unnest($1::uuid[], $2::int[], $3::text[]) AS s(job_id, stream_version, state)
         WHERE j.job_id = s.job_id
         "#,
+        &job_ids,
+        &versions,
+        &states as &[&str],
     )
-    .bind(job_ids)
-    .bind(versions)
-    .bind(states?)
     .execute(&mut *tx)
     .await?;
     Ok(())
@@ -537,16 +577,16 @@ pub async fn complete(
                     reason: DispatchReason::Backoff,
                 });
                 events.append(tx, job, due, Some(retry_at), trace).await?;
-                // language=PostgreSQL
-                sqlx::query(
-                    "UPDATE jobs SET state = $4::job_state, lease_until = NULL, attempt = $5, \
-                     lease_owner = NULL, next_attempt_at = $2, last_error = $3 WHERE job_id = $1",
+                sqlx::query!(
+                    "UPDATE jobs SET state = $4::text::job_state, lease_until = NULL, \
+                     attempt = $5, lease_owner = NULL, next_attempt_at = $2, last_error = $3 \
+                     WHERE job_id = $1",
+                    job.job_id,
+                    retry_at,
+                    &message,
+                    job.state.as_str(),
+                    job.attempt,
                 )
-                .bind(job.job_id)
-                .bind(retry_at)
-                .bind(&message)
-                .bind(job.state.as_str())
-                .bind(job.attempt)
                 .execute(&mut *tx)
                 .await?;
                 return Ok(if refunded { "throttled" } else { "retry_scheduled" });

@@ -59,10 +59,14 @@ use crate::buffer::{Bounds, Buffer};
 use crate::complete::{Attempt, Completed, Completer};
 use crate::handler::{HandlerError, Handlers, JobContext};
 use crate::heartbeat::Heartbeats;
+use crate::internal_events::{
+    CompletionFenced, MessageError, MessageRetried, PartitionPaused, PartitionsAssigned,
+    PartitionsRevoked,
+};
 use crate::lease::{Dispatch, Leased, Leaser};
+use crate::metrics as pm;
 use crate::offsets::{Ticket, Tracker};
 use crate::store::Events;
-use jobfold_common::metrics as pm;
 
 const RETRY_MIN: Duration = Duration::from_millis(100);
 const RETRY_MAX: Duration = Duration::from_secs(10);
@@ -129,8 +133,7 @@ impl ConsumerContext for WorkerContext {
                 tracing::warn!(error = %e, "Committing offsets on revoke failed.");
             }
             let held = self.tracker.lock().expect("tracker").held();
-            metrics::gauge!(pm::ASSIGNED_PARTITIONS).set(held as f64);
-            tracing::info!(?partitions, held, "Partitions revoked.");
+            PartitionsRevoked { partitions: &partitions, held }.emit();
         }
     }
 
@@ -147,8 +150,7 @@ impl ConsumerContext for WorkerContext {
             if let Err(e) = consumer.resume(list) {
                 tracing::warn!(error = %e, "Resuming assigned partitions failed.");
             }
-            metrics::gauge!(pm::ASSIGNED_PARTITIONS).set(held as f64);
-            tracing::info!(?partitions, held, "Partitions assigned.");
+            PartitionsAssigned { partitions: &partitions, held }.emit();
         }
     }
 }
@@ -359,13 +361,7 @@ fn pause_or_resume(shared: &Shared, buffer: &Buffer, message: &OwnedMessage, pau
     list.add_partition(message.topic(), message.partition());
     let done = if pause { shared.consumer.pause(&list) } else { shared.consumer.resume(&list) };
     match done {
-        Ok(()) if pause => {
-            metrics::counter!(pm::PARTITION_PAUSES_TOTAL).increment(1);
-            tracing::debug!(
-                partition = message.partition(),
-                "Partition paused: its buffer is full."
-            );
-        }
+        Ok(()) if pause => PartitionPaused { partition: message.partition() }.emit(),
         Ok(()) => tracing::debug!(partition = message.partition(), "Partition resumed."),
         // The partition moved meanwhile: the next owner fetches it afresh.
         Err(e) => {
@@ -561,7 +557,8 @@ async fn handle(shared: &Shared, message: &OwnedMessage, ticket: &Ticket) -> boo
                 backoff = (backoff * 2).min(RETRY_MAX);
             }
             Err(e) => {
-                tracing::warn!(error = %format!("{e:#}"), partition = message.partition(), offset = message.offset(), "Event will be retried.");
+                let error = MessageError::at(message, e);
+                MessageRetried { error: &error, stage: "dispatch", backoff }.emit();
                 tokio::select! {
                     _ = shared.shutdown.cancelled() => return false,
                     _ = tokio::time::sleep(backoff) => {}
@@ -649,12 +646,7 @@ async fn cost_of(
     job_id: uuid::Uuid,
     handler: &dyn crate::handler::ErasedHandler,
 ) -> anyhow::Result<u64> {
-    // language=PostgreSQL
-    let input: Option<serde_json::Value> =
-        sqlx::query_scalar("SELECT payload FROM jobs WHERE job_id = $1")
-            .bind(job_id)
-            .fetch_optional(&shared.pool)
-            .await?;
+    let input = crate::status::input(&shared.pool, job_id).await?;
     Ok(input.map_or(1, |input| handler.cost_of(&input)))
 }
 
@@ -798,8 +790,7 @@ async fn attempt(
     };
     match done {
         Completed::Fenced => {
-            metrics::counter!(pm::FENCED_COMPLETIONS_TOTAL).increment(1);
-            tracing::warn!(%job_id, generation, "Completion fenced: another generation holds the job; result discarded.");
+            CompletionFenced { job_id, generation }.emit();
             return Ok(Step::Done);
         }
         Completed::Committed { job, outcome } => {

@@ -8,7 +8,7 @@
 //! document until it ends. Nothing is lost; events wait.
 //!
 //! So the relay names the holder where operators look: the gauge
-//! [`jobfold_relay_horizon_age_seconds`](jobfold_common::metrics::RELAY_HORIZON_AGE_SECONDS)
+//! [`jobfold_relay_horizon_age_seconds`](crate::metrics::RELAY_HORIZON_AGE_SECONDS)
 //! (how long the oldest transaction holding an id has been open) and, past
 //! `relay.horizon_warn_after`, a log line with its backend's pid, database, application, user
 //! and state. The remedies (in docs/operations.md): end it
@@ -20,14 +20,14 @@
 
 use std::time::{Duration, Instant};
 
-use jobfold_common::metrics as m;
+use crate::metrics as m;
 use sqlx::PgConnection;
 
 /// How often the same holder is logged again while it stays.
 const REPEAT_EVERY: Duration = Duration::from_secs(60);
 
 /// The transaction holding the horizon.
-#[derive(Debug, Clone, PartialEq, sqlx::FromRow)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Holder {
     /// The backend's pid; `None` for a prepared transaction (it has no backend).
     pub pid: Option<i32>,
@@ -46,10 +46,11 @@ pub struct Holder {
 /// # Errors
 /// The connection failed.
 pub async fn holder(conn: &mut PgConnection) -> Result<Option<Holder>, sqlx::Error> {
-    // language=PostgreSQL
-    sqlx::query_as(
+    sqlx::query_as!(
+        Holder,
         r#"
-        SELECT pid, database, application, user_name, state, age_seconds FROM (
+        SELECT pid, database, application, user_name, state, age_seconds AS "age_seconds!"
+        FROM (
             SELECT a.pid, a.datname::text AS database, a.application_name AS application,
                    a.usename::text AS user_name, a.state,
                    EXTRACT(EPOCH FROM now() - a.xact_start)::float8 AS age_seconds,

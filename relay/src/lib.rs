@@ -14,6 +14,8 @@
 //! - [`parked`]: events Kafka refuses for what they are, parked with their document's later
 //!   events so the cursor moves on for everyone else.
 //! - [`horizon`]: which transaction holds publication back, named where operators look.
+//! - [`metrics`]: the relay's metric names; [`internal_events`]: what it reports, each
+//!   event's log line and metrics in one call.
 //!
 //! One relay is active per lock key: a Postgres session advisory lock, held by the
 //! connection that also claims and marks rows. When the active relay dies its session ends,
@@ -23,7 +25,9 @@
 //! relay exits.
 
 pub mod horizon;
+pub mod internal_events;
 pub mod log;
+pub mod metrics;
 pub mod outbox;
 pub mod parked;
 pub mod publish;
@@ -31,9 +35,10 @@ pub mod publish;
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
+use crate::internal_events::{BatchSettled, BecameActive, StoodDown};
+use crate::metrics as m;
 use anyhow::Context;
 use jobfold_common::config::Config;
-use jobfold_common::metrics as m;
 use jobfold_common::{db, failpoint, gauges, kafka};
 use sqlx::postgres::{PgConnectOptions, PgListener};
 use sqlx::{Connection, PgConnection, PgPool};
@@ -76,21 +81,17 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> anyhow::Result<
     let max_bytes = kafka::check_topics(&config).await?;
     m::describe();
     tracing::info!(?config, max_event_bytes = max_bytes, "Starting the relay.");
-    metrics::gauge!(m::RELAY_ACTIVE).set(0.0);
+    StoodDown { error: None }.emit();
     let mut producer =
         publish::producer_for(&config, max_bytes).context("creating the producer")?;
     while !shutdown.is_cancelled() {
         let Some(lock) = stand_by(&config, &shutdown).await else { break };
-        tracing::info!(lock_key = config.relay.lock_key, "Active: relaying the outbox.");
-        metrics::gauge!(m::RELAY_ACTIVE).set(1.0);
+        BecameActive { lock_key: config.relay.lock_key }.emit();
         let result = relay(&config, &pool, lock, &mut producer, max_bytes, &shutdown).await;
-        metrics::gauge!(m::RELAY_ACTIVE).set(0.0);
+        StoodDown { error: result.as_ref().err() }.emit();
         match result {
             Ok(()) => break,
-            Err(e) => {
-                tracing::warn!(error = %format!("{e:#}"), "Relaying stopped; standing by again.");
-                tokio::time::sleep(config.relay.standby_retry).await;
-            }
+            Err(_) => tokio::time::sleep(config.relay.standby_retry).await,
         }
     }
     publish::flush(&producer, config.relay.shutdown_timeout);
@@ -123,10 +124,12 @@ async fn stand_by(config: &Config, shutdown: &CancellationToken) -> Option<PgCon
 async fn try_lock(config: &Config) -> Result<Option<PgConnection>, sqlx::Error> {
     let options: PgConnectOptions = config.database_url.expose().parse()?;
     let mut conn = PgConnection::connect_with(&options.application_name("jobfold-relay")).await?;
-    let locked: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1)")
-        .bind(config.relay.lock_key)
-        .fetch_one(&mut conn)
-        .await?;
+    let locked = sqlx::query_scalar!(
+        r#"SELECT pg_try_advisory_lock($1) AS "locked!""#,
+        config.relay.lock_key
+    )
+    .fetch_one(&mut conn)
+    .await?;
     Ok(locked.then_some(conn))
 }
 
@@ -227,14 +230,14 @@ async fn publish_gauges(pool: PgPool) {
     loop {
         match gauges::relay_backlog(&pool).await {
             Ok((count, age)) => {
-                metrics::gauge!(m::RELAY_BACKLOG).set(count as f64);
-                metrics::gauge!(m::RELAY_OLDEST_UNPUBLISHED_AGE_SECONDS).set(age);
+                ::metrics::gauge!(m::RELAY_BACKLOG).set(count as f64);
+                ::metrics::gauge!(m::RELAY_OLDEST_UNPUBLISHED_AGE_SECONDS).set(age);
             }
             Err(e) => tracing::debug!(error = %e, "Cannot read the relay's backlog."),
         }
         if let Ok((parked, documents)) = gauges::relay_parked(&pool).await {
-            metrics::gauge!(m::RELAY_PARKED).set(parked as f64);
-            metrics::gauge!(m::RELAY_PARKED_DOCUMENTS).set(documents as f64);
+            ::metrics::gauge!(m::RELAY_PARKED).set(parked as f64);
+            ::metrics::gauge!(m::RELAY_PARKED_DOCUMENTS).set(documents as f64);
         }
         tokio::time::sleep(GAUGE_INTERVAL).await;
     }
@@ -242,21 +245,19 @@ async fn publish_gauges(pool: PgPool) {
 
 /// Takes [`SLEEP_LOCK`] if no writer holds it: true if the relay may now sleep until notified.
 async fn try_sleep(conn: &mut PgConnection) -> Result<bool, sqlx::Error> {
-    // language=PostgreSQL
-    sqlx::query_scalar("SELECT pg_try_advisory_lock($1, $2)")
-        .bind(SLEEP_LOCK.0)
-        .bind(SLEEP_LOCK.1)
-        .fetch_one(conn)
-        .await
+    sqlx::query_scalar!(
+        r#"SELECT pg_try_advisory_lock($1, $2) AS "locked!""#,
+        SLEEP_LOCK.0,
+        SLEEP_LOCK.1
+    )
+    .fetch_one(conn)
+    .await
 }
 
 /// Releases [`SLEEP_LOCK`]: writers stop notifying.
 async fn wake(conn: &mut PgConnection) -> Result<(), sqlx::Error> {
-    // language=PostgreSQL
-    sqlx::query("SELECT pg_advisory_unlock($1, $2)")
-        .bind(SLEEP_LOCK.0)
-        .bind(SLEEP_LOCK.1)
-        .execute(conn)
+    sqlx::query_scalar!("SELECT pg_advisory_unlock($1, $2)", SLEEP_LOCK.0, SLEEP_LOCK.1)
+        .fetch_one(conn)
         .await?;
     Ok(())
 }
@@ -289,7 +290,7 @@ impl Active<'_> {
                 break;
             }
             let full = rows.len() == self.config.relay.batch_size as usize;
-            let events = log::events_with_topic(&rows)?;
+            let events = publish::events(&rows, &self.config.topics.events);
             // What is refused again blocks its document's later rows for this batch only:
             // they stay parked behind it.
             let mut again = publish::Blocked::default();
@@ -336,7 +337,7 @@ impl Active<'_> {
             let sent = if rows.is_empty() {
                 None
             } else {
-                let events = log::events_with_topic(&rows)?;
+                let events = publish::events(&rows, &self.config.topics.events);
                 cursor = events.last().map_or(cursor, |e| e.seq);
                 Some(publish::send(self.producer, &events, blocked, self.max_bytes).await)
             };
@@ -383,11 +384,11 @@ impl Active<'_> {
         loop {
             let full = batch.len() == size as usize;
             let mut next = log::Batch::default();
-            let positions = batch.positions()?;
+            let positions = batch.positions();
             if let Some(last) = positions.last() {
                 read = *last;
                 // Delayed events are not among them: the outbox sends those.
-                let events = batch.events(topic)?;
+                let events = batch.events(topic);
                 // Postgres reads the next batch while this one is handed to the producer.
                 let conn = &mut self.conn;
                 let shutdown = self.shutdown;
@@ -501,27 +502,9 @@ async fn settle(
     outcome: &publish::Outcome,
     recorded: u64,
 ) -> anyhow::Result<bool> {
-    metrics::counter!(m::RELAY_PUBLISHED_TOTAL).increment(recorded);
-    let now = chrono::Utc::now();
-    let latency = metrics::histogram!(m::RELAY_PUBLISH_LATENCY_SECONDS);
-    for (_, available_at) in &outcome.delivered {
-        latency.record((now - *available_at).as_seconds_f64().max(0.0));
-    }
-    if !outcome.refused.is_empty() {
-        metrics::counter!(m::RELAY_REFUSED_TOTAL).increment(outcome.refused.len() as u64);
-    }
+    BatchSettled { outcome, recorded }.emit();
     if outcome.failed.is_empty() && outcome.held_back.is_empty() {
         return Ok(true);
-    }
-    metrics::counter!(m::RELAY_DELIVERY_ERRORS_TOTAL).increment(outcome.failed.len() as u64);
-    if let Some((seq, error)) = outcome.failed.first() {
-        tracing::warn!(
-            failed = outcome.failed.len(),
-            held_back = outcome.held_back.len(),
-            first_seq = seq,
-            error = %error,
-            "Some events were not delivered; they are tried again."
-        );
     }
     if publish::is_fatal(active.producer) {
         tracing::warn!("The producer hit a fatal error; building a new one.");
@@ -535,7 +518,7 @@ async fn prune(config: &Config, conn: &mut PgConnection) -> anyhow::Result<()> {
     let older_than = config.relay.prune_after.as_secs_f64();
     loop {
         let pruned = outbox::prune(conn, older_than, PRUNE_CHUNK).await?;
-        metrics::counter!(m::RELAY_PRUNED_TOTAL).increment(pruned);
+        ::metrics::counter!(m::RELAY_PRUNED_TOTAL).increment(pruned);
         if pruned < PRUNE_CHUNK as u64 {
             return Ok(());
         }

@@ -20,13 +20,12 @@
 //! ordered by their input versions, which the processor checks; their first events come from
 //! separate accepts.
 
-use sqlx::postgres::PgRow;
-use sqlx::{PgConnection, Row};
+use sqlx::PgConnection;
 
-use crate::publish::Event;
+use crate::publish::{Event, StoredEvent};
 
 /// A position in the log, in the order the relay reads it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, sqlx::FromRow)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub struct Position {
     /// The writing transaction's id (`xid8`, as a number).
     pub xid: i64,
@@ -38,9 +37,9 @@ pub struct Position {
 /// # Errors
 /// The connection failed.
 pub async fn cursor(conn: &mut PgConnection) -> Result<Position, sqlx::Error> {
-    // language=PostgreSQL
-    sqlx::query_as(
-        "SELECT published_xid::text::bigint AS xid, published_seq AS seq FROM relay_cursor",
+    sqlx::query_as!(
+        Position,
+        r#"SELECT published_xid::text::bigint AS "xid!", published_seq AS seq FROM relay_cursor"#,
     )
     .fetch_one(conn)
     .await
@@ -51,13 +50,12 @@ pub async fn cursor(conn: &mut PgConnection) -> Result<Position, sqlx::Error> {
 /// # Errors
 /// The connection failed; the events after the old position are published again.
 pub async fn advance(conn: &mut PgConnection, to: Position) -> Result<(), sqlx::Error> {
-    // language=PostgreSQL
-    sqlx::query(
+    sqlx::query!(
         "UPDATE relay_cursor SET published_xid = $1::text::xid8, published_seq = $2, \
          moved_at = now()",
+        to.xid.to_string(),
+        to.seq,
     )
-    .bind(to.xid.to_string())
-    .bind(to.seq)
     .execute(conn)
     .await?;
     Ok(())
@@ -70,8 +68,8 @@ pub async fn advance(conn: &mut PgConnection, to: Position) -> Result<(), sqlx::
 /// # Errors
 /// The connection failed.
 pub async fn rewind(conn: &mut PgConnection, count: i64) -> Result<Position, sqlx::Error> {
-    // language=PostgreSQL
-    sqlx::query_as(
+    sqlx::query_as!(
+        Position,
         r#"
         WITH target AS (
             SELECT e.xid, e.seq FROM job_events e, relay_cursor c
@@ -82,10 +80,10 @@ pub async fn rewind(conn: &mut PgConnection, count: i64) -> Result<Position, sql
         UPDATE relay_cursor SET published_xid = coalesce((SELECT xid FROM target), '0'),
                                 published_seq = coalesce((SELECT seq FROM target), 0),
                                 moved_at = now()
-        RETURNING published_xid::text::bigint AS xid, published_seq AS seq
+        RETURNING published_xid::text::bigint AS "xid!", published_seq AS seq
         "#,
+        count,
     )
-    .bind(count)
     .fetch_one(conn)
     .await
 }
@@ -101,34 +99,61 @@ pub async fn claim(
     after: Position,
     limit: u32,
 ) -> Result<Batch, sqlx::Error> {
-    // The first seven columns are the ones [`event`] reads.
-    // language=PostgreSQL
-    let rows = sqlx::query(
+    // An xid8 is sent as a 64-bit integer: read as one (a cast to text and back costs
+    // Postgres more than the rest of the row).
+    let rows = sqlx::query!(
         r#"
         SELECT e.seq,
-               coalesce(e.key, (SELECT j.document_id FROM jobs j WHERE j.job_id = e.job_id)) AS key,
-               CASE WHEN e.delayed THEN ''::bytea ELSE e.body END AS body,
+               coalesce(e.key, (SELECT j.document_id FROM jobs j WHERE j.job_id = e.job_id))
+                   AS "key!",
+               CASE WHEN e.delayed THEN ''::bytea ELSE e.body END AS "body!",
                e.occurred_at AS available_at, e.traceparent, e.tracestate, e.kind,
-               e.xid, e.delayed
+               e.xid AS "xid: i64", e.delayed
         FROM job_events e
         WHERE (e.xid, e.seq) > ($1::text::xid8, $2)
           AND e.xid < pg_snapshot_xmin(pg_current_snapshot())
         ORDER BY e.xid, e.seq
         LIMIT $3
         "#,
+        after.xid.to_string(),
+        after.seq,
+        i64::from(limit),
     )
-    .bind(after.xid.to_string())
-    .bind(after.seq)
-    .bind(i64::from(limit))
     .fetch_all(conn)
     .await?;
+    let rows = rows
+        .into_iter()
+        .map(|r| Entry {
+            position: Position { xid: r.xid, seq: r.seq },
+            delayed: r.delayed,
+            event: StoredEvent {
+                seq: r.seq,
+                topic: None,
+                key: r.key,
+                body: r.body,
+                available_at: r.available_at,
+                traceparent: r.traceparent,
+                tracestate: r.tracestate,
+                kind: r.kind,
+            },
+        })
+        .collect();
     Ok(Batch { rows })
 }
 
-/// Events read from the log, kept as Postgres sent them.
+/// One event of the log as [`claim`] read it.
+#[derive(Debug)]
+struct Entry {
+    position: Position,
+    /// Sent by the outbox when due, not at commit.
+    delayed: bool,
+    event: StoredEvent,
+}
+
+/// Events read from the log, in cursor order.
 #[derive(Debug, Default)]
 pub struct Batch {
-    rows: Vec<PgRow>,
+    rows: Vec<Entry>,
 }
 
 impl Batch {
@@ -141,63 +166,13 @@ impl Batch {
     }
 
     /// Each event's place in the log, in cursor order.
-    ///
-    /// # Errors
-    /// A row could not be decoded.
-    pub fn positions(&self) -> Result<Vec<Position>, sqlx::Error> {
-        // An xid8 is sent as a 64-bit integer: read as one (a cast to text and back costs
-        // Postgres more than the rest of the row).
-        self.rows
-            .iter()
-            .map(|row| {
-                Ok(Position { xid: row.try_get_unchecked(7)?, seq: row.try_get_unchecked(0)? })
-            })
-            .collect()
+    pub fn positions(&self) -> Vec<Position> {
+        self.rows.iter().map(|row| row.position).collect()
     }
 
     /// The events to publish at commit (all but the delayed ones), for `topic`, in cursor
     /// order.
-    ///
-    /// # Errors
-    /// A row could not be decoded.
-    pub fn events<'a>(&'a self, topic: &'a str) -> Result<Vec<Event<'a>>, sqlx::Error> {
-        let mut events = Vec::with_capacity(self.rows.len());
-        for row in &self.rows {
-            if !row.try_get_unchecked::<bool, _>(8)? {
-                events.push(event(row, topic)?);
-            }
-        }
-        Ok(events)
+    pub fn events<'a>(&'a self, topic: &'a str) -> Vec<Event<'a>> {
+        self.rows.iter().filter(|row| !row.delayed).map(|row| row.event.event(topic)).collect()
     }
-}
-
-/// Reads the event in the first seven columns of a relay read, in this order: `seq`, `key`,
-/// `body`, `available_at`, `traceparent`, `tracestate`, `kind` — [`claim`]'s, and the
-/// outbox's and the park's reads ([`crate::outbox::claim`], [`crate::parked::releasable`]),
-/// which name their topic in the eighth. Their types are those queries' own and are not checked again
-/// per row (`try_get_unchecked`): at thousands of rows a batch, the check cost more than the
-/// decoding.
-///
-/// # Errors
-/// A value does not decode (a null where there must be none).
-pub fn event<'a>(row: &'a PgRow, topic: &'a str) -> Result<Event<'a>, sqlx::Error> {
-    Ok(Event {
-        seq: row.try_get_unchecked(0)?,
-        topic,
-        key: row.try_get_unchecked(1)?,
-        body: row.try_get_unchecked(2)?,
-        available_at: row.try_get_unchecked(3)?,
-        traceparent: row.try_get_unchecked(4)?,
-        tracestate: row.try_get_unchecked(5)?,
-        kind: row.try_get_unchecked(6)?,
-    })
-}
-
-/// The events of rows whose eighth column names each one's topic (the outbox's and the
-/// park's reads).
-///
-/// # Errors
-/// A row could not be decoded.
-pub fn events_with_topic(rows: &[PgRow]) -> Result<Vec<Event<'_>>, sqlx::Error> {
-    rows.iter().map(|row| event(row, row.try_get_unchecked(7)?)).collect()
 }

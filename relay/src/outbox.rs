@@ -3,12 +3,11 @@
 //! lock: if that connection dies, the relay stops marking rows and stands by again.
 
 use sqlx::PgConnection;
-use sqlx::postgres::PgRow;
+
+use crate::publish::StoredEvent;
 
 /// The oldest `limit` unpublished rows that are due and come after `after_seq`, in log order,
-/// among those the log cursor has passed. Each row is read as an
-/// [`Event`](crate::publish::Event) for the topic in its seventh column
-/// ([`crate::log::events_with_topic`]).
+/// among those the log cursor has passed, each for the topic it names.
 ///
 /// Log order keeps per-document order: events of one job are written by transactions that
 /// follow one another, so a later event always has a higher seq and commits later. And a
@@ -21,14 +20,12 @@ pub async fn claim(
     conn: &mut PgConnection,
     after_seq: i64,
     limit: u32,
-) -> Result<Vec<PgRow>, sqlx::Error> {
-    // The first seven columns are the ones `log::event` reads, the topic in the eighth
-    // (`log::events_with_topic`).
-    // language=PostgreSQL
-    sqlx::query(
+) -> Result<Vec<StoredEvent>, sqlx::Error> {
+    sqlx::query_as!(
+        StoredEvent,
         r#"
-        SELECT o.seq, o.key, e.body, o.available_at, o.traceparent, o.tracestate, e.kind,
-               o.topic
+        SELECT o.seq, o.topic AS "topic?", o.key, e.body, o.available_at, o.traceparent,
+               o.tracestate, e.kind
         FROM outbox o
         JOIN job_events e USING (seq)
         CROSS JOIN relay_cursor c
@@ -37,9 +34,9 @@ pub async fn claim(
         ORDER BY o.seq
         LIMIT $2
         "#,
+        after_seq,
+        i64::from(limit),
     )
-    .bind(after_seq)
-    .bind(i64::from(limit))
     .fetch_all(conn)
     .await
 }
@@ -58,17 +55,14 @@ pub async fn mark_published(
         return Ok(0);
     }
     if delete {
-        // language=PostgreSQL
         let done =
-            sqlx::query("DELETE FROM outbox WHERE seq = ANY($1)").bind(seqs).execute(conn).await?;
+            sqlx::query!("DELETE FROM outbox WHERE seq = ANY($1)", seqs).execute(conn).await?;
         return Ok(done.rows_affected());
     }
-    // language=PostgreSQL
-    let done = sqlx::query(
-        "UPDATE outbox SET published_at = now() \
-         WHERE seq = ANY($1) AND published_at IS NULL",
+    let done = sqlx::query!(
+        "UPDATE outbox SET published_at = now() WHERE seq = ANY($1) AND published_at IS NULL",
+        seqs,
     )
-    .bind(seqs)
     .execute(conn)
     .await?;
     Ok(done.rows_affected())
@@ -79,8 +73,7 @@ pub async fn mark_published(
 /// # Errors
 /// The connection failed.
 pub async fn seconds_to_next_due(conn: &mut PgConnection) -> Result<Option<f64>, sqlx::Error> {
-    // language=PostgreSQL
-    sqlx::query_scalar(
+    sqlx::query_scalar!(
         r#"
         SELECT EXTRACT(EPOCH FROM min(available_at) - now())::float8
         FROM outbox
@@ -100,8 +93,7 @@ pub async fn prune(
     older_than_secs: f64,
     limit: i64,
 ) -> Result<u64, sqlx::Error> {
-    // language=PostgreSQL
-    let done = sqlx::query(
+    let done = sqlx::query!(
         r#"
         DELETE FROM outbox WHERE seq IN (
             SELECT seq FROM outbox
@@ -110,9 +102,9 @@ pub async fn prune(
             LIMIT $2
         )
         "#,
+        older_than_secs,
+        limit,
     )
-    .bind(older_than_secs)
-    .bind(limit)
     .execute(conn)
     .await?;
     Ok(done.rows_affected())

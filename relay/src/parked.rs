@@ -19,9 +19,8 @@
 use std::collections::HashSet;
 
 use sqlx::PgConnection;
-use sqlx::postgres::PgRow;
 
-use crate::publish::Outcome;
+use crate::publish::{Outcome, StoredEvent};
 
 /// An event to park.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -40,9 +39,8 @@ pub const WAITING: &str = "waits behind a parked event of its document";
 /// # Errors
 /// The connection failed.
 pub async fn keys(conn: &mut PgConnection) -> Result<HashSet<String>, sqlx::Error> {
-    // language=PostgreSQL
     let keys: Vec<String> =
-        sqlx::query_scalar("SELECT DISTINCT key FROM relay_parked").fetch_all(conn).await?;
+        sqlx::query_scalar!("SELECT DISTINCT key FROM relay_parked").fetch_all(conn).await?;
     Ok(keys.into_iter().collect())
 }
 
@@ -62,8 +60,7 @@ pub async fn park(
     let seqs: Vec<i64> = events.iter().map(|e| e.seq).collect();
     let refused: Vec<bool> = events.iter().map(|e| e.refused).collect();
     let reasons: Vec<&str> = events.iter().map(|e| e.reason.as_str()).collect();
-    // language=PostgreSQL
-    sqlx::query_scalar(
+    sqlx::query_scalar!(
         r#"
         INSERT INTO relay_parked (seq, topic, key, refused, reason)
         SELECT p.seq, $4,
@@ -75,30 +72,33 @@ pub async fn park(
         ON CONFLICT (seq) DO NOTHING
         RETURNING key
         "#,
+        &seqs,
+        &refused,
+        &reasons as &[&str],
+        topic,
     )
-    .bind(&seqs)
-    .bind(&refused)
-    .bind(&reasons)
-    .bind(topic)
     .fetch_all(conn)
     .await
 }
 
 /// Up to `limit` parked events that may go out now, in log order: every parked event of a
 /// document none of whose refused events still waits for an operator — a refused event
-/// that was dropped, or one whose retry was asked for (it goes first). Read as
-/// [`Event`](crate::publish::Event)s by [`crate::log::events_with_topic`].
+/// that was dropped, or one whose retry was asked for (it goes first), each for the topic it
+/// names.
 ///
 /// # Errors
 /// The connection failed.
-pub async fn releasable(conn: &mut PgConnection, limit: u32) -> Result<Vec<PgRow>, sqlx::Error> {
+pub async fn releasable(
+    conn: &mut PgConnection,
+    limit: u32,
+) -> Result<Vec<StoredEvent>, sqlx::Error> {
     // The first seven columns are the ones `log::event` reads, the topic in the eighth
     // (`log::events_with_topic`).
-    // language=PostgreSQL
-    sqlx::query(
+    sqlx::query_as!(
+        StoredEvent,
         r#"
-        SELECT p.seq, p.key, e.body, p.parked_at AS available_at, e.traceparent, e.tracestate,
-               e.kind, p.topic
+        SELECT p.seq, p.topic AS "topic?", p.key, e.body, p.parked_at AS available_at,
+               e.traceparent, e.tracestate, e.kind
         FROM relay_parked p
         JOIN job_events e USING (seq)
         WHERE NOT EXISTS (SELECT 1 FROM relay_parked r
@@ -106,8 +106,8 @@ pub async fn releasable(conn: &mut PgConnection, limit: u32) -> Result<Vec<PgRow
         ORDER BY p.seq
         LIMIT $1
         "#,
+        i64::from(limit),
     )
-    .bind(i64::from(limit))
     .fetch_all(conn)
     .await
 }
@@ -124,17 +124,14 @@ pub async fn settle(
     refused: &[(i64, String)],
 ) -> Result<(), sqlx::Error> {
     if !delivered.is_empty() {
-        // language=PostgreSQL
-        sqlx::query("DELETE FROM relay_parked WHERE seq = ANY($1)")
-            .bind(delivered)
+        sqlx::query!("DELETE FROM relay_parked WHERE seq = ANY($1)", delivered)
             .execute(&mut *conn)
             .await?;
     }
     if !refused.is_empty() {
         let seqs: Vec<i64> = refused.iter().map(|(seq, _)| *seq).collect();
         let reasons: Vec<&str> = refused.iter().map(|(_, reason)| reason.as_str()).collect();
-        // language=PostgreSQL
-        sqlx::query(
+        sqlx::query!(
             r#"
             UPDATE relay_parked p
             SET refused = true, reason = r.reason, retry_requested_at = NULL,
@@ -142,9 +139,9 @@ pub async fn settle(
             FROM unnest($1::bigint[], $2::text[]) AS r(seq, reason)
             WHERE p.seq = r.seq
             "#,
+            &seqs,
+            &reasons as &[&str],
         )
-        .bind(&seqs)
-        .bind(&reasons)
         .execute(&mut *conn)
         .await?;
     }
@@ -152,7 +149,7 @@ pub async fn settle(
 }
 
 /// A parked event, as operators see it.
-#[derive(Debug, Clone, PartialEq, sqlx::FromRow)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct ParkedEvent {
     pub seq: i64,
     pub topic: String,
@@ -178,26 +175,20 @@ pub async fn list<'c, E: sqlx::PgExecutor<'c>>(
     executor: E,
     limit: i64,
 ) -> Result<Vec<ParkedEvent>, sqlx::Error> {
-    // language=PostgreSQL
-    sqlx::query_as(
+    sqlx::query_as!(
+        ParkedEvent,
         r#"
-        SELECT p.seq, p.topic, p.key, e.job_id, e.kind AS event, length(e.body) AS bytes,
+        SELECT p.seq, p.topic, p.key, e.job_id AS "job_id!", e.kind AS event,
+               length(e.body) AS "bytes!",
                p.refused, p.reason, p.parked_at, p.retry_requested_at, p.attempts
         FROM relay_parked p JOIN job_events e USING (seq)
         ORDER BY p.refused DESC, p.seq
         LIMIT $1
         "#,
+        limit,
     )
-    .bind(limit)
     .fetch_all(executor)
     .await
-}
-
-/// The refused events a [`Selection`] names: `$1` a seq or NULL, `$2` a document or NULL.
-macro_rules! selected {
-    () => {
-        "WHERE refused AND ($1::bigint IS NULL OR seq = $1) AND ($2::text IS NULL OR key = $2)"
-    };
 }
 
 /// Which refused events an operator acts on.
@@ -211,6 +202,24 @@ pub enum Selection {
     All,
 }
 
+/// Runs `$statement` (an UPDATE or DELETE of `relay_parked`) on the refused events
+/// `$selection` names; evaluates to how many it touched.
+macro_rules! on_selected {
+    ($executor:expr, $selection:expr, $statement:literal) => {{
+        let (seq, key) = $selection.bounds();
+        let done = sqlx::query!(
+            $statement
+                + " WHERE refused AND ($1::bigint IS NULL OR seq = $1) \
+                    AND ($2::text IS NULL OR key = $2)",
+            seq,
+            key,
+        )
+        .execute($executor)
+        .await?;
+        Ok(done.rows_affected())
+    }};
+}
+
 /// Asks the active relay to send the selected refused events again, with their documents'
 /// waiting events behind them, in order (after the cause was fixed, e.g. the topic's
 /// `max.message.bytes` raised and the relays restarted to read it). Returns how many refused
@@ -222,9 +231,7 @@ pub async fn request_retry<'c, E: sqlx::PgExecutor<'c>>(
     executor: E,
     selection: &Selection,
 ) -> Result<u64, sqlx::Error> {
-    // language=PostgreSQL
-    let sql = concat!("UPDATE relay_parked SET retry_requested_at = now() ", selected!());
-    on_selected(executor, selection, sql).await
+    on_selected!(executor, selection, "UPDATE relay_parked SET retry_requested_at = now()")
 }
 
 /// Drops the selected refused events: they stay in `job_events` (the log of record) but
@@ -237,24 +244,18 @@ pub async fn drop_refused<'c, E: sqlx::PgExecutor<'c>>(
     executor: E,
     selection: &Selection,
 ) -> Result<u64, sqlx::Error> {
-    // language=PostgreSQL
-    on_selected(executor, selection, concat!("DELETE FROM relay_parked ", selected!())).await
+    on_selected!(executor, selection, "DELETE FROM relay_parked")
 }
 
-/// Runs `sql` (an UPDATE or DELETE of `relay_parked` ending in [`selected!`]) on the
-/// refused events `selection` names; returns how many it touched.
-async fn on_selected<'c, E: sqlx::PgExecutor<'c>>(
-    executor: E,
-    selection: &Selection,
-    sql: &'static str,
-) -> Result<u64, sqlx::Error> {
-    let (seq, key) = match selection {
-        Selection::Seq(seq) => (Some(*seq), None),
-        Selection::Document(key) => (None, Some(key.as_str())),
-        Selection::All => (None, None),
-    };
-    let done = sqlx::query(sql).bind(seq).bind(key).execute(executor).await?;
-    Ok(done.rows_affected())
+impl Selection {
+    /// The seq and the document the selection is bound to (`None`: any).
+    fn bounds(&self) -> (Option<i64>, Option<&str>) {
+        match self {
+            Selection::Seq(seq) => (Some(*seq), None),
+            Selection::Document(key) => (None, Some(key.as_str())),
+            Selection::All => (None, None),
+        }
+    }
 }
 
 /// The events of a batch to park: the refused ones, and the ones waiting behind a parked

@@ -62,8 +62,8 @@ pub fn producer_for(config: &Config, max_bytes: usize) -> Result<EventProducer, 
     client.create_with_context(Reports::default())
 }
 
-/// One event to produce, borrowed from the row Postgres sent: nothing is copied before
-/// librdkafka copies it into its queue.
+/// One event to produce, borrowed from the row read ([`StoredEvent`]): nothing is copied
+/// before librdkafka copies it into its queue.
 #[derive(Debug, Clone, Copy)]
 pub struct Event<'a> {
     pub seq: i64,
@@ -79,6 +79,43 @@ pub struct Event<'a> {
     pub tracestate: Option<&'a str>,
     /// The event's kind (`JobRequested`, …), sent as the `jobfold-event` header.
     pub kind: &'a str,
+}
+
+/// An event as a relay read selected it (the log's, the outbox's, the park's): what an
+/// [`Event`] borrows.
+#[derive(Debug, Clone)]
+pub struct StoredEvent {
+    pub seq: i64,
+    /// The topic the row names (the outbox's and the park's); `None` for the log's, which
+    /// go to the events topic.
+    pub topic: Option<String>,
+    pub key: String,
+    pub body: Vec<u8>,
+    pub available_at: DateTime<Utc>,
+    pub traceparent: Option<String>,
+    pub tracestate: Option<String>,
+    pub kind: String,
+}
+
+impl StoredEvent {
+    /// The event to produce, to its own topic or else to `topic`.
+    pub fn event<'a>(&'a self, topic: &'a str) -> Event<'a> {
+        Event {
+            seq: self.seq,
+            topic: self.topic.as_deref().unwrap_or(topic),
+            key: &self.key,
+            body: &self.body,
+            available_at: self.available_at,
+            traceparent: self.traceparent.as_deref(),
+            tracestate: self.tracestate.as_deref(),
+            kind: &self.kind,
+        }
+    }
+}
+
+/// The events of `rows`, each to its own topic or else to `topic`.
+pub fn events<'a>(rows: &'a [StoredEvent], topic: &'a str) -> Vec<Event<'a>> {
+    rows.iter().map(|row| row.event(topic)).collect()
 }
 
 /// What happened to one batch.

@@ -22,6 +22,66 @@ pub struct Events {
     pub producer: String,
 }
 
+/// The statement that appends a transaction's events (`$1`–`$9` the [`EventRows`] as arrays,
+/// `$10` when they occurred, `$11` the topic), with `$more` (a literal) as a further CTE
+/// after the insert. An event of a job whose earlier event still waits in the outbox goes
+/// through the outbox too, behind it, and the waiting rows become due no later than it: the
+/// relay publishes due rows in log order, so the job's events reach Kafka in stream order.
+///
+/// Two texts, not a flag: with a parameter deciding whether `jobs` is updated, every custom
+/// plan pruned the update and looked cheaper than the generic plan, so each call was planned
+/// again (380 µs, more than it ran).
+macro_rules! append {
+    ($more:literal, $rows:expr, $now:expr, $topic:expr) => {
+        sqlx::query!(
+            r#"
+    WITH input AS (
+        SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::int[], $4::text[], $5::bytea[],
+                             $6::text[], $7::timestamptz[], $8::text[], $9::text[])
+            WITH ORDINALITY
+            AS i(event_id, job_id, stream_version, kind, body, key, due, traceparent,
+                 tracestate, n)
+    ), waiting AS (
+        SELECT o.seq, e.job_id FROM outbox o JOIN job_events e ON e.seq = o.seq
+        WHERE o.published_at IS NULL AND o.key = ANY($6) AND e.job_id = ANY($2)
+    ), path AS (
+        SELECT i.*,
+               i.due IS NOT NULL
+                   OR EXISTS (SELECT 1 FROM waiting w WHERE w.job_id = i.job_id) AS outbox,
+               coalesce(i.due, clock_timestamp()) AS publish_at
+        FROM input i
+    ), event AS (
+        INSERT INTO job_events (event_id, job_id, stream_version, kind, body, occurred_at,
+                                key, delayed, traceparent, tracestate)
+        SELECT event_id, job_id, stream_version, kind, body, $10, key, outbox,
+               traceparent, tracestate
+        FROM path ORDER BY n
+        RETURNING seq, job_id, delayed
+"# + $more + r#"), release AS (
+        UPDATE outbox SET available_at = least(outbox.available_at, p.publish_at)
+        FROM waiting w JOIN path p ON p.job_id = w.job_id
+        WHERE outbox.seq = w.seq
+    )
+    INSERT INTO outbox (seq, topic, key, available_at, traceparent, tracestate)
+    SELECT e.seq, $11, p.key, p.publish_at, p.traceparent, p.tracestate
+    FROM event e JOIN path p ON p.job_id = e.job_id
+    WHERE e.delayed
+    "#,
+            &$rows.event_id,
+            &$rows.job_id,
+            &$rows.stream_version,
+            &$rows.kind as &[&str],
+            &$rows.body,
+            &$rows.key,
+            &$rows.due as &[Option<DateTime<Utc>>],
+            &$rows.traceparent as &[Option<String>],
+            &$rows.tracestate as &[Option<String>],
+            $now,
+            $topic,
+        )
+    };
+}
+
 impl Events {
     /// Appends `payload` as the job's next event (publishable at `available_at`, or at
     /// commit) and advances `job.stream_version`.
@@ -139,25 +199,24 @@ impl Events {
             jobs.push(job);
         }
         // A statement of its own, after `lock_job`: its snapshot sees every earlier writer of
-        // the job committed (see `append_sql!` for the outbox).
-        // Two texts, not a flag: with a parameter deciding whether `jobs` is updated, every
-        // custom plan pruned the update and looked cheaper than the generic plan, so each
-        // call was planned again (380 µs, more than it ran).
-        let sql = if bump { APPEND_AND_BUMP } else { APPEND };
-        sqlx::query(sql)
-            .bind(&rows.event_id)
-            .bind(&rows.job_id)
-            .bind(&rows.stream_version)
-            .bind(&rows.kind)
-            .bind(&rows.body)
-            .bind(&rows.key)
-            .bind(&rows.due)
-            .bind(&rows.traceparent)
-            .bind(&rows.tracestate)
-            .bind(now)
-            .bind(&self.topic)
+        // the job committed (see `append!` for the outbox).
+        let now_at = now;
+        let done = if bump {
+            append!(
+                r#"), bump AS (
+                    UPDATE jobs j SET stream_version = i.stream_version
+                    FROM input i WHERE j.job_id = i.job_id
+                "#,
+                rows,
+                now_at,
+                &self.topic
+            )
             .execute(&mut *tx)
-            .await?;
+            .await
+        } else {
+            append!("", rows, now_at, &self.topic).execute(&mut *tx).await
+        };
+        done?;
         for (job, next) in jobs.into_iter().zip(next) {
             job.stream_version += 1;
             job.state = next;
@@ -203,62 +262,3 @@ impl EventRows {
         }
     }
 }
-
-/// Appends a transaction's events (`$1`–`$9` as arrays, `$10` when they occurred, `$11` the
-/// topic). An event of a job whose earlier event still waits in the outbox goes through the
-/// outbox too, behind it, and the waiting rows become due no later than it: the relay
-/// publishes due rows in log order, so the job's events reach Kafka in stream order.
-macro_rules! append_sql {
-    ($bump:literal) => {
-        concat!(
-            r#"
-    WITH input AS (
-        SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::int[], $4::text[], $5::bytea[],
-                             $6::text[], $7::timestamptz[], $8::text[], $9::text[])
-            WITH ORDINALITY
-            AS i(event_id, job_id, stream_version, kind, body, key, due, traceparent,
-                 tracestate, n)
-    ), waiting AS (
-        SELECT o.seq, e.job_id FROM outbox o JOIN job_events e ON e.seq = o.seq
-        WHERE o.published_at IS NULL AND o.key = ANY($6) AND e.job_id = ANY($2)
-    ), path AS (
-        SELECT i.*,
-               i.due IS NOT NULL
-                   OR EXISTS (SELECT 1 FROM waiting w WHERE w.job_id = i.job_id) AS outbox,
-               coalesce(i.due, clock_timestamp()) AS publish_at
-        FROM input i
-    ), event AS (
-        INSERT INTO job_events (event_id, job_id, stream_version, kind, body, occurred_at,
-                                key, delayed, traceparent, tracestate)
-        SELECT event_id, job_id, stream_version, kind, body, $10, key, outbox,
-               traceparent, tracestate
-        FROM path ORDER BY n
-        RETURNING seq, job_id, delayed
-"#,
-            $bump,
-            r#"), release AS (
-        UPDATE outbox SET available_at = least(outbox.available_at, p.publish_at)
-        FROM waiting w JOIN path p ON p.job_id = w.job_id
-        WHERE outbox.seq = w.seq
-    )
-    INSERT INTO outbox (seq, topic, key, available_at, traceparent, tracestate)
-    SELECT e.seq, $11, p.key, p.publish_at, p.traceparent, p.tracestate
-    FROM event e JOIN path p ON p.job_id = e.job_id
-    WHERE e.delayed
-    "#
-        )
-    };
-}
-
-/// `append_sql!` for callers that write `jobs.stream_version` themselves.
-// language=PostgreSQL
-const APPEND: &str = append_sql!("");
-
-/// `append_sql!`, and each job's `stream_version` set to its event's.
-// language=PostgreSQL
-const APPEND_AND_BUMP: &str = append_sql!(
-    r#"), bump AS (
-    UPDATE jobs j SET stream_version = i.stream_version
-    FROM input i WHERE j.job_id = i.job_id
-"#
-);

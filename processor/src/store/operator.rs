@@ -89,25 +89,24 @@ async fn replay_locked(
         deadline,
     });
     events.append(tx, job, payload, None, None).await?;
-    // language=PostgreSQL
-    sqlx::query(
+    sqlx::query!(
         r#"
-        UPDATE jobs SET state = $6::job_state, attempt = 0, max_attempts = $2, deadline = $3,
+        UPDATE jobs SET state = $6::text::job_state, attempt = 0, max_attempts = $2, deadline = $3,
                         finished_at = NULL, lease_until = NULL, lease_owner = NULL,
                         next_attempt_at = NULL, last_error = NULL,
                         input_version = $4, payload = $5
         WHERE job_id = $1
         "#,
+        job_id,
+        max_attempts,
+        deadline,
+        job.input_version,
+        &job.payload,
+        job.state.as_str(),
     )
-    .bind(job_id)
-    .bind(max_attempts)
-    .bind(deadline)
-    .bind(job.input_version)
-    .bind(&job.payload)
-    .bind(job.state.as_str())
     .execute(&mut *tx)
     .await?;
-    sqlx::query("DELETE FROM quarantine WHERE job_id = $1").bind(job_id).execute(&mut *tx).await?;
+    unquarantine(tx, job_id).await?;
     job.attempt = 0;
     Ok(())
 }
@@ -181,19 +180,9 @@ pub async fn replay_matching(
     policy: &jobfold_common::config::AcceptPolicy,
     request: BulkReplay,
 ) -> anyhow::Result<BulkReplayed> {
-    use jobfold_common::metrics as m;
     let f = &request.filter;
     let count = || {
-        sqlx::query_scalar::<_, i64>(concat!(
-            "SELECT count(*) FROM quarantine q JOIN jobs j USING (job_id) WHERE ",
-            crate::status::quarantine_match!()
-        ))
-        .bind(f.owner.clone())
-        .bind(f.kind.clone())
-        .bind(f.reason.clone())
-        .bind(f.since)
-        .bind(f.until)
-        .fetch_one(pool)
+        quarantine_match!(query_scalar!([] r#"SELECT count(*) AS "count!""#, "", f)).fetch_one(pool)
     };
     let matched = count().await?;
     let mut done = BulkReplayed { dry_run: request.dry_run, matched, ..Default::default() };
@@ -207,19 +196,13 @@ pub async fn replay_matching(
     let mut after = Uuid::nil();
     while (done.replayed as usize) < limit {
         let take = batch.min(limit - done.replayed as usize);
-        // language=PostgreSQL
-        let ids: Vec<Uuid> = sqlx::query_scalar(concat!(
-            "SELECT q.job_id FROM quarantine q JOIN jobs j USING (job_id) WHERE ",
-            crate::status::quarantine_match!(),
-            " AND q.job_id > $6 ORDER BY q.job_id LIMIT $7"
+        let ids = quarantine_match!(query_scalar!(
+            [] "SELECT q.job_id",
+            "AND q.job_id > $6 ORDER BY q.job_id LIMIT $7",
+            f,
+            after,
+            i64::try_from(take).unwrap_or(i64::MAX),
         ))
-        .bind(&f.owner)
-        .bind(&f.kind)
-        .bind(&f.reason)
-        .bind(f.since)
-        .bind(f.until)
-        .bind(after)
-        .bind(i64::try_from(take).unwrap_or(i64::MAX))
         .fetch_all(pool)
         .await?;
         let Some(last) = ids.last() else { break };
@@ -259,7 +242,7 @@ pub async fn replay_matching(
             }
         }
     }
-    metrics::counter!(m::REPLAYED_TOTAL, "how" => "bulk").increment(done.replayed);
+    crate::internal_events::JobsReplayed { count: done.replayed, how: "bulk" }.emit();
     done.remaining = count().await?;
     Ok(done)
 }
@@ -316,15 +299,20 @@ pub async fn cancel(
         reason: request.reason.unwrap_or_default().replace('\0', "\u{fffd}"),
     });
     events.append(tx, &mut job, payload, None, None).await?;
-    // language=PostgreSQL
-    sqlx::query(
-        "UPDATE jobs SET state = $2::job_state, finished_at = now(), lease_until = NULL, \
+    sqlx::query!(
+        "UPDATE jobs SET state = $2::text::job_state, finished_at = now(), lease_until = NULL, \
          lease_owner = NULL, next_attempt_at = NULL WHERE job_id = $1",
+        job_id,
+        job.state.as_str(),
     )
-    .bind(job_id)
-    .bind(job.state.as_str())
     .execute(&mut *tx)
     .await?;
-    sqlx::query("DELETE FROM quarantine WHERE job_id = $1").bind(job_id).execute(&mut *tx).await?;
+    unquarantine(tx, job_id).await?;
     Ok((job, was))
+}
+
+/// Removes the job's quarantine row, if any: it is quarantined no more.
+async fn unquarantine(tx: &mut PgConnection, job_id: Uuid) -> Result<(), sqlx::Error> {
+    sqlx::query!("DELETE FROM quarantine WHERE job_id = $1", job_id).execute(&mut *tx).await?;
+    Ok(())
 }

@@ -1,0 +1,238 @@
+//! What the processor reports as it runs. Each event writes its log line and moves its
+//! metrics in one call (`emit`), with the same fields, so that the two cannot drift apart:
+//! a site says what happened, not how it is counted. Metric names are in [`crate::metrics`].
+
+use std::fmt;
+use std::time::Duration;
+
+use rdkafka::Message;
+use uuid::Uuid;
+
+use crate::metrics as pm;
+
+/// Where a message sits in Kafka: `topic/partition@offset`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Coordinates {
+    pub topic: String,
+    pub partition: i32,
+    pub offset: i64,
+}
+
+impl Coordinates {
+    pub fn of(message: &impl Message) -> Self {
+        Self {
+            topic: message.topic().to_owned(),
+            partition: message.partition(),
+            offset: message.offset(),
+        }
+    }
+}
+
+impl fmt::Display for Coordinates {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}@{}", self.topic, self.partition, self.offset)
+    }
+}
+
+/// A message that could not be handled this time, with where it sits: the consumer tries it
+/// again (its offset is not stored until it is handled).
+#[derive(Debug, thiserror::Error)]
+#[error("message {at}: {cause:#}")]
+pub struct MessageError {
+    pub at: Coordinates,
+    #[source]
+    pub cause: anyhow::Error,
+}
+
+impl MessageError {
+    pub fn at(message: &impl Message, cause: anyhow::Error) -> Self {
+        Self { at: Coordinates::of(message), cause }
+    }
+}
+
+/// A message will be handled again after `backoff` (`stage`: `dispatch`, the events topic's
+/// consumer; `intake`, the requests topic's).
+#[derive(Debug)]
+pub struct MessageRetried<'a> {
+    pub error: &'a MessageError,
+    pub stage: &'static str,
+    pub backoff: Duration,
+}
+
+impl MessageRetried<'_> {
+    pub fn emit(self) {
+        let at = &self.error.at;
+        tracing::warn!(
+            error = %format!("{:#}", self.error.cause),
+            topic = %at.topic,
+            partition = at.partition,
+            offset = at.offset,
+            stage = self.stage,
+            backoff = ?self.backoff,
+            "Message will be handled again."
+        );
+        metrics::counter!(pm::MESSAGE_RETRIES_TOTAL, "stage" => self.stage).increment(1);
+    }
+}
+
+/// A message was stored in `dead_letters` (undecodable, or refused by the database).
+#[derive(Debug)]
+pub struct DeadLettered<'a> {
+    pub at: Coordinates,
+    pub group: &'a str,
+    pub error: &'a str,
+}
+
+impl DeadLettered<'_> {
+    pub fn emit(self) {
+        tracing::warn!(
+            topic = %self.at.topic,
+            partition = self.at.partition,
+            offset = self.at.offset,
+            group = self.group,
+            error = self.error,
+            "Message dead-lettered."
+        );
+        metrics::counter!(pm::DEAD_LETTERS_TOTAL, "topic" => self.at.topic).increment(1);
+    }
+}
+
+/// The consumer group gave this processor `partitions` (`held` now in all).
+#[derive(Debug)]
+pub struct PartitionsAssigned<'a> {
+    pub partitions: &'a [i32],
+    pub held: usize,
+}
+
+impl PartitionsAssigned<'_> {
+    pub fn emit(self) {
+        metrics::gauge!(pm::ASSIGNED_PARTITIONS).set(self.held as f64);
+        tracing::info!(partitions = ?self.partitions, held = self.held, "Partitions assigned.");
+    }
+}
+
+/// The consumer group took `partitions` from this processor (`held` left).
+#[derive(Debug)]
+pub struct PartitionsRevoked<'a> {
+    pub partitions: &'a [i32],
+    pub held: usize,
+}
+
+impl PartitionsRevoked<'_> {
+    pub fn emit(self) {
+        metrics::gauge!(pm::ASSIGNED_PARTITIONS).set(self.held as f64);
+        tracing::info!(partitions = ?self.partitions, held = self.held, "Partitions revoked.");
+    }
+}
+
+/// A partition stopped fetching: it holds its share of buffered messages.
+#[derive(Debug)]
+pub struct PartitionPaused {
+    pub partition: i32,
+}
+
+impl PartitionPaused {
+    pub fn emit(self) {
+        metrics::counter!(pm::PARTITION_PAUSES_TOTAL).increment(1);
+        tracing::debug!(partition = self.partition, "Partition paused: its buffer is full.");
+    }
+}
+
+/// An attempt's completion found another generation holding the job (a zombie's result):
+/// nothing was committed.
+#[derive(Debug)]
+pub struct CompletionFenced {
+    pub job_id: Uuid,
+    pub generation: i64,
+}
+
+impl CompletionFenced {
+    pub fn emit(self) {
+        metrics::counter!(pm::FENCED_COMPLETIONS_TOTAL).increment(1);
+        tracing::warn!(
+            job_id = %self.job_id,
+            generation = self.generation,
+            "Completion fenced: another generation holds the job; result discarded."
+        );
+    }
+}
+
+/// An operator cancelled a job that was `was`.
+#[derive(Debug)]
+pub struct JobCancelled<'a> {
+    pub job_id: Uuid,
+    pub was: &'a str,
+}
+
+impl JobCancelled<'_> {
+    pub fn emit(self) {
+        metrics::counter!(pm::CANCELLED_TOTAL, "was" => self.was.to_owned()).increment(1);
+        tracing::info!(job_id = %self.job_id, was = self.was, "Job cancelled.");
+    }
+}
+
+/// An operator replayed `count` quarantined jobs (`how`: `one`, `bulk`).
+#[derive(Debug)]
+pub struct JobsReplayed {
+    pub count: u64,
+    pub how: &'static str,
+}
+
+impl JobsReplayed {
+    pub fn emit(self) {
+        metrics::counter!(pm::REPLAYED_TOTAL, "how" => self.how).increment(self.count);
+        tracing::info!(count = self.count, how = self.how, "Quarantined jobs replayed.");
+    }
+}
+
+/// A kind's outside service refused an attempt for its quota (429): the kind pauses for
+/// `pause` and its limits are held to `factor`, in every processor.
+#[derive(Debug)]
+pub struct KindThrottled<'a> {
+    pub kind: &'a str,
+    /// The kind as a metric label (bounded: configured kinds only).
+    pub label: &'a str,
+    pub pause: Duration,
+    pub factor: Option<f64>,
+}
+
+impl KindThrottled<'_> {
+    pub fn emit(self) {
+        metrics::counter!(pm::THROTTLED_TOTAL, "kind" => self.label.to_owned()).increment(1);
+        tracing::info!(
+            kind = self.kind,
+            pause = ?self.pause,
+            factor = self.factor,
+            "Kind throttled by its outside service; backing off."
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use rdkafka::Timestamp;
+    use rdkafka::message::OwnedMessage;
+
+    use super::*;
+
+    #[test]
+    fn a_message_error_says_where_the_message_sits_and_keeps_its_cause() {
+        let message = OwnedMessage::new(
+            None,
+            None,
+            "jobfold.job-events".into(),
+            Timestamp::NotAvailable,
+            3,
+            42,
+            None,
+        );
+        let error = MessageError::at(&message, anyhow::anyhow!("connection refused"));
+        assert_eq!(
+            error.at,
+            Coordinates { topic: "jobfold.job-events".into(), partition: 3, offset: 42 }
+        );
+        assert_eq!(error.to_string(), "message jobfold.job-events/3@42: connection refused");
+        let cause = std::error::Error::source(&error).expect("the cause is its source");
+        assert_eq!(cause.to_string(), "connection refused");
+    }
+}

@@ -1,0 +1,192 @@
+//! The processor's metric names, described once at start (with the shared ones of
+//! [`jobfold_common::metrics`]: the processor publishes the job gauges).
+//!
+//! Names follow `jobfold_<thing>_<unit>`; counters end in `_total`. Labels have bounded
+//! cardinality (topic, partition, kind, outcome), never a job id.
+
+use metrics::{Unit, describe_counter, describe_gauge, describe_histogram};
+
+/// Messages the intake could not decode, stored in dead_letters.
+pub const DEAD_LETTERS_TOTAL: &str = "jobfold_dead_letters_total";
+/// Intake requests skipped because their request id was accepted before.
+pub const INTAKE_DUPLICATES_TOTAL: &str = "jobfold_intake_duplicates_total";
+/// Jobs running in this processor.
+pub const IN_FLIGHT: &str = "jobfold_in_flight";
+/// Gauge: messages the processor holds in memory (waiting behind their document, or running).
+pub const BUFFERED_MESSAGES: &str = "jobfold_buffered_messages";
+/// Gauge: partitions paused because they hold their `max_buffered` share.
+pub const PAUSED_PARTITIONS: &str = "jobfold_paused_partitions";
+/// Counter: times a partition was paused because it held its `max_buffered` share.
+pub const PARTITION_PAUSES_TOTAL: &str = "jobfold_partition_pauses_total";
+/// Documents whose next job is of a kind this processor has no handler for: they wait
+/// (a rolling deploy adding a kind) rather than being quarantined.
+pub const WAITING_FOR_HANDLER: &str = "jobfold_waiting_for_handler";
+/// Partitions of the events topic this processor holds in its consumer group.
+pub const ASSIGNED_PARTITIONS: &str = "jobfold_assigned_partitions";
+/// Attempts completed, by outcome: succeeded, retry_scheduled, quarantined, superseded.
+pub const COMPLETED_TOTAL: &str = "jobfold_completed_total";
+/// Redelivered dispatch events skipped as duplicates (by their job row), running nothing.
+pub const DUPLICATES_SKIPPED_TOTAL: &str = "jobfold_duplicates_skipped_total";
+/// Jobs per lease or completion transaction (`transaction` = `lease` | `completion`): the
+/// processor decides every dispatch waiting at once in one transaction.
+pub const TRANSACTION_JOBS: &str = "jobfold_transaction_jobs";
+/// Completions discarded because another generation held the job (zombie workers).
+pub const FENCED_COMPLETIONS_TOTAL: &str = "jobfold_fenced_completions_total";
+/// Heartbeat statements: one a beat renews every lease of this processor that is due.
+pub const HEARTBEAT_STATEMENTS_TOTAL: &str = "jobfold_heartbeat_statements_total";
+/// Gauge: leases this processor holds and keeps alive.
+pub const LEASES_HELD: &str = "jobfold_leases_held";
+/// How long a lease still had to run when its heartbeat renewed it.
+pub const LEASE_MARGIN_SECONDS: &str = "jobfold_lease_margin_seconds";
+/// Gauge: the least of those margins at the last heartbeat (near 0: leases about to lapse).
+pub const LEASE_MARGIN_MIN_SECONDS: &str = "jobfold_lease_margin_min_seconds";
+/// Gauge, by kind: jobs waiting for their kind's quota (rate limit or a 429's pause) in this
+/// processor; they hold no slot and have spent no attempt.
+pub const QUOTA_WAITING: &str = "jobfold_quota_waiting";
+/// Counter, by kind and unit (`requests`, `cost`): quota this processor took.
+pub const QUOTA_TAKEN_TOTAL: &str = "jobfold_quota_taken_total";
+/// Gauge, by kind: the share of its rate limits in force, 1 unless 429s cut it.
+pub const QUOTA_RATE_FACTOR: &str = "jobfold_quota_rate_factor";
+/// Counter, by kind: attempts refused for an outside service's quota (429).
+pub const THROTTLED_TOTAL: &str = "jobfold_throttled_total";
+/// Handler runs started (compare with completions: the difference is crashes and fencing).
+pub const HANDLER_RUNS_TOTAL: &str = "jobfold_handler_runs_total";
+/// Handler duration by kind.
+pub const HANDLER_DURATION_SECONDS: &str = "jobfold_handler_duration_seconds";
+/// Counter: rows deleted by retention, by table.
+pub const RETENTION_DELETED_TOTAL: &str = "jobfold_retention_deleted_total";
+/// Jobs the reaper dispatched again, by reason (lease_expired, stalled).
+pub const REAPER_DISPATCHED_TOTAL: &str = "jobfold_reaper_dispatched_total";
+/// Jobs cancelled, by the state they were in.
+pub const CANCELLED_TOTAL: &str = "jobfold_cancelled_total";
+/// Quarantined jobs replayed, by how (`one`, `bulk`).
+pub const REPLAYED_TOTAL: &str = "jobfold_replayed_total";
+/// Dead letters acted on, by action (`reinjected`, `deleted`).
+pub const DEAD_LETTER_ACTIONS_TOTAL: &str = "jobfold_dead_letter_actions_total";
+/// Messages of a partition after the lowest offset still in flight (what a restart would
+/// read again), by topic and partition; 0 from members not holding the partition.
+pub const CONSUMER_LAG: &str = "jobfold_consumer_lag";
+/// From acceptance to the job's end, by kind and outcome.
+pub const ACCEPT_TO_COMPLETE_SECONDS: &str = "jobfold_accept_to_complete_seconds";
+/// Messages that could not be handled and are handled again, by stage (`dispatch`: the events
+/// topic; `intake`: the requests topic).
+pub const MESSAGE_RETRIES_TOTAL: &str = "jobfold_message_retries_total";
+
+/// Describes every metric above to the installed recorder.
+pub fn describe() {
+    jobfold_common::metrics::describe();
+    describe_counter!(DEAD_LETTERS_TOTAL, Unit::Count, "Undecodable messages dead-lettered.");
+    describe_counter!(
+        INTAKE_DUPLICATES_TOTAL,
+        Unit::Count,
+        "Intake requests already accepted before."
+    );
+    describe_gauge!(IN_FLIGHT, Unit::Count, "Jobs running in this processor.");
+    describe_gauge!(
+        BUFFERED_MESSAGES,
+        Unit::Count,
+        "Messages held in memory: waiting behind their document's running job, or running."
+    );
+    describe_gauge!(PAUSED_PARTITIONS, Unit::Count, "Partitions paused: their buffer is full.");
+    describe_counter!(
+        PARTITION_PAUSES_TOTAL,
+        Unit::Count,
+        "Times a partition was paused because it held its max_buffered share."
+    );
+    describe_gauge!(
+        WAITING_FOR_HANDLER,
+        Unit::Count,
+        "Documents whose next job waits for a kind this processor has no handler for."
+    );
+    describe_gauge!(
+        ASSIGNED_PARTITIONS,
+        Unit::Count,
+        "Partitions of the events topic this processor holds in its consumer group."
+    );
+    describe_counter!(COMPLETED_TOTAL, Unit::Count, "Attempts completed, by outcome.");
+    describe_counter!(
+        DUPLICATES_SKIPPED_TOTAL,
+        Unit::Count,
+        "Redelivered dispatch events skipped as duplicates, running nothing."
+    );
+    describe_histogram!(
+        TRANSACTION_JOBS,
+        Unit::Count,
+        "Jobs per lease or completion transaction, by transaction."
+    );
+    describe_counter!(
+        FENCED_COMPLETIONS_TOTAL,
+        Unit::Count,
+        "Completions discarded: another generation held the job."
+    );
+    describe_counter!(
+        HEARTBEAT_STATEMENTS_TOTAL,
+        Unit::Count,
+        "Heartbeat statements, each renewing every lease of this processor that was due."
+    );
+    describe_gauge!(LEASES_HELD, Unit::Count, "Leases this processor holds and keeps alive.");
+    describe_histogram!(
+        LEASE_MARGIN_SECONDS,
+        Unit::Seconds,
+        "How long a lease still had to run when its heartbeat renewed it."
+    );
+    describe_gauge!(
+        LEASE_MARGIN_MIN_SECONDS,
+        Unit::Seconds,
+        "The least time a lease renewed by the last heartbeat still had to run."
+    );
+    describe_gauge!(
+        QUOTA_WAITING,
+        Unit::Count,
+        "Jobs waiting for their kind's quota in this processor (no slot held, no attempt spent)."
+    );
+    describe_counter!(
+        QUOTA_TAKEN_TOTAL,
+        Unit::Count,
+        "Quota this processor took, by kind and unit."
+    );
+    describe_gauge!(
+        QUOTA_RATE_FACTOR,
+        Unit::Count,
+        "The share of a kind's rate limits in force: 1 unless its outside service answered 429."
+    );
+    describe_counter!(
+        THROTTLED_TOTAL,
+        Unit::Count,
+        "Attempts refused for an outside service's quota (429), by kind."
+    );
+    describe_counter!(HANDLER_RUNS_TOTAL, Unit::Count, "Handler runs started.");
+    describe_histogram!(HANDLER_DURATION_SECONDS, Unit::Seconds, "Handler duration by kind.");
+    describe_counter!(
+        RETENTION_DELETED_TOTAL,
+        Unit::Count,
+        "Rows deleted by retention ([retention]), by table."
+    );
+    describe_counter!(REAPER_DISPATCHED_TOTAL, Unit::Count, "Jobs dispatched again by the reaper.");
+    describe_counter!(CANCELLED_TOTAL, Unit::Count, "Jobs cancelled, by the state they were in.");
+    describe_counter!(
+        REPLAYED_TOTAL,
+        Unit::Count,
+        "Quarantined jobs replayed, one at a time or in bulk."
+    );
+    describe_counter!(
+        DEAD_LETTER_ACTIONS_TOTAL,
+        Unit::Count,
+        "Dead letters re-injected to the intake topic or deleted."
+    );
+    describe_gauge!(
+        CONSUMER_LAG,
+        Unit::Count,
+        "Messages after the lowest offset in flight, by topic and partition."
+    );
+    describe_histogram!(
+        ACCEPT_TO_COMPLETE_SECONDS,
+        Unit::Seconds,
+        "From acceptance to the job's end, by kind and outcome."
+    );
+    describe_counter!(
+        MESSAGE_RETRIES_TOTAL,
+        Unit::Count,
+        "Messages that could not be handled this time and are handled again, by stage."
+    );
+}

@@ -1,0 +1,79 @@
+//! The relay's metric names, described once at start.
+//!
+//! Names follow `jobfold_<thing>_<unit>`; counters end in `_total`. Labels have bounded
+//! cardinality (topic, outcome), never a job id.
+
+use metrics::{Unit, describe_counter, describe_gauge, describe_histogram};
+
+/// Outbox rows published and marked by the relay.
+pub const RELAY_PUBLISHED_TOTAL: &str = "jobfold_relay_published_total";
+/// Deliveries the broker refused or timed out (the rows stay unpublished and are retried).
+pub const RELAY_DELIVERY_ERRORS_TOTAL: &str = "jobfold_relay_delivery_errors_total";
+/// Unpublished outbox rows that are due.
+pub const RELAY_BACKLOG: &str = "jobfold_relay_backlog";
+/// Age of the oldest due, unpublished outbox row.
+pub const RELAY_OLDEST_UNPUBLISHED_AGE_SECONDS: &str =
+    "jobfold_relay_oldest_unpublished_age_seconds";
+/// From an outbox row becoming available (its commit, or its due time) to its delivery report.
+pub const RELAY_PUBLISH_LATENCY_SECONDS: &str = "jobfold_relay_publish_latency_seconds";
+/// 1 while this relay holds the active lock, 0 while it stands by.
+pub const RELAY_ACTIVE: &str = "jobfold_relay_active";
+/// Published outbox rows deleted after the retention period.
+pub const RELAY_PRUNED_TOTAL: &str = "jobfold_relay_pruned_total";
+/// Events parked because Kafka refuses them for what they are, and those waiting behind
+/// them in their documents.
+pub const RELAY_PARKED: &str = "jobfold_relay_parked";
+/// Documents whose events are held in the park.
+pub const RELAY_PARKED_DOCUMENTS: &str = "jobfold_relay_parked_documents";
+/// Events Kafka (or the relay's size check) refused for what they are; each is parked.
+pub const RELAY_REFUSED_TOTAL: &str = "jobfold_relay_refused_total";
+/// How long the cluster's oldest transaction holding an id has been open: the relay reads
+/// only below it, so while it stays open nothing committed after it began is published.
+pub const RELAY_HORIZON_AGE_SECONDS: &str = "jobfold_relay_horizon_age_seconds";
+
+/// Describes every metric above to the installed recorder.
+pub fn describe() {
+    describe_counter!(
+        RELAY_PUBLISHED_TOTAL,
+        Unit::Count,
+        "Events published and recorded (cursor moved or outbox row marked)."
+    );
+    describe_counter!(
+        RELAY_DELIVERY_ERRORS_TOTAL,
+        Unit::Count,
+        "Deliveries refused or timed out; the rows are retried."
+    );
+    describe_gauge!(
+        RELAY_BACKLOG,
+        Unit::Count,
+        "Events the relay still owes Kafka: after its log cursor, or due in the outbox."
+    );
+    describe_gauge!(
+        RELAY_OLDEST_UNPUBLISHED_AGE_SECONDS,
+        Unit::Seconds,
+        "Age of the oldest due, unpublished outbox row."
+    );
+    describe_histogram!(
+        RELAY_PUBLISH_LATENCY_SECONDS,
+        Unit::Seconds,
+        "From an outbox row becoming available to its delivery report."
+    );
+    describe_gauge!(RELAY_ACTIVE, Unit::Count, "1 while this relay is the active one.");
+    describe_counter!(RELAY_PRUNED_TOTAL, Unit::Count, "Published outbox rows pruned.");
+    describe_gauge!(
+        RELAY_PARKED,
+        Unit::Count,
+        "Events parked: refused by Kafka, or waiting behind a refused event of their document."
+    );
+    describe_gauge!(RELAY_PARKED_DOCUMENTS, Unit::Count, "Documents with parked events.");
+    describe_counter!(
+        RELAY_REFUSED_TOTAL,
+        Unit::Count,
+        "Events refused for what they are (size, bytes) and parked."
+    );
+    describe_gauge!(
+        RELAY_HORIZON_AGE_SECONDS,
+        Unit::Seconds,
+        "Age of the cluster's oldest transaction holding an id; the relay reads below it."
+    );
+}
