@@ -897,10 +897,10 @@ async fn log_read(config: &Config, pool: &PgPool, from: (i64, i64)) -> anyhow::R
     loop {
         let batch = jobfold_relay::log::claim(&mut conn, after, config.relay.batch_size).await?;
         // Decoded as the relay decodes them.
-        let positions = batch.positions();
+        let positions = batch.positions()?;
         let Some(last) = positions.last() else { break };
         after = *last;
-        read += batch.events(&config.topics.events).len();
+        read += batch.events(&config.topics.events)?.len();
     }
     Ok(read as f64 / started.elapsed().as_secs_f64())
 }

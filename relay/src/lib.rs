@@ -384,11 +384,11 @@ impl Active<'_> {
         loop {
             let full = batch.len() == size as usize;
             let mut next = log::Batch::default();
-            let positions = batch.positions();
+            let positions = batch.positions()?;
             if let Some(last) = positions.last() {
                 read = *last;
                 // Delayed events are not among them: the outbox sends those.
-                let events = batch.events(topic);
+                let events = batch.events(topic)?;
                 // Postgres reads the next batch while this one is handed to the producer.
                 let conn = &mut self.conn;
                 let shutdown = self.shutdown;

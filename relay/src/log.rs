@@ -20,9 +20,11 @@
 //! ordered by their input versions, which the processor checks; their first events come from
 //! separate accepts.
 
-use sqlx::PgConnection;
+use chrono::{DateTime, Utc};
+use sqlx::postgres::PgRow;
+use sqlx::{PgConnection, Row};
 
-use crate::publish::{Event, StoredEvent};
+use crate::publish::Event;
 
 /// A position in the log, in the order the relay reads it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -88,6 +90,64 @@ pub async fn rewind(conn: &mut PgConnection, count: i64) -> Result<Position, sql
     .await
 }
 
+/// [`claim`]'s statement, as a constant for the hot path and as a `sqlx::query!` that the
+/// compiler checks against the schema like every other: `claim_checked` (never run) binds
+/// the parameters [`claim`] binds and reads each column as the type [`Batch`] reads it by
+/// position (borrowed: `&str` for `String`, `&[u8]` for `Vec<u8>`). One literal feeds both,
+/// so the two cannot differ.
+macro_rules! claim_statement {
+    ($sql:literal) => {
+        const CLAIM: &str = $sql;
+
+        #[allow(dead_code, clippy::type_complexity)]
+        async fn claim_checked(conn: &mut PgConnection) -> Result<(), sqlx::Error> {
+            let rows = sqlx::query!($sql, String::new(), 0_i64, 0_i64).fetch_all(conn).await?;
+            for r in rows {
+                let _columns: (
+                    i64,
+                    String,
+                    Vec<u8>,
+                    DateTime<Utc>,
+                    Option<String>,
+                    Option<String>,
+                    String,
+                    i64,
+                    bool,
+                ) = (
+                    r.seq,
+                    r.key,
+                    r.body,
+                    r.available_at,
+                    r.traceparent,
+                    r.tracestate,
+                    r.kind,
+                    r.xid,
+                    r.delayed,
+                );
+            }
+            Ok(())
+        }
+    };
+}
+
+// An xid8 is sent as a 64-bit integer: read as one (a cast to text and back costs Postgres
+// more than the rest of the row).
+claim_statement!(
+    r#"
+    SELECT e.seq,
+           coalesce(e.key, (SELECT j.document_id FROM jobs j WHERE j.job_id = e.job_id))
+               AS "key!",
+           CASE WHEN e.delayed THEN ''::bytea ELSE e.body END AS "body!",
+           e.occurred_at AS available_at, e.traceparent, e.tracestate, e.kind,
+           e.xid AS "xid: i64", e.delayed
+    FROM job_events e
+    WHERE (e.xid, e.seq) > ($1::text::xid8, $2)
+      AND e.xid < pg_snapshot_xmin(pg_current_snapshot())
+    ORDER BY e.xid, e.seq
+    LIMIT $3
+    "#
+);
+
 /// Up to `limit` events after `after` whose transactions have ended, in cursor order. A
 /// delayed event is in the batch without its body: the outbox sends it when it is due, and the
 /// cursor moves past it like any other. An event's `available_at` is when it occurred.
@@ -99,61 +159,23 @@ pub async fn claim(
     after: Position,
     limit: u32,
 ) -> Result<Batch, sqlx::Error> {
-    // An xid8 is sent as a 64-bit integer: read as one (a cast to text and back costs
-    // Postgres more than the rest of the row).
-    let rows = sqlx::query!(
-        r#"
-        SELECT e.seq,
-               coalesce(e.key, (SELECT j.document_id FROM jobs j WHERE j.job_id = e.job_id))
-                   AS "key!",
-               CASE WHEN e.delayed THEN ''::bytea ELSE e.body END AS "body!",
-               e.occurred_at AS available_at, e.traceparent, e.tracestate, e.kind,
-               e.xid AS "xid: i64", e.delayed
-        FROM job_events e
-        WHERE (e.xid, e.seq) > ($1::text::xid8, $2)
-          AND e.xid < pg_snapshot_xmin(pg_current_snapshot())
-        ORDER BY e.xid, e.seq
-        LIMIT $3
-        "#,
-        after.xid.to_string(),
-        after.seq,
-        i64::from(limit),
-    )
-    .fetch_all(conn)
-    .await?;
-    let rows = rows
-        .into_iter()
-        .map(|r| Entry {
-            position: Position { xid: r.xid, seq: r.seq },
-            delayed: r.delayed,
-            event: StoredEvent {
-                seq: r.seq,
-                topic: None,
-                key: r.key,
-                body: r.body,
-                available_at: r.available_at,
-                traceparent: r.traceparent,
-                tracestate: r.tracestate,
-                kind: r.kind,
-            },
-        })
-        .collect();
+    let rows = sqlx::query(CLAIM)
+        .bind(after.xid.to_string())
+        .bind(after.seq)
+        .bind(i64::from(limit))
+        .fetch_all(conn)
+        .await?;
     Ok(Batch { rows })
 }
 
-/// One event of the log as [`claim`] read it.
-#[derive(Debug)]
-struct Entry {
-    position: Position,
-    /// Sent by the outbox when due, not at commit.
-    delayed: bool,
-    event: StoredEvent,
-}
-
-/// Events read from the log, in cursor order.
+/// Events read from the log, kept as Postgres sent them: the relay produces straight from
+/// them (nothing is copied before librdkafka copies it). Columns are read by position, in
+/// [`CLAIM`]'s order, with the types `claim_checked` holds them to; they are not checked
+/// again per row (`try_get_unchecked`): at thousands of rows a batch, the check cost more
+/// than the decoding.
 #[derive(Debug, Default)]
 pub struct Batch {
-    rows: Vec<Entry>,
+    rows: Vec<PgRow>,
 }
 
 impl Batch {
@@ -166,13 +188,40 @@ impl Batch {
     }
 
     /// Each event's place in the log, in cursor order.
-    pub fn positions(&self) -> Vec<Position> {
-        self.rows.iter().map(|row| row.position).collect()
+    ///
+    /// # Errors
+    /// A row could not be decoded.
+    pub fn positions(&self) -> Result<Vec<Position>, sqlx::Error> {
+        self.rows
+            .iter()
+            .map(|row| {
+                Ok(Position { xid: row.try_get_unchecked(7)?, seq: row.try_get_unchecked(0)? })
+            })
+            .collect()
     }
 
     /// The events to publish at commit (all but the delayed ones), for `topic`, in cursor
     /// order.
-    pub fn events<'a>(&'a self, topic: &'a str) -> Vec<Event<'a>> {
-        self.rows.iter().filter(|row| !row.delayed).map(|row| row.event.event(topic)).collect()
+    ///
+    /// # Errors
+    /// A row could not be decoded.
+    pub fn events<'a>(&'a self, topic: &'a str) -> Result<Vec<Event<'a>>, sqlx::Error> {
+        let mut events = Vec::with_capacity(self.rows.len());
+        for row in &self.rows {
+            if row.try_get_unchecked::<bool, _>(8)? {
+                continue;
+            }
+            events.push(Event {
+                seq: row.try_get_unchecked(0)?,
+                topic,
+                key: row.try_get_unchecked(1)?,
+                body: row.try_get_unchecked(2)?,
+                available_at: row.try_get_unchecked(3)?,
+                traceparent: row.try_get_unchecked(4)?,
+                tracestate: row.try_get_unchecked(5)?,
+                kind: row.try_get_unchecked(6)?,
+            });
+        }
+        Ok(events)
     }
 }
