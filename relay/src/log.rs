@@ -170,7 +170,7 @@ pub async fn claim(
 
 /// Events read from the log, kept as Postgres sent them: the relay produces straight from
 /// them (nothing is copied before librdkafka copies it). Columns are read by position, in
-/// [`CLAIM`]'s order, with the types `claim_checked` holds them to; they are not checked
+/// the statement's order, with the types `claim_checked` holds them to; they are not checked
 /// again per row (`try_get_unchecked`): at thousands of rows a batch, the check cost more
 /// than the decoding.
 #[derive(Debug, Default)]
