@@ -275,6 +275,9 @@ impl Acceptor {
         };
         // A scheduled job's JobRequested goes through the outbox, due at run_at ($14): the
         // relay publishes it then (delayed events' one path), and nothing dispatches it before.
+        // The outbox insert is filtered by the event's `delayed` column, not by `$14` itself:
+        // a parameter that let the planner drop the insert would make every plan for its
+        // values look cheaper than the generic one, and each call would be planned again.
         let inserted = sqlx::query_scalar!(
             r#"
             WITH job AS (
@@ -289,10 +292,10 @@ impl Acceptor {
                                         key, traceparent, tracestate, delayed)
                 SELECT $8, job_id, 1, 'JobRequested', $9, $7, $2, $12, $13, $14 IS NOT NULL
                 FROM job
-                RETURNING seq
+                RETURNING seq, delayed
             ), delayed AS (
                 INSERT INTO outbox (seq, topic, key, available_at, traceparent, tracestate)
-                SELECT seq, $15, $2, $14, $12, $13 FROM event WHERE $14 IS NOT NULL
+                SELECT seq, $15, $2, $14, $12, $13 FROM event WHERE delayed
             )
             SELECT job_id FROM job
             "#,
