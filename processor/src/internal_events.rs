@@ -97,31 +97,24 @@ impl DeadLettered<'_> {
     }
 }
 
-/// The consumer group gave this processor `partitions` (`held` now in all).
+/// The consumer group gave this processor `partitions` (`assigned`) or took them from it;
+/// it holds `held` now.
 #[derive(Debug)]
-pub struct PartitionsAssigned<'a> {
+pub struct PartitionsMoved<'a> {
     pub partitions: &'a [i32],
+    pub assigned: bool,
     pub held: usize,
 }
 
-impl PartitionsAssigned<'_> {
+impl PartitionsMoved<'_> {
     pub fn emit(self) {
         metrics::gauge!(pm::ASSIGNED_PARTITIONS).set(self.held as f64);
-        tracing::info!(partitions = ?self.partitions, held = self.held, "Partitions assigned.");
-    }
-}
-
-/// The consumer group took `partitions` from this processor (`held` left).
-#[derive(Debug)]
-pub struct PartitionsRevoked<'a> {
-    pub partitions: &'a [i32],
-    pub held: usize,
-}
-
-impl PartitionsRevoked<'_> {
-    pub fn emit(self) {
-        metrics::gauge!(pm::ASSIGNED_PARTITIONS).set(self.held as f64);
-        tracing::info!(partitions = ?self.partitions, held = self.held, "Partitions revoked.");
+        let (partitions, held) = (self.partitions, self.held);
+        if self.assigned {
+            tracing::info!(?partitions, held, "Partitions assigned.");
+        } else {
+            tracing::info!(?partitions, held, "Partitions revoked.");
+        }
     }
 }
 

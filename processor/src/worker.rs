@@ -60,8 +60,7 @@ use crate::complete::{Attempt, Completed, Completer};
 use crate::handler::{HandlerError, Handlers, JobContext};
 use crate::heartbeat::Heartbeats;
 use crate::internal_events::{
-    CompletionFenced, MessageError, MessageRetried, PartitionPaused, PartitionsAssigned,
-    PartitionsRevoked,
+    CompletionFenced, MessageError, MessageRetried, PartitionPaused, PartitionsMoved,
 };
 use crate::lease::{Dispatch, Leased, Leaser};
 use crate::metrics as pm;
@@ -133,7 +132,7 @@ impl ConsumerContext for WorkerContext {
                 tracing::warn!(error = %e, "Committing offsets on revoke failed.");
             }
             let held = self.tracker.lock().expect("tracker").held();
-            PartitionsRevoked { partitions: &partitions, held }.emit();
+            PartitionsMoved { partitions: &partitions, assigned: false, held }.emit();
         }
     }
 
@@ -150,7 +149,7 @@ impl ConsumerContext for WorkerContext {
             if let Err(e) = consumer.resume(list) {
                 tracing::warn!(error = %e, "Resuming assigned partitions failed.");
             }
-            PartitionsAssigned { partitions: &partitions, held }.emit();
+            PartitionsMoved { partitions: &partitions, assigned: true, held }.emit();
         }
     }
 }
