@@ -41,7 +41,7 @@ impl Installation {
         // lose its tail, not the part that makes the name unique.
         let database =
             format!("{SCRATCH_DATABASE}{}_{}", Uuid::new_v4().simple(), name.replace('-', "_"));
-        sqlx::query(&format!("CREATE DATABASE {database}")).execute(&admin).await.unwrap();
+        jobfold_common::db::create_database(&admin, &database).await.unwrap();
         admin.close().await;
         let (base, _) = admin_url.rsplit_once('/').unwrap();
         let url = format!("{base}/{database}");
@@ -195,9 +195,7 @@ impl Installation {
         }
         self.pool.close().await;
         let admin = PgPool::connect(&services::database_url()).await.unwrap();
-        let _ = sqlx::query(&format!("DROP DATABASE IF EXISTS {} WITH (FORCE)", self.database))
-            .execute(&admin)
-            .await;
+        let _ = jobfold_common::db::drop_database(&admin, &self.database).await;
     }
 }
 

@@ -27,10 +27,7 @@ async fn main() -> anyhow::Result<()> {
                 .fetch_all(&admin)
                 .await?;
         for name in names {
-            // The name came from pg_database and starts with a fixed prefix; quoted anyway.
-            let quoted = format!("\"{}\"", name.replace('"', "\"\""));
-            sqlx::query(&format!("DROP DATABASE IF EXISTS {quoted} WITH (FORCE)"))
-                .execute(&admin)
+            jobfold_common::db::drop_database(&admin, &name)
                 .await
                 .with_context(|| format!("dropping database {name}"))?;
             dropped += 1;
