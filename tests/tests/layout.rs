@@ -1,0 +1,138 @@
+//! The layout README's "Layout" and "Queries" describe, held to by the sources themselves:
+//! every statement of the product crates checked at compile time, no module of a crate
+//! importing another in a circle, and the processor library free of the command line's
+//! dependencies.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+const PRODUCT_CRATES: [&str; 5] = ["common", "relay", "processor", "cli", "examples"];
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+/// Every `.rs` file under `dir`, with its path relative to `dir`.
+fn sources(dir: &Path) -> Vec<(String, String)> {
+    let mut found = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(at) = stack.pop() {
+        for entry in std::fs::read_dir(&at).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                stack.push(path);
+            } else if path.extension().is_some_and(|e| e == "rs") {
+                let relative = path.strip_prefix(dir).unwrap().to_string_lossy().into_owned();
+                found.push((relative, std::fs::read_to_string(&path).unwrap()));
+            }
+        }
+    }
+    found.sort();
+    found
+}
+
+/// The lines of `text` that are code, not comments.
+fn code(text: &str) -> impl Iterator<Item = &str> {
+    text.lines().filter(|l| !l.trim_start().starts_with("//"))
+}
+
+#[test]
+fn every_statement_of_the_product_crates_is_checked_at_compile_time() {
+    // Calls that take SQL as a runtime string, and the places allowed one, with why.
+    let runtime = [
+        "sqlx::query(",
+        "query::<",
+        "sqlx::query_as(",
+        "sqlx::query_scalar(",
+        "query_as::<",
+        "query_scalar::<",
+        "QueryBuilder",
+        "sqlx::raw_sql(",
+    ];
+    let allowed = BTreeMap::from([
+        // The log read: the literal `query!` checks (claim_statement!), run zero-copy.
+        ("relay/src/log.rs", 1),
+        // A database's name, quoted by Postgres's format('%I') in a checked query.
+        ("common/src/db.rs", 2),
+        // The bench's own tables: cli/sql/bench.sql, which docker/sqlx.sh applies too.
+        ("cli/src/bench.rs", 1),
+    ]);
+    let mut found: BTreeMap<String, usize> = BTreeMap::new();
+    for krate in PRODUCT_CRATES {
+        for (file, text) in sources(&root().join(krate).join("src")) {
+            let calls = code(&text)
+                .map(|line| runtime.iter().filter(|call| line.contains(*call)).count())
+                .sum::<usize>();
+            if calls > 0 {
+                found.insert(format!("{krate}/src/{file}"), calls);
+            }
+        }
+    }
+    let allowed: BTreeMap<String, usize> =
+        allowed.into_iter().map(|(file, n)| (file.to_owned(), n)).collect();
+    assert_eq!(
+        found, allowed,
+        "SQL run from a runtime string: make it a sqlx::query! (README, \"Queries\")"
+    );
+    // The checked ones are there: one offline data file per statement.
+    let checked = std::fs::read_dir(root().join(".sqlx")).unwrap().count();
+    assert!(checked >= 100, "only {checked} statements in .sqlx/");
+}
+
+#[test]
+fn no_module_of_a_crate_imports_another_in_a_circle() {
+    for krate in ["common", "relay", "processor", "cli"] {
+        // Each top-level module and the modules its code (not its comments) names.
+        let mut uses: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+        for (file, text) in sources(&root().join(krate).join("src")) {
+            let module = file.split(['/', '.']).next().unwrap().to_owned();
+            if module == "lib" || module == "main" || module == "bin" {
+                continue;
+            }
+            let named = uses.entry(module.clone()).or_default();
+            for line in code(&text) {
+                for (at, _) in line.match_indices("crate::") {
+                    let rest = &line[at + "crate::".len()..];
+                    let end = rest
+                        .find(|c: char| !(c.is_ascii_lowercase() || c == '_'))
+                        .unwrap_or(rest.len());
+                    let other = &rest[..end];
+                    if !other.is_empty() && other != module {
+                        named.insert(other.to_owned());
+                    }
+                }
+            }
+        }
+        for (module, named) in &uses {
+            // A module reaching itself through those it names is a circle.
+            let mut seen = BTreeSet::new();
+            let mut stack: Vec<&String> = named.iter().collect();
+            while let Some(next) = stack.pop() {
+                assert_ne!(next, module, "{krate}: {module} imports itself through {seen:?}");
+                if seen.insert(next.clone()) {
+                    stack.extend(uses.get(next).into_iter().flatten());
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn the_processor_library_depends_on_nothing_only_the_command_line_needs() {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let tree = Command::new(cargo)
+        .args(["tree", "--locked", "--offline", "-p", "jobfold-processor", "-e", "normal"])
+        .current_dir(root())
+        .output()
+        .expect("running cargo tree");
+    assert!(tree.status.success(), "{}", String::from_utf8_lossy(&tree.stderr));
+    let tree = String::from_utf8(tree.stdout).unwrap();
+    assert!(tree.contains("jobfold-common"), "{tree}");
+    for dependency in ["arrow", "parquet", "indicatif", "jobfold-relay", "jobfold-cli"] {
+        assert!(
+            !tree.lines().any(|l| l.contains(&format!(" {dependency}"))),
+            "jobfold-processor depends on {dependency}:\n{tree}"
+        );
+    }
+}
