@@ -163,6 +163,10 @@ async fn register_index_kind(pool: &sqlx::PgPool) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The trivial job the end-to-end bursts run: `jobfold-examples`' `noop`, which does nothing
+/// and writes nothing, as the peers' benchmark jobs do.
+const TRIVIAL_KIND: &str = "noop";
+
 fn job(i: usize) -> NewJob {
     NewJob {
         document_id: format!("doc-{i}"),
@@ -652,42 +656,21 @@ async fn measure_processing(
             )),
     );
 
-    // Throughput: a burst, accepted in batches, until every job succeeded. Its end is read
-    // from the processor's counter, so the wait loads neither Postgres nor the processor's
-    // hot path; one count confirms it.
-    let burst = sizes.e2e_jobs;
+    // Throughput: a burst of trivial jobs (what the peers' benchmarks run), accepted in
+    // batches, until every job succeeded.
     let relay_pid = relay.child.id().context("the relay's pid")?;
-    let settled = settle(sizes.settle).await;
-    let cpu = CpuByComponent::now(relay_pid, a_pid);
-    let started = Instant::now();
-    for chunk in (0..burst).collect::<Vec<_>>().chunks(sizes.batch) {
-        let jobs: Vec<NewJob> = chunk.iter().map(|i| job(offset + i)).collect();
-        acceptor.accept_batch(&pool, &jobs).await?;
-    }
-    // The slow jobs came first: they count in both.
-    wait_succeeded(a.metrics, offset + burst, Duration::from_secs(900)).await?;
-    let burst_rate = burst as f64 / started.elapsed().as_secs_f64();
-    let cpu = cpu.zip(CpuByComponent::now(relay_pid, a_pid));
-    wait_finished(&pool, offset + burst, Duration::from_secs(60)).await?;
-    offset += burst;
-    let burst_row = rows.len();
-    let mut burst_note = String::new();
-    if let Some((before, after)) = cpu {
-        burst_note = format!("; CPU per job: {}", before.per_job(&after, burst as f64));
-        if let Some(waited) = settled {
-            write!(
-                burst_note,
-                " (started once the machine was idle, after {:.0} s)",
-                waited.as_secs_f64()
-            )?;
-        }
-    }
-    rows.push(Row::new("end to end, trivial handler, burst").rate(burst_rate));
+    let run = Runner { acceptor: &acceptor, pool: &pool, sizes, relay_pid, processor: &a };
+    let trivial = run.burst(offset, &|i| NewJob { kind: TRIVIAL_KIND.into(), ..job(i) }).await?;
+    offset += sizes.e2e_jobs;
+    let burst_rate = trivial.rate;
+    rows.push(trivial.row("end to end, trivial handler, burst", "noop: does nothing", limits));
 
     // Latency: a steady load at half the burst rate.
     let steady_rate = (burst_rate / 2.0).max(10.0);
     let since = sqlx::query_scalar!(r#"SELECT now() AS "now!""#).fetch_one(&pool).await?;
-    let steady = paced(&acceptor, &pool, offset, steady_rate, sizes.steady_secs, &job).await?;
+    let trivial_job = |i| NewJob { kind: TRIVIAL_KIND.into(), ..job(i) };
+    let steady =
+        paced(&acceptor, &pool, offset, steady_rate, sizes.steady_secs, &trivial_job).await?;
     offset += steady;
     wait_finished(&pool, offset, Duration::from_secs(300)).await?;
     let latencies = sqlx::query_scalar!(
@@ -704,10 +687,20 @@ async fn measure_processing(
             .note(format!("accept -> succeeded, {} jobs", latencies.len())),
     );
 
+    // The same burst of index-document jobs: a handler with a business write of its own
+    // (one upsert a job in the completion transaction) and a result of a few hundred bytes.
+    let indexing = run.burst(offset, &job).await?;
+    offset += sizes.e2e_jobs;
+    rows.push(indexing.row(
+        "end to end, index-document burst",
+        "index-document: tokenizes and upserts its document's index",
+        limits,
+    ));
+
     for (name, pid) in [("processor peak RSS", a_pid), ("relay peak RSS, end to end", relay_pid)] {
         let rss = peak_rss_mib(pid)?;
         rows.push(Row::new(name).versus(rss, 64.0, "64 MiB").note(format!(
-            "{rss:.1} MiB (VmHWM) after the {burst}-job burst, steady and slow runs"
+            "{rss:.1} MiB (VmHWM) after the slow jobs, the bursts and the steady run"
         )));
     }
 
@@ -778,25 +771,6 @@ async fn measure_processing(
     );
     wait_finished(&pool, offset, Duration::from_secs(300)).await?;
 
-    // What one job costs: rows written (inserted, updated or deleted) and Kafka messages.
-    let (writes, events, commits) = per_job_costs(&pool).await?;
-    let jobs = offset as f64;
-    let (writes, messages, commits) = (writes / jobs, events / jobs, commits / jobs);
-    let row = &mut rows[burst_row];
-    // Lease and completion transactions are shared by the jobs waiting at once.
-    *row = std::mem::take(row)
-        .versus(
-            commits * burst_rate,
-            limits.commit_16,
-            &format!("16-client commits at {commits:.2} processor commits/job"),
-        )
-        .note(format!(
-            "{burst} jobs accept -> succeeded, 1 processor; per job {messages:.1} Kafka messages \
-             ({:.1}% of the raw producer), {writes:.1} rows written ({:.1}% of multi-row insert), \
-             {commits:.2} lease and completion commits{burst_note}",
-            100.0 * burst_rate * messages / limits.producer,
-            100.0 * burst_rate * writes / limits.rows
-        ));
     a.child.start_kill()?;
     relay.child.start_kill()?;
     a.child.wait().await?;
@@ -804,6 +778,102 @@ async fn measure_processing(
     pool.close().await;
     Ok(())
 }
+/// What an end-to-end burst runs against: the bench's client, the processing database, the
+/// relay and the one processor.
+struct Runner<'a> {
+    acceptor: &'a Acceptor,
+    pool: &'a PgPool,
+    sizes: Sizes,
+    relay_pid: u32,
+    processor: &'a crate::demo::Process,
+}
+
+/// One burst's figures.
+struct Burst {
+    jobs: usize,
+    rate: f64,
+    /// CPU per job by component, and how long the machine took to be idle first.
+    cpu: String,
+    /// Per job: rows written, events logged (each a Kafka message), lease and completion
+    /// commits.
+    writes: f64,
+    messages: f64,
+    commits: f64,
+}
+
+impl Runner<'_> {
+    /// Accepts `sizes.e2e_jobs` jobs made by `make` (from `offset`, the jobs accepted so far,
+    /// every one of them succeeded) in batches, and waits until all succeeded: the end read
+    /// from the processor's counter, so that waiting loads neither Postgres nor the
+    /// processor's hot path. Its costs per job are read over the burst alone.
+    async fn burst(
+        &self,
+        offset: usize,
+        make: &(dyn Fn(usize) -> NewJob + Sync),
+    ) -> anyhow::Result<Burst> {
+        let jobs = self.sizes.e2e_jobs;
+        let before = per_job_costs(self.pool).await?;
+        let settled = settle(self.sizes.settle).await;
+        let pid = self.processor.child.id().context("the processor's pid")?;
+        let cpu = CpuByComponent::now(self.relay_pid, pid);
+        let started = Instant::now();
+        for chunk in (offset..offset + jobs).collect::<Vec<_>>().chunks(self.sizes.batch) {
+            let batch: Vec<NewJob> = chunk.iter().map(|i| make(*i)).collect();
+            self.acceptor.accept_batch(self.pool, &batch).await?;
+        }
+        wait_succeeded(self.processor.metrics, offset + jobs, Duration::from_secs(900)).await?;
+        let rate = jobs as f64 / started.elapsed().as_secs_f64();
+        let cpu = cpu.zip(CpuByComponent::now(self.relay_pid, pid));
+        wait_finished(self.pool, offset + jobs, Duration::from_secs(60)).await?;
+        let after = per_job_costs(self.pool).await?;
+        let mut note = String::new();
+        if let Some((before, after)) = cpu {
+            note = format!("; CPU per job: {}", before.per_job(&after, jobs as f64));
+            if let Some(waited) = settled {
+                write!(
+                    note,
+                    " (started once the machine was idle, after {:.0} s)",
+                    waited.as_secs_f64()
+                )?;
+            }
+        }
+        let per = |a: f64, b: f64| (b - a) / jobs as f64;
+        Ok(Burst {
+            jobs,
+            rate,
+            cpu: note,
+            writes: per(before.0, after.0),
+            messages: per(before.1, after.1),
+            commits: per(before.2, after.2),
+        })
+    }
+}
+
+impl Burst {
+    /// The table's row: the rate next to the 16-client commit limit at the commits a job
+    /// took, and what a job cost.
+    fn row(&self, name: &str, handler: &str, limits: &Limits) -> Row {
+        let Self { jobs, rate, writes, messages, commits, .. } = *self;
+        // Lease and completion transactions are shared by the jobs waiting at once.
+        Row::new(name)
+            .rate(rate)
+            .versus(
+                commits * rate,
+                limits.commit_16,
+                &format!("16-client commits at {commits:.2} processor commits/job"),
+            )
+            .note(format!(
+                "{jobs} jobs accept -> succeeded, 1 processor, {handler}; per job \
+                 {messages:.1} Kafka messages ({:.1}% of the raw producer), {writes:.1} rows \
+                 written ({:.1}% of multi-row insert), {commits:.2} lease and completion \
+                 commits{}",
+                100.0 * rate * messages / limits.producer,
+                100.0 * rate * writes / limits.rows,
+                self.cpu,
+            ))
+    }
+}
+
 /// Waits until the machine is idle — less than a tenth of its cores busy over a second —
 /// so that what an earlier measurement left (the broker deleting the topics it dropped) does
 /// not land in the next; how long it took, or `None` if it was not idle within `at_most` or

@@ -8,12 +8,14 @@
 //!
 //! Each writes one business table, only over an older version of the same document, in the
 //! completion transaction; the tables come with migrations of their own ([`MIGRATOR`]).
+//! A fourth, [`noop`], is the trivial job benchmarks run: it does nothing and writes nothing.
 //! `examples/python/worker.py` is a handler in Python over the HTTP protocol.
 //!
-//! The binary `jobfold-examples` is a processor running the three.
+//! The binary `jobfold-examples` is a processor running the four.
 
 pub mod audio;
 pub mod index;
+pub mod noop;
 pub mod summarize;
 
 use jobfold_processor::handler::Committed;

@@ -1,5 +1,5 @@
 //! `jobfold-examples`: a processor running the design's three jobs — `index-document`,
-//! `summarize-conversation` and `convert-audio` — and every kind its configuration names a
+//! `summarize-conversation` and `convert-audio` —, the trivial `noop` and every kind its configuration names a
 //! URL for (`[kinds.<kind>] url`, such as `examples/python/worker.py`).
 //!
 //! ```sh
@@ -13,7 +13,7 @@ use std::time::Duration;
 use clap::Parser;
 use jobfold_common::config::{self, Config};
 use jobfold_common::{db, shutdown, telemetry};
-use jobfold_examples::{audio, index, summarize};
+use jobfold_examples::{audio, index, noop, summarize};
 
 /// Runs the example jobs.
 #[derive(Debug, Parser)]
@@ -72,6 +72,7 @@ async fn main() -> anyhow::Result<()> {
             .handler(index::KIND, index::IndexDocument)
             .handler(summarize::KIND, summarize)
             .handler(audio::KIND, audio)
+            .handler(noop::KIND, noop::Noop)
             .run(shutdown::on_signal())
             .await
     };
