@@ -119,6 +119,12 @@ impl Quotas {
         self.limits.get(kind).is_some_and(|l| l.cost_per_second > 0.0)
     }
 
+    /// Whether [`Quotas::admit`] may make a job of `kind` wait: its kind is limited, or
+    /// paused now.
+    pub fn may_wait(&self, kind: &str) -> bool {
+        self.limits.contains_key(kind) || self.paused.lock().expect("paused").contains_key(kind)
+    }
+
     /// Waits until a job of `kind` costing `cost` may start: its kind not paused, and
     /// (for a limited kind) a request and `cost` taken from the shared buckets. Dropping
     /// the future gives up the wait, having taken nothing.

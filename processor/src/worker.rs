@@ -74,6 +74,7 @@ const RETRY_MAX: Duration = Duration::from_secs(10);
 pub struct WorkerContext {
     tracker: Arc<Mutex<Tracker>>,
     buffer: Arc<Mutex<Buffer>>,
+    queues: Arc<Mutex<Queues>>,
     revoke_timeout: Duration,
     topic: String,
     /// Partitions whose lag this member reported, so it reports 0 once it lost them.
@@ -121,6 +122,17 @@ impl ConsumerContext for WorkerContext {
         if let Rebalance::Revoke(list) = rebalance {
             let partitions: Vec<i32> = list.elements().iter().map(|e| e.partition()).collect();
             self.tracker.lock().expect("tracker").revoke(&partitions);
+            // What waits for a slot is let go at once, for redelivery to the next owner.
+            let dropped = self.queues.lock().expect("queues").take_partitions(&partitions);
+            {
+                let mut tracker = self.tracker.lock().expect("tracker");
+                let mut buffer = self.buffer.lock().expect("buffer");
+                for queued in dropped {
+                    tracker.abandon(queued.ticket);
+                    buffer.remove(queued.ticket.partition, queued.bytes);
+                }
+                metrics::gauge!(pm::BUFFERED_MESSAGES).set(buffer.messages() as f64);
+            }
             // Running jobs of these partitions may finish (bounded), so their offsets count.
             let deadline = std::time::Instant::now() + self.revoke_timeout;
             while self.tracker.lock().expect("tracker").in_flight(&partitions) > 0
@@ -161,6 +173,71 @@ struct Queued {
     bytes: usize,
 }
 
+/// The documents with messages in memory. A document is here from its first message until
+/// its queue is empty and no task runs it; it is then either in `ready` (waiting for a slot,
+/// as nothing more than its queued messages) or being run by the one task a slot started.
+#[derive(Default)]
+struct Queues {
+    /// Per document: the messages no task has taken yet.
+    waiting: HashMap<String, VecDeque<Queued>>,
+    /// Documents with a message to run and no task, in the order they became ready.
+    ready: VecDeque<String>,
+}
+
+impl Queues {
+    /// Holds `queued` for `key`; true if the document just became ready.
+    fn push(&mut self, key: &str, queued: Queued) -> bool {
+        if let Some(queue) = self.waiting.get_mut(key) {
+            queue.push_back(queued);
+            return false;
+        }
+        // Most documents hold one message at a time: no room for more until they do.
+        let mut queue = VecDeque::with_capacity(1);
+        queue.push_back(queued);
+        self.waiting.insert(key.to_owned(), queue);
+        self.ready.push_back(key.to_owned());
+        true
+    }
+
+    /// The next message of `key`, for the task running it; `None` (and the document
+    /// forgotten) if none is left.
+    fn next(&mut self, key: &str) -> Option<Queued> {
+        let next = self.waiting.get_mut(key).and_then(VecDeque::pop_front);
+        if next.is_none() {
+            self.waiting.remove(key);
+        }
+        next
+    }
+
+    /// After its task ran one message: `key` goes to the back of `ready` if more are queued
+    /// (so a busy document takes its turn with the others), else it is forgotten. True if it
+    /// is ready again.
+    fn done(&mut self, key: String) -> bool {
+        match self.waiting.get(&key) {
+            Some(queue) if !queue.is_empty() => {
+                self.ready.push_back(key);
+                true
+            }
+            _ => {
+                self.waiting.remove(&key);
+                false
+            }
+        }
+    }
+
+    /// Takes out every queued message of `partitions` (revoked).
+    fn take_partitions(&mut self, partitions: &[i32]) -> Vec<Queued> {
+        let mut taken = Vec::new();
+        for queue in self.waiting.values_mut() {
+            if queue.front().is_some_and(|q| partitions.contains(&q.ticket.partition)) {
+                // A document's messages all come from one partition (its key's).
+                taken.extend(queue.drain(..));
+            }
+        }
+        taken
+    }
+}
+
 /// What the tasks share.
 struct Shared {
     config: Config,
@@ -187,8 +264,10 @@ struct Shared {
     /// The kinds' rate limits and 429 pauses, shared with the group's other processors.
     quotas: Arc<crate::quota::Quotas>,
     tracker: Arc<Mutex<Tracker>>,
-    /// Per document: messages waiting behind the one running.
-    queues: Mutex<HashMap<String, VecDeque<Queued>>>,
+    /// The documents with messages in memory, and those waiting for a slot.
+    queues: Arc<Mutex<Queues>>,
+    /// Wakes the dispatcher when a document became ready.
+    ready: tokio::sync::Notify,
     shutdown: CancellationToken,
 }
 
@@ -209,9 +288,11 @@ pub async fn run(
         messages: config.processor.max_buffered,
         bytes: config.processor.max_buffered_bytes,
     })));
+    let queues = Arc::new(Mutex::new(Queues::default()));
     let context = WorkerContext {
         tracker: Arc::clone(&tracker),
         buffer: Arc::clone(&buffer),
+        queues: Arc::clone(&queues),
         revoke_timeout: config.processor.revoke_timeout,
         topic: config.topics.events.clone(),
         lag_reported: Mutex::default(),
@@ -259,7 +340,8 @@ pub async fn run(
         heartbeats,
         quotas,
         tracker,
-        queues: Mutex::new(HashMap::new()),
+        queues,
+        ready: tokio::sync::Notify::new(),
         shutdown: shutdown.clone(),
     });
     let reaper = tokio::spawn(crate::reaper::run(
@@ -273,6 +355,7 @@ pub async fn run(
         shared.pool.clone(),
         shutdown.clone(),
     ));
+    let dispatcher = tokio::spawn(dispatch(Arc::clone(&shared)));
     loop {
         let message = tokio::select! {
             biased;
@@ -318,23 +401,11 @@ pub async fn run(
             metrics::gauge!(pm::BUFFERED_MESSAGES).set(buffer.messages() as f64);
         }
         let queued = Queued { message, ticket, bytes };
-        let start_task = {
-            let mut queues = shared.queues.lock().expect("queues");
-            match queues.get_mut(&key) {
-                Some(queue) => {
-                    queue.push_back(queued);
-                    None
-                }
-                None => {
-                    queues.insert(key.clone(), VecDeque::new());
-                    Some(queued)
-                }
-            }
-        };
-        if let Some(first) = start_task {
-            tokio::spawn(drain_key(Arc::clone(&shared), key, first));
+        if shared.queues.lock().expect("queues").push(&key, queued) {
+            shared.ready.notify_one();
         }
     }
+    dispatcher.abort();
     // Soft stop: running jobs finish, bounded.
     let all = shared.config.processor.max_in_flight as u32;
     let drained = tokio::time::timeout(
@@ -380,14 +451,27 @@ struct Slot {
 impl Slot {
     /// Waits for a slot of `kind` (if it has its own `concurrency`), then for its kind's
     /// quota ([`crate::quota`]), then for one of the process's slots — the kind's first, so
-    /// jobs waiting for their kind or its quota hold none of the process's slots.
-    /// `Ok(None)` if the shutdown or `revoked` came first.
+    /// jobs waiting for their kind or its quota hold none of the process's slots: `held`, a
+    /// process slot the caller has, is kept only if neither may make it wait, else given
+    /// back first. `Ok(None)` if the shutdown or `revoked` came first.
     async fn acquire(
         shared: &Shared,
         kind: &str,
         cost: u64,
         revoked: &CancellationToken,
+        held: Option<OwnedSemaphorePermit>,
     ) -> anyhow::Result<Option<Self>> {
+        let max = shared.config.processor.max_in_flight;
+        if let Some(own) = held {
+            if !shared.kind_slots.contains_key(kind) && !shared.quotas.may_wait(kind) {
+                metrics::gauge!(pm::IN_FLIGHT).set((max - shared.slots.available_permits()) as f64);
+                return Ok(Some(Self {
+                    _permits: (None, own),
+                    slots: Arc::clone(&shared.slots),
+                    max,
+                }));
+            }
+        }
         let wait = async {
             let of_kind = match shared.kind_slots.get(kind) {
                 Some(slots) => Some(Arc::clone(slots).acquire_owned().await?),
@@ -404,7 +488,6 @@ impl Slot {
             _ = revoked.cancelled() => return Ok(None),
             permits = wait => permits?,
         };
-        let max = shared.config.processor.max_in_flight;
         metrics::gauge!(pm::IN_FLIGHT).set((max - shared.slots.available_permits()) as f64);
         Ok(Some(Self { _permits: permits, slots: Arc::clone(&shared.slots), max }))
     }
@@ -424,43 +507,55 @@ fn hostname() -> String {
         .unwrap_or_else(|_| "host".into())
 }
 
-/// Runs `first`, then whatever queued behind it for the same document, then retires.
-async fn drain_key(shared: Arc<Shared>, key: String, first: Queued) {
-    let mut next = Some(first);
-    while let Some(queued) = next.take() {
-        let ticket = queued.ticket;
-        // After shutdown or revoke, queued messages are left for redelivery.
-        let current = !shared.shutdown.is_cancelled()
-            && shared.tracker.lock().expect("tracker").is_current(&ticket);
-        // Boxed: allocated while a message is handled, not for as long as its queue lives.
-        let finished = current && Box::pin(handle(&shared, &queued.message, &ticket)).await;
-        let store = {
-            let mut tracker = shared.tracker.lock().expect("tracker");
-            if finished {
-                tracker.finish(ticket)
-            } else {
-                tracker.abandon(ticket);
-                None
-            }
+/// Starts a task for the next ready document whenever one of the process's slots is free,
+/// so that a document waiting for a slot costs only its queued messages, not a task: a
+/// burst of many documents is held in little memory.
+async fn dispatch(shared: Arc<Shared>) {
+    loop {
+        while shared.queues.lock().expect("queues").ready.is_empty() {
+            shared.ready.notified().await;
+        }
+        let Ok(permit) = Arc::clone(&shared.slots).acquire_owned().await else { return };
+        let Some(key) = shared.queues.lock().expect("queues").ready.pop_front() else {
+            continue;
         };
-        if let Some(offset) = store {
-            store_offset(&shared, queued.message.topic(), ticket.partition, offset);
+        tokio::spawn(run_next(Arc::clone(&shared), key, permit));
+    }
+}
+
+/// Runs the next message of `key`'s document in the slot `permit`, then puts the document
+/// back in line if more of its messages are queued.
+async fn run_next(shared: Arc<Shared>, key: String, permit: OwnedSemaphorePermit) {
+    let Some(queued) = shared.queues.lock().expect("queues").next(&key) else { return };
+    let ticket = queued.ticket;
+    // After shutdown or revoke, queued messages are left for redelivery.
+    let current = !shared.shutdown.is_cancelled()
+        && shared.tracker.lock().expect("tracker").is_current(&ticket);
+    // Boxed: allocated while a message is handled, not for as long as its queue lives.
+    let finished =
+        current && Box::pin(handle(&shared, &queued.message, &ticket, Some(permit))).await;
+    let store = {
+        let mut tracker = shared.tracker.lock().expect("tracker");
+        if finished {
+            tracker.finish(ticket)
+        } else {
+            tracker.abandon(ticket);
+            None
         }
-        {
-            let mut buffer = shared.buffer.lock().expect("buffer");
-            if buffer.remove(ticket.partition, queued.bytes) {
-                pause_or_resume(&shared, &buffer, &queued.message, false);
-            }
-            metrics::gauge!(pm::BUFFERED_MESSAGES).set(buffer.messages() as f64);
+    };
+    if let Some(offset) = store {
+        store_offset(&shared, queued.message.topic(), ticket.partition, offset);
+    }
+    {
+        let mut buffer = shared.buffer.lock().expect("buffer");
+        if buffer.remove(ticket.partition, queued.bytes) {
+            pause_or_resume(&shared, &buffer, &queued.message, false);
         }
-        drop(queued);
-        let mut queues = shared.queues.lock().expect("queues");
-        match queues.get_mut(&key).and_then(VecDeque::pop_front) {
-            Some(following) => next = Some(following),
-            None => {
-                queues.remove(&key);
-            }
-        }
+        metrics::gauge!(pm::BUFFERED_MESSAGES).set(buffer.messages() as f64);
+    }
+    drop(queued);
+    if shared.queues.lock().expect("queues").done(key) {
+        shared.ready.notify_one();
     }
 }
 
@@ -485,13 +580,23 @@ fn store_offset(shared: &Shared, topic: &str, partition: i32, offset: i64) {
     }
 }
 
-/// Handles one message to the end. False if it was left unfinished (shutdown or revoke):
-/// its offset must not be stored.
-async fn handle(shared: &Shared, message: &OwnedMessage, ticket: &Ticket) -> bool {
+/// Handles one message to the end, starting in the process's slot `permit`. False if it
+/// was left unfinished (shutdown or revoke): its offset must not be stored. While it waits
+/// to try again (no handler here, another worker's live lease, an error) it holds no slot.
+async fn handle(
+    shared: &Shared,
+    message: &OwnedMessage,
+    ticket: &Ticket,
+    mut permit: Option<OwnedSemaphorePermit>,
+) -> bool {
     let mut backoff = RETRY_MIN;
     let mut announced = false;
     loop {
-        match try_handle(shared, message, ticket).await {
+        let step = try_handle(shared, message, ticket, &mut permit).await;
+        if !matches!(step, Ok(Step::Done | Step::Interrupted)) {
+            permit = None;
+        }
+        match step {
             Ok(Step::Done) => return true,
             Ok(Step::Interrupted) => return false,
             Ok(Step::NoHandler(kind)) => {
@@ -584,6 +689,7 @@ async fn try_handle(
     shared: &Shared,
     message: &OwnedMessage,
     ticket: &Ticket,
+    permit: &mut Option<OwnedSemaphorePermit>,
 ) -> anyhow::Result<Step> {
     let Some(payload) = message.payload() else {
         set_aside(shared, message, "message has no value").await?;
@@ -617,7 +723,9 @@ async fn try_handle(
     } else {
         1
     };
-    let Some(_slot) = Box::pin(Slot::acquire(shared, &event.job_kind, cost, &revoked)).await?
+    let held = permit.take();
+    let Some(_slot) =
+        Box::pin(Slot::acquire(shared, &event.job_kind, cost, &revoked, held)).await?
     else {
         return Ok(Step::Interrupted);
     };
