@@ -6,7 +6,8 @@
 //!
 //! Concurrency: jobs of different documents run at once, up to `processor.max_in_flight`;
 //! one document's events run one after another, in partition order (each document has one
-//! queue and one task draining it). A slot is held only while a job is leased, running and
+//! queue; a task is started for its next message when a slot is free, and the document
+//! goes back in line after it, so a document waiting costs only its queued messages). A slot is held only while a job is leased, running and
 //! completing: a message waiting behind its document's running job, for its kind's
 //! `concurrency`, or for a retry holds none, so a document with a thousand versions queued
 //! takes one slot and the other documents take the rest. What each partition holds in
@@ -66,6 +67,11 @@ use crate::lease::{Dispatch, Leased, Leaser};
 use crate::metrics as pm;
 use crate::offsets::{Ticket, Tracker};
 use crate::store::Events;
+
+/// librdkafka's read-ahead for the processors (each may be set in `[kafka]`): a few
+/// thousand messages a partition and 4 MiB in all keep the fetches large and the memory small.
+const PREFETCH: &[(&str, &str)] =
+    &[("queued.min.messages", "5000"), ("queued.max.messages.kbytes", "4096")];
 
 const RETRY_MIN: Duration = Duration::from_millis(100);
 const RETRY_MAX: Duration = Duration::from_secs(10);
@@ -299,6 +305,14 @@ pub async fn run(
     };
     let mut client = config.kafka_client_with(jobfold_common::kafka::CONSUMER_DEFAULTS);
     client.set("group.id", &config.processor.group);
+    // What librdkafka fetches ahead is bounded as the buffer is: by default it holds up to
+    // 100,000 messages a partition or 64 MiB, which a burst fills (two in three of them
+    // events passed over) while the buffer holds its own.
+    for (key, value) in PREFETCH {
+        if !config.kafka.0.contains_key(*key) {
+            client.set(*key, *value);
+        }
+    }
     if !config.kafka.0.contains_key("statistics.interval.ms") {
         let interval = config.processor.gauge_interval.as_millis().to_string();
         client.set("statistics.interval.ms", interval);
