@@ -139,7 +139,7 @@ fn first_id_at(at: DateTime<Utc>) -> Uuid {
 /// accepted, so every job that existed when the listing began is returned exactly once.
 ///
 /// Each filter is served by an index (docs/operations.md shows the plans): `document_id` by
-/// `jobs_document_id_idx`, `kind` by `jobs_kind_idx`, the unfinished states by
+/// `jobs_document_kind_idx`, `kind` by `jobs_kind_idx`, the unfinished states by
 /// `jobs_unfinished_idx`, `quarantined` by the quarantine table, `since` and the page by the
 /// primary key. `state` is not indexed (an index on it would make every lease a full
 /// update); an ended state other than quarantined, alone, walks the primary key.
