@@ -543,9 +543,7 @@ async fn measure_processing(
         .await?;
     let mut config = config.clone();
     config.processor.group = format!("jobfold-bench-processors-{}", uuid::Uuid::new_v4().simple());
-    // The bursts' processor runs with the configured slots; the slow jobs' with room for
-    // every slow job at once, as a deployment of slow jobs would set it.
-    let bursts_config = config.clone();
+    // Room for every slow job at once, as a deployment of slow jobs would set it.
     config.processor.max_in_flight = config.processor.max_in_flight.max(sizes.slow_jobs + 24);
     let config = &config;
     let codec = event_codec(config).await?;
@@ -665,7 +663,7 @@ async fn measure_processing(
     std::process::Command::new("kill").args(["-TERM", &a_pid.to_string()]).status()?;
     a.child.wait().await?;
     let mut a = crate::demo::spawn(
-        &bursts_config,
+        config,
         &bin.join("jobfold-examples"),
         "processor-a2",
         &logs,

@@ -21,6 +21,7 @@ struct Args {
 // 1,000 slow jobs over its 64 MiB (BENCHMARKS.md).
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
+    telemetry::at_most_two_malloc_arenas();
     telemetry::no_transparent_huge_pages();
     let args = Args::parse();
     let config = Config::load_or_exit("jobfold-processor", args.config.as_deref());
