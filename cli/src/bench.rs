@@ -688,6 +688,15 @@ async fn measure_processing(
     offset += sizes.e2e_jobs;
     let burst_rate = trivial.rate;
     rows.push(trivial.row("end to end, trivial handler, burst", "noop: does nothing", limits));
+    let rss = peak_rss_mib(a_pid)?;
+    rows.push(
+        Row::new(format!("processor peak RSS, {}-job trivial burst", sizes.e2e_jobs))
+            .versus(rss, 64.0, "64 MiB")
+            .note(format!(
+                "{rss:.1} MiB (VmHWM) at the burst's end; {} slots (processor.max_in_flight)",
+                config.processor.max_in_flight
+            )),
+    );
 
     // Latency: a steady load at half the burst rate.
     let steady_rate = (burst_rate / 2.0).max(10.0);
