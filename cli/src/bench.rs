@@ -566,16 +566,7 @@ async fn measure_processing(
         crate::model::Behaviour { latency: Duration::from_secs(3), fail_first: 0 },
     );
     let args = ["--model-url".to_owned(), model.url.clone()];
-    let mut a = crate::demo::spawn(
-        config,
-        &bin.join("jobfold-examples"),
-        "processor-a",
-        &logs,
-        None,
-        &args,
-    )?;
-    crate::demo::wait_ready(a.http).await?;
-    let a_pid = a.child.id().context("the processor's pid")?;
+    let (mut a, a_pid) = examples(config, &bin, "processor-a", &logs, &args).await?;
     let mut offset = 0;
 
     // Slow jobs, first, in the fresh processor: how many run at once (10 s handler, a
@@ -662,16 +653,7 @@ async fn measure_processing(
     let stopped = Instant::now();
     std::process::Command::new("kill").args(["-TERM", &a_pid.to_string()]).status()?;
     a.child.wait().await?;
-    let mut a = crate::demo::spawn(
-        config,
-        &bin.join("jobfold-examples"),
-        "processor-a2",
-        &logs,
-        None,
-        &args,
-    )?;
-    crate::demo::wait_ready(a.http).await?;
-    let a_pid = a.child.id().context("the processor's pid")?;
+    let (mut a, a_pid) = examples(config, &bin, "processor-a2", &logs, &args).await?;
     // Its partitions assigned before the burst starts.
     while crate::demo::metric_sum(a.metrics, pm::ASSIGNED_PARTITIONS, "").await.unwrap_or(0.0)
         < config.topics.partitions as f64
@@ -744,16 +726,7 @@ async fn measure_processing(
     );
 
     // Recovery: kill -9 one of two processors while both run jobs.
-    let mut b = crate::demo::spawn(
-        config,
-        &bin.join("jobfold-examples"),
-        "processor-b",
-        &logs,
-        None,
-        &args,
-    )?;
-    crate::demo::wait_ready(b.http).await?;
-    let b_pid = b.child.id().context("the processor's pid")?;
+    let (mut b, b_pid) = examples(config, &bin, "processor-b", &logs, &args).await?;
     let recovery_job = |i: usize| NewJob {
         kind: "summarize-conversation".into(),
         input: conversation("recovery"),
@@ -817,6 +790,22 @@ async fn measure_processing(
     pool.close().await;
     Ok(())
 }
+/// Starts `jobfold-examples` (beside this binary in `bin`) as `name`, logging to `logs`, and
+/// waits until it is ready; the process and its pid.
+async fn examples(
+    config: &Config,
+    bin: &std::path::Path,
+    name: &'static str,
+    logs: &std::path::Path,
+    args: &[String],
+) -> anyhow::Result<(crate::demo::Process, u32)> {
+    let process =
+        crate::demo::spawn(config, &bin.join("jobfold-examples"), name, logs, None, args)?;
+    crate::demo::wait_ready(process.http).await?;
+    let pid = process.child.id().context("the processor's pid")?;
+    Ok((process, pid))
+}
+
 /// What an end-to-end burst runs against: the bench's client, the processing database, the
 /// relay and the one processor.
 struct Runner<'a> {

@@ -476,15 +476,13 @@ impl Slot {
         held: Option<OwnedSemaphorePermit>,
     ) -> anyhow::Result<Option<Self>> {
         let max = shared.config.processor.max_in_flight;
-        if let Some(own) = held {
-            if !shared.kind_slots.contains_key(kind) && !shared.quotas.may_wait(kind) {
-                metrics::gauge!(pm::IN_FLIGHT).set((max - shared.slots.available_permits()) as f64);
-                return Ok(Some(Self {
-                    _permits: (None, own),
-                    slots: Arc::clone(&shared.slots),
-                    max,
-                }));
-            }
+        // Kept, or (the chain failing) dropped: given back before any wait below.
+        if let Some(own) = held
+            && !shared.kind_slots.contains_key(kind)
+            && !shared.quotas.may_wait(kind)
+        {
+            metrics::gauge!(pm::IN_FLIGHT).set((max - shared.slots.available_permits()) as f64);
+            return Ok(Some(Self { _permits: (None, own), slots: Arc::clone(&shared.slots), max }));
         }
         let wait = async {
             let of_kind = match shared.kind_slots.get(kind) {
