@@ -231,13 +231,17 @@ impl Queues {
         }
     }
 
-    /// Takes out every queued message of `partitions` (revoked).
+    /// Takes out every queued message of `partitions` (revoked). A document's messages come
+    /// from its key's partition, unless the topic's partitions were added to meanwhile: each
+    /// message is looked at, so none of a partition still held is let go.
     fn take_partitions(&mut self, partitions: &[i32]) -> Vec<Queued> {
         let mut taken = Vec::new();
         for queue in self.waiting.values_mut() {
-            if queue.front().is_some_and(|q| partitions.contains(&q.ticket.partition)) {
-                // A document's messages all come from one partition (its key's).
-                taken.extend(queue.drain(..));
+            if queue.iter().any(|q| partitions.contains(&q.ticket.partition)) {
+                let (gone, kept): (Vec<Queued>, Vec<Queued>) =
+                    queue.drain(..).partition(|q| partitions.contains(&q.ticket.partition));
+                taken.extend(gone);
+                queue.extend(kept);
             }
         }
         taken
@@ -979,6 +983,76 @@ mod tests {
 
     use super::*;
     use crate::handler::ErrorClass;
+
+    fn queued(tracker: &mut Tracker, partition: i32, offset: i64) -> Queued {
+        let message = OwnedMessage::new(
+            None,
+            None,
+            "events".into(),
+            rdkafka::Timestamp::NotAvailable,
+            partition,
+            offset,
+            None,
+        );
+        Queued { message, ticket: tracker.start(partition, offset).unwrap(), bytes: 1 }
+    }
+
+    /// A document is ready once (while no task runs it), runs one message at a time, goes
+    /// back in line behind the others while it has more, and is forgotten once it has none.
+    #[test]
+    fn a_document_is_in_line_once_and_run_by_one_task_at_a_time() {
+        let mut tracker = Tracker::default();
+        tracker.assign(&[0, 1]);
+        let mut queues = Queues::default();
+        assert!(queues.push("busy", queued(&mut tracker, 0, 0)));
+        assert!(!queues.push("busy", queued(&mut tracker, 0, 1)), "already in line");
+        assert!(queues.push("quiet", queued(&mut tracker, 1, 0)));
+        assert_eq!(queues.ready, ["busy", "quiet"]);
+
+        // The dispatcher starts busy's task: its first message is taken.
+        let key = queues.ready.pop_front().unwrap();
+        assert_eq!(queues.next(&key).unwrap().ticket.offset, 0);
+        // A message arriving while it runs waits behind it, without a second turn in line.
+        assert!(!queues.push("busy", queued(&mut tracker, 0, 2)));
+        assert_eq!(queues.ready, ["quiet"]);
+        // Done with one message, busy has two more: back in line, behind quiet.
+        assert!(queues.done(key));
+        assert_eq!(queues.ready, ["quiet", "busy"]);
+
+        let quiet = queues.ready.pop_front().unwrap();
+        assert_eq!(queues.next(&quiet).unwrap().ticket.partition, 1);
+        assert!(!queues.done(quiet), "nothing more: forgotten");
+        assert!(!queues.waiting.contains_key("quiet"));
+        assert!(queues.push("quiet", queued(&mut tracker, 1, 1)), "a new message: in line again");
+    }
+
+    /// On revoke, what waits in the revoked partitions is taken out, and nothing else.
+    #[test]
+    fn a_revoke_takes_out_only_the_revoked_partitions_messages() {
+        let mut tracker = Tracker::default();
+        tracker.assign(&[0, 1]);
+        let mut queues = Queues::default();
+        queues.push("a", queued(&mut tracker, 0, 0));
+        queues.push("a", queued(&mut tracker, 0, 1));
+        queues.push("b", queued(&mut tracker, 1, 0));
+        // A document whose key moved partition (partitions added): one message of each.
+        queues.push("c", queued(&mut tracker, 0, 2));
+        queues.push("c", queued(&mut tracker, 1, 1));
+
+        let mut taken: Vec<(i32, i64)> = queues
+            .take_partitions(&[0])
+            .iter()
+            .map(|q| (q.ticket.partition, q.ticket.offset))
+            .collect();
+        taken.sort_unstable();
+        assert_eq!(taken, [(0, 0), (0, 1), (0, 2)]);
+        assert!(queues.waiting["a"].is_empty());
+        assert_eq!(queues.waiting["b"].len(), 1);
+        assert_eq!(queues.waiting["c"][0].ticket.partition, 1);
+        // a, emptied while in line, is forgotten when its turn comes.
+        assert!(queues.next("a").is_none());
+        assert!(!queues.waiting.contains_key("a"));
+    }
 
     #[test]
     fn a_result_over_the_limit_or_holding_nul_becomes_a_permanent_failure() {
