@@ -220,8 +220,14 @@ async fn the_console_shows_finds_fixes_and_escapes_in_a_real_browser() {
         .await;
     assert_eq!(events, json!(["JobRequested", "JobLeased", "JobSucceeded"]));
     assert_eq!(browser.text("#job-state [data-state]").await, "succeeded");
-    assert!(browser.text("#input-text").await.contains("hello number 3"));
-    assert!(browser.text("#result-text").await.contains("terms"), "the result is shown");
+    // The input and the result load after the page, each by a request of its own.
+    browser
+        .until(
+            "the input and the result",
+            "const text = (id) => document.getElementById(id)?.textContent || ''; \
+             return text('input-text').includes('hello number 3') && text('result-text').includes('terms');",
+        )
+        .await;
     browser.screenshot("job").await;
 
     browser.goto(&format!("{ui}#/jobs")).await;
