@@ -208,6 +208,12 @@ async fn relay(
             }
             continue;
         }
+        // Asleep, but with events an older transaction holds back (see `log::held_back`):
+        // its end sends no notification, so look again shortly as well.
+        if log::held_back(conn).await? {
+            wait = wait.min(busy_poll);
+            busy_poll = (busy_poll * 2).min(BUSY_POLL_MAX);
+        }
         tokio::select! {
             biased;
             _ = shutdown.cancelled() => return Ok(()),

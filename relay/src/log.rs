@@ -47,6 +47,24 @@ pub async fn cursor(conn: &mut PgConnection) -> Result<Position, sqlx::Error> {
     .await
 }
 
+/// Whether the log holds events after the cursor that a pass could not read yet: committed,
+/// but at or above the horizon (`pg_snapshot_xmin`) because an older transaction is still
+/// running — in this database or any other of the cluster. That transaction may write no
+/// events, so its end notifies nobody: while this holds, the relay must keep looking.
+///
+/// # Errors
+/// The connection failed.
+pub async fn held_back(conn: &mut PgConnection) -> Result<bool, sqlx::Error> {
+    sqlx::query_scalar!(
+        r#"SELECT EXISTS (
+               SELECT 1 FROM job_events e, relay_cursor c
+               WHERE (e.xid, e.seq) > (c.published_xid, c.published_seq)
+           ) AS "held!""#,
+    )
+    .fetch_one(conn)
+    .await
+}
+
 /// Moves the cursor to `to`: every event at or before it was delivered.
 ///
 /// # Errors

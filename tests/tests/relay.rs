@@ -950,6 +950,23 @@ async fn the_relay_awake_finds_every_commit_and_asleep_is_woken() {
         })
         .await;
     }
+
+    // A transaction that writes no events but holds the horizon as the relay is woken (here
+    // in this database; in any database of the cluster alike): the woken relay cannot read
+    // the event yet, and the holder's end notifies nobody. The relay must not sleep past it.
+    eventually(Duration::from_secs(30), "the relay to sleep", asleep).await;
+    let mut holder = it.pool.begin().await.unwrap();
+    sqlx::query("SELECT pg_current_xact_id()").execute(&mut *holder).await.unwrap();
+    acceptor.accept(&it.pool, &job("doc-held", 1)).await.unwrap();
+    // Time for the notified relay to wake, find nothing it may read, and take the lock again.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(events_on_topic(&it), expected, "an event passed the horizon its holder held");
+    holder.rollback().await.unwrap();
+    expected += 1;
+    eventually(Duration::from_secs(30), "the relay to publish once the horizon moved", || async {
+        events_on_topic(&it) == expected
+    })
+    .await;
     shutdown.cancel();
     relay.await.unwrap().unwrap();
     it.cleanup().await;
