@@ -1036,8 +1036,10 @@ async fn wait_drained(pool: &PgPool, timeout: Duration) -> anyhow::Result<()> {
     let deadline = Instant::now() + timeout;
     loop {
         let owed = sqlx::query_scalar!(
-            r#"SELECT EXISTS (SELECT 1 FROM job_events e, relay_cursor c
-                              WHERE (e.xid, e.seq) > (c.published_xid, c.published_seq))
+            r#"SELECT EXISTS (SELECT 1 FROM relay_cursor c, LATERAL (
+                                  SELECT 1 FROM job_events e
+                                  WHERE (e.xid, e.seq) > (c.published_xid, c.published_seq)
+                                  ORDER BY e.xid, e.seq LIMIT 1) after)
                    OR EXISTS (SELECT 1 FROM outbox WHERE published_at IS NULL) AS "owed!""#,
         )
         .fetch_one(pool)

@@ -121,10 +121,11 @@ where
         r#"
         SELECT count(*) AS "count!", EXTRACT(EPOCH FROM now() - min(since))::float8 AS age
         FROM (
-            (SELECT e.occurred_at AS since
-             FROM job_events e, relay_cursor c
-             WHERE NOT e.delayed AND (e.xid, e.seq) > (c.published_xid, c.published_seq)
-             LIMIT 1000000)
+            (SELECT since FROM relay_cursor c, LATERAL (
+                 SELECT e.occurred_at AS since FROM job_events e
+                 WHERE (e.xid, e.seq) > (c.published_xid, c.published_seq) AND NOT e.delayed
+                 ORDER BY e.xid, e.seq LIMIT 1000000
+             ) after)
             UNION ALL
             SELECT available_at FROM outbox WHERE published_at IS NULL AND available_at <= now()
         ) owed
@@ -163,8 +164,11 @@ where
 {
     sqlx::query_scalar!(
         r#"
-        SELECT (SELECT count(*) FROM job_events e, relay_cursor c
-                WHERE NOT e.delayed AND (e.xid, e.seq) > (c.published_xid, c.published_seq))
+        SELECT (SELECT count(*) FROM relay_cursor c, LATERAL (
+                    SELECT 1 FROM job_events e
+                    WHERE (e.xid, e.seq) > (c.published_xid, c.published_seq) AND NOT e.delayed
+                    ORDER BY e.xid, e.seq
+                ) after)
              + (SELECT count(*) FROM outbox WHERE published_at IS NULL)
              + (SELECT count(*) FROM relay_parked) AS "count!"
         "#,
