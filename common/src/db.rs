@@ -26,8 +26,7 @@ pub static MIGRATOR: sqlx::migrate::Migrator =
 /// The URL does not parse or the database cannot be reached; the error names the address
 /// (never the password).
 pub async fn connect(config: &Config, max: u32) -> anyhow::Result<PgPool> {
-    let options: PgConnectOptions =
-        config.database_url.expose().parse().context("parsing database_url")?;
+    let options = connect_options(config)?;
     let target = target(&options);
     PgPoolOptions::new()
         .max_connections(max)
@@ -35,6 +34,22 @@ pub async fn connect(config: &Config, max: u32) -> anyhow::Result<PgPool> {
         .connect_with(options)
         .await
         .with_context(|| format!("connecting to Postgres at {target}"))
+}
+
+/// How every jobfold session connects: the configured URL, with JIT compilation off.
+///
+/// jobfold's statements are short and many; Postgres compiles a statement whose estimated cost
+/// passes `jit_above_cost` whatever it will really cost. A gauge that counts a backlog
+/// estimated at a million rows spent about 50 ms compiling on each reading while the backlog
+/// held a few hundred (`docs/operations.md`, the gauges). Set per session, so the
+/// cluster's setting stays as it is for everyone else.
+///
+/// # Errors
+/// The URL does not parse.
+pub fn connect_options(config: &Config) -> anyhow::Result<PgConnectOptions> {
+    let options: PgConnectOptions =
+        config.database_url.expose().parse().context("parsing database_url")?;
+    Ok(options.options([("jit", "off")]))
 }
 
 /// Where `options` connect: `host:port/database as user`, without the password.

@@ -40,7 +40,7 @@ use crate::metrics as m;
 use anyhow::Context;
 use jobfold_common::config::Config;
 use jobfold_common::{db, failpoint, gauges, kafka};
-use sqlx::postgres::{PgConnectOptions, PgListener};
+use sqlx::postgres::PgListener;
 use sqlx::{Connection, PgConnection, PgPool};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::AbortOnDropHandle;
@@ -122,7 +122,7 @@ async fn stand_by(config: &Config, shutdown: &CancellationToken) -> Option<PgCon
 
 /// A connection holding the advisory lock, or `None` if another session holds it.
 async fn try_lock(config: &Config) -> Result<Option<PgConnection>, sqlx::Error> {
-    let options: PgConnectOptions = config.database_url.expose().parse()?;
+    let options = db::connect_options(config).map_err(|e| sqlx::Error::Configuration(e.into()))?;
     let mut conn = PgConnection::connect_with(&options.application_name("jobfold-relay")).await?;
     let locked = sqlx::query_scalar!(
         r#"SELECT pg_try_advisory_lock($1) AS "locked!""#,

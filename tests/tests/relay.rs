@@ -971,3 +971,21 @@ async fn the_relay_awake_finds_every_commit_and_asleep_is_woken() {
     relay.await.unwrap().unwrap();
     it.cleanup().await;
 }
+
+/// jobfold's sessions run without JIT: the backlog gauge, estimated at a million rows, was
+/// compiled on each reading (about 50 ms) whatever the backlog held. The cluster's own
+/// setting stays on for other sessions.
+#[tokio::test]
+async fn jobfold_sessions_do_not_compile_statements() {
+    let it = Installation::new("nojit").await;
+    let jit: String = sqlx::query_scalar("SHOW jit").fetch_one(&it.pool).await.unwrap();
+    assert_eq!(jit, "off", "a session from db::connect runs with JIT");
+    let admin = sqlx::PgPool::connect(&jobfold_tests::services::database_url()).await.unwrap();
+    let cluster: String = sqlx::query_scalar("SHOW jit").fetch_one(&admin).await.unwrap();
+    assert_eq!(
+        cluster, "on",
+        "the test cluster runs Postgres's default; the check above means nothing otherwise"
+    );
+    admin.close().await;
+    it.cleanup().await;
+}
