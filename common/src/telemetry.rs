@@ -1,5 +1,6 @@
 //! Logs (tracing) and metrics (Prometheus) set up the same way in every binary.
 
+use std::io::IsTerminal;
 use std::net::SocketAddr;
 use std::sync::OnceLock;
 
@@ -22,7 +23,11 @@ pub fn init_tracing(json: bool) {
 pub fn init_tracing_at(json: bool, default_filter: &str) {
     let filter =
         EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_filter));
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    // Colours only for a terminal: a log file or a collector gets plain `key=value` text.
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal());
     // A second init (tests starting several services in one process) keeps the first.
     let _ = if json { builder.json().try_init() } else { builder.try_init() };
 }

@@ -779,17 +779,6 @@ async fn attempt(
     event: JobEvent,
     handler: std::sync::Arc<dyn crate::handler::ErasedHandler>,
 ) -> anyhow::Result<Step> {
-    let span = tracing::info_span!(
-        "job",
-        job_id = %event.job_id,
-        document_id = %event.document_id,
-        event = event.payload.kind(),
-        attempt = tracing::field::Empty,
-        generation = tracing::field::Empty,
-        trace_id = tracing::field::Empty,
-        span_id = tracing::field::Empty,
-        parent_span_id = tracing::field::Empty,
-    );
     // 1. Lease (in a transaction with the other dispatches waiting at the time).
     let dispatch = Dispatch {
         job_id: event.job_id,
@@ -807,15 +796,23 @@ async fn attempt(
     };
     failpoint::hit(failpoint::PROCESSOR_AFTER_LEASE_COMMIT);
     // The handler's span continues the job's W3C trace: its own span id, the accepting
-    // request's span as parent; handlers send `context.trace` onward.
-    let handler_trace = event.trace.as_ref().and_then(|trace| {
-        let span_id = format!("{:016x}", rand::rng().random::<u64>() | 1);
-        let (trace_id, parent_id) = trace.ids()?;
-        span.record("trace_id", trace_id);
-        span.record("parent_span_id", parent_id);
-        span.record("span_id", span_id.as_str());
-        trace.child(&span_id)
-    });
+    // request's span as parent; handlers send `context.trace` onward. The span is made once
+    // its fields are known: a log layer formats them when it is made and on every record.
+    let span_id = event.trace.as_ref().map(|_| format!("{:016x}", rand::rng().random::<u64>() | 1));
+    let ids = event.trace.as_ref().and_then(|trace| trace.ids());
+    let span = tracing::info_span!(
+        "job",
+        job_id = %event.job_id,
+        document_id = %event.document_id,
+        event = event.payload.kind(),
+        attempt = job.attempt,
+        generation = job.generation,
+        trace_id = ids.map(|(trace_id, _)| trace_id),
+        span_id = ids.and(span_id.as_deref()),
+        parent_span_id = ids.map(|(_, parent_id)| parent_id),
+    );
+    let handler_trace =
+        event.trace.as_ref().zip(span_id.as_deref()).and_then(|(trace, id)| trace.child(id));
     let context = JobContext {
         trace: handler_trace,
         job_id: job.job_id,
@@ -827,8 +824,6 @@ async fn attempt(
         generation: job.generation,
         deadline: job.deadline,
     };
-    span.record("attempt", job.attempt);
-    span.record("generation", job.generation);
 
     // 2. Run, with heartbeats. The handler's token fires when the lease is lost or the
     //    processor shuts down; the heartbeat stops with the run, whatever the handler does
