@@ -196,7 +196,19 @@ async fn examples_survive_a_crash_at(name: &str, window: &str) {
     let status = crashing.wait_exit(Duration::from_secs(60)).expect("the processor aborts");
     assert!(!status.success() && crashing.log_text().contains(window), "{}", crashing.log_text());
     env.remove("JOBFOLD_FAILPOINT");
-    let _survivor = Service::start("jobfold-examples", &env);
+    let survivor = Service::start("jobfold-examples", &env);
+    // The processor runs with two malloc arenas: it starts itself again in place (the same
+    // pid) with MALLOC_ARENA_MAX=2, which glibc reads only as a program starts.
+    assert!(
+        std::env::var_os("MALLOC_ARENA_MAX").is_none(),
+        "MALLOC_ARENA_MAX is set for the tests: the processor would inherit it, not set it"
+    );
+    let environ = format!("/proc/{}/environ", survivor.pid());
+    eventually(Duration::from_secs(30), "the processor to run with two malloc arenas", || async {
+        std::fs::read(&environ)
+            .is_ok_and(|env| env.split(|b| *b == 0).any(|var| var == b"MALLOC_ARENA_MAX=2"))
+    })
+    .await;
     let total = jobs.len() as i64;
     eventually(Duration::from_secs(120), "every job to end after the crash", || async {
         count(
