@@ -790,6 +790,7 @@ async fn measure_processing(
     pool.close().await;
     Ok(())
 }
+
 /// Starts `jobfold-examples` (beside this binary in `bin`) as `name`, logging to `logs`, and
 /// waits until it is ready; the process and its pid.
 async fn examples(
@@ -1035,15 +1036,14 @@ async fn cursor(pool: &PgPool) -> anyhow::Result<(i64, i64)> {
 async fn wait_drained(pool: &PgPool, timeout: Duration) -> anyhow::Result<()> {
     let deadline = Instant::now() + timeout;
     loop {
-        let owed = sqlx::query_scalar!(
-            r#"SELECT EXISTS (SELECT 1 FROM relay_cursor c, LATERAL (
-                                  SELECT 1 FROM job_events e
-                                  WHERE (e.xid, e.seq) > (c.published_xid, c.published_seq)
-                                  ORDER BY e.xid, e.seq LIMIT 1) after)
-                   OR EXISTS (SELECT 1 FROM outbox WHERE published_at IS NULL) AS "owed!""#,
-        )
-        .fetch_one(pool)
-        .await?;
+        let mut conn = pool.acquire().await?;
+        let owed = jobfold_relay::log::past_cursor(&mut conn).await?
+            || sqlx::query_scalar!(
+                r#"SELECT EXISTS (SELECT 1 FROM outbox WHERE published_at IS NULL) AS "owed!""#
+            )
+            .fetch_one(&mut *conn)
+            .await?;
+        drop(conn);
         if !owed {
             return Ok(());
         }

@@ -7,8 +7,8 @@
 //! Concurrency: jobs of different documents run at once, up to `processor.max_in_flight`;
 //! one document's events run one after another, in partition order (each document has one
 //! queue; a task is started for its next message when a slot is free, and the document
-//! goes back in line after it, so a document waiting costs only its queued messages). A slot is held only while a job is leased, running and
-//! completing: a message waiting behind its document's running job, for its kind's
+//! goes back in line after it, so a document waiting costs only its queued messages). A
+//! slot is held only while a job is leased, running and completing: a message waiting behind its document's running job, for its kind's
 //! `concurrency`, or for a retry holds none, so a document with a thousand versions queued
 //! takes one slot and the other documents take the rest. What each partition holds in
 //! memory is bounded: past `processor.max_buffered` messages or `max_buffered_bytes` it is

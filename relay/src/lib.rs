@@ -208,9 +208,9 @@ async fn relay(
             }
             continue;
         }
-        // Asleep, but with events an older transaction holds back (see `log::held_back`):
+        // Asleep, but with events an older transaction holds back (see `log::past_cursor`):
         // its end sends no notification, so look again shortly as well.
-        if log::held_back(conn).await? {
+        if log::past_cursor(conn).await? {
             wait = wait.min(busy_poll);
             busy_poll = (busy_poll * 2).min(BUSY_POLL_MAX);
         }

@@ -47,17 +47,18 @@ pub async fn cursor(conn: &mut PgConnection) -> Result<Position, sqlx::Error> {
     .await
 }
 
-/// Whether the log holds events after the cursor that a pass could not read yet: committed,
-/// but at or above the horizon (`pg_snapshot_xmin`) because an older transaction is still
-/// running — in this database or any other of the cluster. That transaction may write no
-/// events, so its end notifies nobody: while this holds, the relay must keep looking.
+/// Whether the log holds committed events past the cursor. Right after a pass, those are
+/// events the pass could not read yet: at or above the horizon (`pg_snapshot_xmin`) because
+/// an older transaction is still running — in this database or any other of the cluster.
+/// That transaction may write no events, so its end notifies nobody: while this holds, the
+/// relay must keep looking.
 ///
 /// One probe of `job_events_relay_idx` from the cursor on. (Joined to the cursor plainly,
 /// the planner expects a third of the log past it and scans the whole table.)
 ///
 /// # Errors
 /// The connection failed.
-pub async fn held_back(conn: &mut PgConnection) -> Result<bool, sqlx::Error> {
+pub async fn past_cursor(conn: &mut PgConnection) -> Result<bool, sqlx::Error> {
     sqlx::query_scalar!(
         r#"
         SELECT EXISTS (
@@ -66,7 +67,7 @@ pub async fn held_back(conn: &mut PgConnection) -> Result<bool, sqlx::Error> {
                 WHERE (e.xid, e.seq) > (c.published_xid, c.published_seq)
                 ORDER BY e.xid, e.seq LIMIT 1
             ) after
-        ) AS "held!"
+        ) AS "past!"
         "#,
     )
     .fetch_one(conn)
