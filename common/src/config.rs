@@ -25,6 +25,9 @@ pub const EXIT_CONFIG: i32 = 2;
 /// text is cut at a character boundary, so one verbose failure cannot make an event too large.
 pub const MAX_ERROR_BYTES: usize = 8 * 1024;
 
+/// The longest `inline_window`: a lease transaction holds its rows and connection that long.
+pub const MAX_INLINE_WINDOW: Duration = Duration::from_secs(1);
+
 /// Largest `document_id`, `kind` and idempotency key, in bytes (a kind's name in `[kinds]`
 /// too).
 pub const MAX_NAME_BYTES: usize = 512;
@@ -218,6 +221,13 @@ pub struct Processor {
     /// How often a running job's lease is extended.
     #[serde(with = "humantime_serde")]
     pub heartbeat: Duration,
+    /// How long a lease transaction waits for its jobs' handlers before it commits: an
+    /// attempt finished within it commits in the same transaction as its lease (one commit
+    /// a job, not two), a longer one runs on under its committed lease. `0s`: every lease
+    /// commits before its handler runs. It holds the batch's job rows locked and a
+    /// connection for at most this long; at most 1s.
+    #[serde(with = "humantime_serde")]
+    pub inline_window: Duration,
     /// Jobs running at once in this process, across partitions. Only running jobs hold a
     /// slot: a job waiting behind its document's running one, or for its kind's
     /// `concurrency`, holds none.
@@ -347,6 +357,10 @@ pub struct Kind {
     /// `processor.heartbeat`.
     #[serde(default, with = "humantime_serde")]
     pub heartbeat: Option<Duration>,
+    /// `processor.inline_window`: `0s` for a kind whose runs are never short, so its leases
+    /// are not held back waiting for them.
+    #[serde(default, with = "humantime_serde")]
+    pub inline_window: Option<Duration>,
     /// How long one run may take; past it the run is cancelled and dropped, and the attempt
     /// fails retryably (else no limit).
     #[serde(default, with = "humantime_serde")]
@@ -394,6 +408,7 @@ pub struct KindSettings {
     pub concurrency: Option<usize>,
     pub lease_ttl: Duration,
     pub heartbeat: Duration,
+    pub inline_window: Duration,
     pub run_timeout: Option<Duration>,
     pub max_attempts: i32,
     pub deadline: Option<Duration>,
@@ -445,6 +460,7 @@ impl Config {
             concurrency: k.concurrency,
             lease_ttl: k.lease_ttl.unwrap_or(p.lease_ttl),
             heartbeat: k.heartbeat.unwrap_or(p.heartbeat),
+            inline_window: k.inline_window.unwrap_or(p.inline_window),
             run_timeout: k.run_timeout,
             max_attempts: k.max_attempts.unwrap_or(self.accept.default_max_attempts),
             deadline: k.deadline.or(self.accept.default_deadline),
@@ -665,6 +681,9 @@ impl Config {
                 "must be above zero and at most half of processor.lease_ttl",
             );
         }
+        if p.inline_window > MAX_INLINE_WINDOW {
+            return invalid("processor.inline_window", "must be at most 1s");
+        }
         if p.gauge_interval < Duration::from_millis(100) {
             return invalid("processor.gauge_interval", "must be at least 100ms");
         }
@@ -747,6 +766,9 @@ impl Config {
         }
         if k.heartbeat.is_zero() || k.heartbeat * 2 > k.lease_ttl {
             return invalid("heartbeat", "must be above zero and at most half of its lease_ttl");
+        }
+        if k.inline_window > MAX_INLINE_WINDOW {
+            return invalid("inline_window", "must be at most 1s");
         }
         if k.run_timeout.is_some_and(|t| t.is_zero()) {
             return invalid("run_timeout", "must be above zero");

@@ -95,12 +95,14 @@ pub async fn complete_all(
     }
 }
 
-struct Batch<'a> {
-    config: &'a Config,
-    pool: &'a PgPool,
-    events: &'a Events,
-    handlers: &'a Handlers,
+/// What a completion needs of the processor.
+pub(crate) struct Batch<'a> {
+    pub(crate) config: &'a Config,
+    pub(crate) pool: &'a PgPool,
+    pub(crate) events: &'a Events,
+    pub(crate) handlers: &'a Handlers,
 }
+
 
 impl Batch<'_> {
     /// One attempt in a transaction of its own. If Postgres refuses what the attempt writes
@@ -154,7 +156,7 @@ impl Batch<'_> {
         let distinct: std::collections::HashSet<&Uuid> = job_ids.iter().collect();
         anyhow::ensure!(distinct.len() == job_ids.len(), "a job appears twice in one batch");
         let mut tx = self.pool.begin().await?;
-        let mut current: HashMap<Uuid, JobRow> = store::lock_jobs(&mut tx, &job_ids)
+        let current: HashMap<Uuid, JobRow> = store::lock_jobs(&mut tx, &job_ids)
             .await?
             .into_iter()
             .map(|job| (job.job_id, job))
@@ -165,6 +167,22 @@ impl Batch<'_> {
             current.values().all(|job| job.fresh_xid),
             "a job of the batch was written by a later transaction"
         );
+        let answers = self.complete_locked(&mut tx, current, attempts, HashMap::new()).await?;
+        tx.commit().await?;
+        Ok(answers)
+    }
+
+    /// Writes `attempts` in `tx`, where `current` holds their jobs as they stand, locked by
+    /// it; what became of each, in their order, once `tx` commits. An attempt whose lease
+    /// `tx` took and has not written yet has its `JobLeased` in `unwritten`: a success
+    /// writes it with its own event, any other outcome before its own.
+    pub(crate) async fn complete_locked(
+        &self,
+        tx: &mut sqlx::PgConnection,
+        mut current: HashMap<Uuid, JobRow>,
+        attempts: &[Attempt],
+        mut unwritten: HashMap<Uuid, jobfold_schemas::Payload>,
+    ) -> anyhow::Result<Vec<Completed>> {
         let mut answers: Vec<Option<Completed>> = attempts.iter().map(|_| None).collect();
         let mut successes = Vec::new();
         // Business writes in lock order, so two batches touching the same rows wait on each
@@ -173,17 +191,18 @@ impl Batch<'_> {
         order.sort_by_key(|&i| attempts[i].job.job_id);
         for i in order {
             let attempt = &attempts[i];
+            let lease = unwritten.remove(&attempt.job.job_id);
             let Some(mut job) = current.remove(&attempt.job.job_id).filter(|job| {
-                job.state == jobfold_schemas::fold::Status::Leased
+                (lease.is_some() || job.state == jobfold_schemas::fold::Status::Leased)
                     && job.generation == attempt.job.generation
             }) else {
                 answers[i] = Some(Completed::Fenced);
                 continue;
             };
             let outcome = match &attempt.result {
-                Ok(output) => match self.commit(&mut tx, attempt, output).await? {
+                Ok(output) => match self.commit(tx, attempt, output).await? {
                     Committed::Applied => {
-                        successes.push((i, job, output.clone()));
+                        successes.push((i, job, output.clone(), lease));
                         continue;
                     }
                     Committed::Stale { newer_version } => {
@@ -196,6 +215,10 @@ impl Batch<'_> {
                     throttled: e.throttled,
                 },
             };
+            if let Some(lease) = lease {
+                store::write_leases(tx, self.events, vec![(&mut job, lease, attempt.trace.clone())])
+                    .await?;
+            }
             let error = attempt.result.as_ref().err();
             let backoff = if error.is_some_and(|e| e.throttled) {
                 // Throttled: its kind's pause (Retry-After, else retry_base), spread over
@@ -213,18 +236,21 @@ impl Batch<'_> {
             let retry_at = Utc::now() + chrono::Duration::from_std(backoff)?;
             let owner = self.config.quarantine_owner(&job.kind);
             let trace = attempt.trace.clone();
-            let what =
-                store::complete(&mut tx, self.events, &mut job, outcome, retry_at, &owner, trace)
-                    .await?;
+            let what = store::complete(tx, self.events, &mut job, outcome, retry_at, &owner, trace)
+                .await?;
             answers[i] = Some(Completed::Committed { job: Box::new(job), outcome: what });
         }
         let succeeding = successes
             .iter_mut()
-            .map(|(i, job, result)| (job, result.clone(), attempts[*i].trace.clone()))
+            .map(|(i, job, result, lease)| store::Success {
+                job,
+                result: result.clone(),
+                trace: attempts[*i].trace.clone(),
+                lease: lease.take(),
+            })
             .collect();
-        store::succeed_all(&mut tx, self.events, succeeding).await?;
-        tx.commit().await?;
-        for (i, job, _) in successes {
+        store::succeed_all(tx, self.events, succeeding).await?;
+        for (i, job, _, _) in successes {
             answers[i] = Some(Completed::Committed { job: Box::new(job), outcome: "succeeded" });
         }
         Ok(answers.into_iter().map(|a| a.expect("every attempt is answered")).collect())

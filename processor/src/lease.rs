@@ -29,7 +29,10 @@ use sqlx::PgPool;
 use uuid::Uuid;
 
 use crate::batch::{self, Batcher};
+use crate::complete::{Attempt, Completed};
 use crate::store::{self, Events, JobRow};
+use jobfold_schemas::Payload;
+use tokio::sync::oneshot;
 
 pub mod decide;
 
@@ -50,15 +53,43 @@ pub struct Dispatch {
     pub trace: Option<TraceContext>,
 }
 
+/// A dispatch to lease, and whether its handler may run before the lease commits.
+#[derive(Debug)]
+pub struct Request {
+    pub dispatch: Dispatch,
+    /// Offered: a leased job is sent here before its lease commits, and the transaction
+    /// waits up to the window for the finished attempt, to commit it with the lease.
+    pub inline: Option<Inline>,
+}
+
+/// Where a job leased but not yet committed goes to run, and for how long the lease
+/// transaction waits for its attempt (its kind's `inline_window`).
+#[derive(Debug)]
+pub struct Inline {
+    pub window: std::time::Duration,
+    pub run: oneshot::Sender<InlineRun>,
+}
+
+/// A job whose lease its transaction holds, uncommitted: run it and send the finished
+/// attempt back. Sent back within the window, lease and outcome commit together; later (or
+/// never), the lease commits alone and the attempt completes as any other.
+#[derive(Debug)]
+pub struct InlineRun {
+    pub job: JobRow,
+    pub finished: oneshot::Sender<Attempt>,
+}
+
 /// What the lease transaction made of a dispatch.
 #[derive(Debug)]
 pub enum Leased {
-    /// Leased: run the handler.
+    /// Leased: run the handler (or, run before the lease committed, complete its attempt).
     Run(Box<JobRow>),
     /// Nothing to run: a duplicate, or the job ended (its `dispatch_version` committed).
     Done,
     /// Another worker holds a live lease: try again at this instant.
     WaitUntil(DateTime<Utc>),
+    /// Run within the lease transaction: the attempt committed with its lease.
+    Completed(Completed),
 }
 
 /// What the lease transactions need to know.
@@ -74,39 +105,62 @@ pub struct Settings {
 }
 
 /// Leases dispatches, several to a transaction.
-pub type Leaser = Batcher<Dispatch, Leased>;
+pub type Leaser = Batcher<Request, Leased>;
 
 /// Starts the leasing task; it ends when every clone of the returned [`Leaser`] is dropped.
 pub fn start(settings: Settings) -> Leaser {
-    Batcher::start("lease", BATCH, WORKERS, move |dispatches: Vec<Dispatch>| {
+    Batcher::start("lease", BATCH, WORKERS, move |requests: Vec<Request>| {
         let settings = settings.clone();
         async move {
-            let n = dispatches.len();
-            let each = (n > 1).then(|| dispatches.clone());
-            match lease_batch(&settings, dispatches).await {
+            let (dispatches, offers): (Vec<Dispatch>, Vec<Option<Inline>>) =
+                requests.into_iter().map(|r| (r.dispatch, r.inline)).unzip();
+            if offers.iter().all(Option::is_none) {
+                return lease_plain(&settings, dispatches).await;
+            }
+            match lease_batch(&settings, &dispatches, offers).await {
                 Ok(decided) => decided.into_iter().map(Ok).collect(),
-                // Alone: the error itself, its cause kept (a data error is told by it).
-                Err(e) if n == 1 => vec![Err(e)],
-                // A data error is about one dispatch's rows: find it by leasing each alone,
-                // so the error reaches only the one it is about.
-                Err(e) if jobfold_common::db::data_error_in(&e).is_some() && each.is_some() => {
-                    let mut answers = Vec::with_capacity(n);
-                    for dispatch in each.expect("checked") {
-                        let alone = lease_batch(&settings, vec![dispatch]).await;
-                        answers.push(alone.map(|mut decided| decided.remove(0)));
-                    }
-                    answers
+                // Whatever failed (a handler's business write, a result Postgres refuses,
+                // the database), nothing of the batch is written: its leases are taken
+                // again on their own, and the attempts already run complete after them as
+                // any other, where a refused one is told apart and quarantined.
+                Err(e) => {
+                    tracing::debug!(
+                        error = %format!("{e:#}"),
+                        "A lease transaction with runs in it failed; leasing its dispatches alone."
+                    );
+                    lease_plain(&settings, dispatches).await
                 }
-                Err(e) => batch::each_failed(n, &e),
             }
         }
     })
 }
 
+/// Leases `dispatches` in one transaction, none run in it; if it fails, the error for each
+/// (a data error found by leasing each alone, so it reaches only the one it is about).
+async fn lease_plain(settings: &Settings, dispatches: Vec<Dispatch>) -> Vec<anyhow::Result<Leased>> {
+    let n = dispatches.len();
+    let none = || (0..n).map(|_| None).collect();
+    match lease_batch(settings, &dispatches, none()).await {
+        Ok(decided) => decided.into_iter().map(Ok).collect(),
+        // Alone: the error itself, its cause kept (a data error is told by it).
+        Err(e) if n == 1 => vec![Err(e)],
+        Err(e) if jobfold_common::db::data_error_in(&e).is_some() => {
+            let mut answers = Vec::with_capacity(n);
+            for dispatch in dispatches {
+                let alone = lease_batch(settings, std::slice::from_ref(&dispatch), vec![None]).await;
+                answers.push(alone.map(|mut decided| decided.remove(0)));
+            }
+            answers
+        }
+        Err(e) => batch::each_failed(n, &e),
+    }
+}
+
 /// One transaction for the whole batch; the decisions in the batch's order.
 async fn lease_batch(
     settings: &Settings,
-    dispatches: Vec<Dispatch>,
+    dispatches: &[Dispatch],
+    mut offers: Vec<Option<Inline>>,
 ) -> anyhow::Result<Vec<Leased>> {
     let mut tx = settings.pool.begin().await?;
     let job_ids: Vec<Uuid> = dispatches.iter().map(|d| d.job_id).collect();
@@ -181,18 +235,102 @@ async fn lease_batch(
             }
         }
     }
-    let leases = to_lease
+    // Jobs whose handlers may run in this transaction are leased in memory and sent to
+    // run; the others' leases are written now.
+    let (inline, plain): (Vec<_>, Vec<_>) =
+        to_lease.into_iter().partition(|(i, _)| offers[*i].is_some());
+    let mut plain = plain;
+    let leases = plain
         .iter_mut()
         .map(|(i, job)| (job, dispatches[*i].event_id, dispatches[*i].trace.clone()))
         .collect();
     let ttl = |kind: &str| settings.config.kind(kind).lease_ttl;
     store::take_leases(&mut tx, &settings.events, leases, &settings.owner, ttl).await?;
+    let (finished, pending) = run_inline(settings, dispatches, &mut offers, inline, now, &mut decided)?
+        .wait()
+        .await;
+    let mut pending = pending;
+    let leases = pending
+        .iter_mut()
+        .map(|(i, job, lease)| (job, lease.clone(), dispatches[*i].trace.clone()))
+        .collect();
+    store::write_leases(&mut tx, &settings.events, leases).await?;
+    let completed = if finished.is_empty() {
+        Vec::new()
+    } else {
+        let unwritten = finished.iter().map(|(_, a, lease)| (a.job.job_id, lease.clone())).collect();
+        let current = finished.iter().map(|(_, a, _)| (a.job.job_id, a.job.clone())).collect();
+        let attempts: Vec<Attempt> = finished.iter().map(|(_, a, _)| a.clone()).collect();
+        let batch = crate::complete::Batch {
+            config: &settings.config,
+            pool: &settings.pool,
+            events: &settings.events,
+            handlers: &settings.handlers,
+        };
+        batch.complete_locked(&mut tx, current, &attempts, unwritten).await?
+    };
     tx.commit().await?;
     for (job, outcome) in &ended {
         crate::complete::count(job, outcome, &settings.handlers);
     }
-    for (i, job) in to_lease {
+    for (i, job) in plain {
         decided[i] = Leased::Run(Box::new(job));
     }
+    for (i, job, _) in pending {
+        decided[i] = Leased::Run(Box::new(job));
+    }
+    for ((i, _, _), done) in finished.into_iter().zip(completed) {
+        decided[i] = Leased::Completed(done);
+    }
     Ok(decided)
+}
+
+/// The jobs of a lease transaction running before it commits.
+struct Running {
+    /// Index in the batch, the job leased in memory, its `JobLeased`, where its attempt
+    /// comes back, and until when it is waited for.
+    runs: Vec<(usize, JobRow, Payload, oneshot::Receiver<Attempt>, tokio::time::Instant)>,
+}
+
+/// Leases each of `inline` in memory and sends it to its task to run. A task that is gone
+/// (its message given up: shutdown, revoke) gets nothing written: its job stays as it was.
+fn run_inline(
+    settings: &Settings,
+    dispatches: &[Dispatch],
+    offers: &mut [Option<Inline>],
+    inline: Vec<(usize, JobRow)>,
+    now: DateTime<Utc>,
+    decided: &mut [Leased],
+) -> anyhow::Result<Running> {
+    let started = tokio::time::Instant::now();
+    let mut runs = Vec::with_capacity(inline.len());
+    for (i, mut job) in inline {
+        let Some(offer) = offers[i].take() else { continue };
+        let ttl = settings.config.kind(&job.kind).lease_ttl;
+        let lease = store::lease(&mut job, dispatches[i].event_id, &settings.owner, ttl, now)?;
+        let (finished, attempt) = oneshot::channel();
+        if offer.run.send(InlineRun { job: job.clone(), finished }).is_err() {
+            decided[i] = Leased::WaitUntil(now);
+            continue;
+        }
+        runs.push((i, job, lease, attempt, started + offer.window));
+    }
+    Ok(Running { runs })
+}
+
+impl Running {
+    /// Waits for each run until its window closes: the attempts finished in time (index,
+    /// attempt, unwritten `JobLeased`), and the jobs still running (index, job, `JobLeased`),
+    /// whose leases are written to commit alone. A run given up by its task is neither.
+    async fn wait(self) -> (Vec<(usize, Attempt, Payload)>, Vec<(usize, JobRow, Payload)>) {
+        let (mut finished, mut pending) = (Vec::new(), Vec::new());
+        for (i, job, lease, attempt, until) in self.runs {
+            match tokio::time::timeout_at(until, attempt).await {
+                Ok(Ok(attempt)) => finished.push((i, attempt, lease)),
+                Ok(Err(_)) => {}
+                Err(_) => pending.push((i, job, lease)),
+            }
+        }
+        (finished, pending)
+    }
 }

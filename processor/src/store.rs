@@ -220,12 +220,57 @@ pub async fn take_leases(
     owner: &str,
     ttl: impl Fn(&str) -> std::time::Duration,
 ) -> anyhow::Result<()> {
+    let now = Utc::now();
+    let leased = leases
+        .into_iter()
+        .map(|(job, dispatch_event_id, trace)| {
+            let payload = lease(job, dispatch_event_id, owner, ttl(&job.kind), now)?;
+            Ok((job, payload, trace))
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    write_leases(tx, events, leased).await
+}
+
+/// Takes the lease of `job` in memory only — generation + 1, attempt + 1, lease owner and
+/// time — and returns its `JobLeased`, for [`write_leases`] or [`succeed_all`] to write.
+///
+/// # Errors
+/// The lease time is out of range.
+pub fn lease(
+    job: &mut JobRow,
+    dispatch_event_id: Uuid,
+    owner: &str,
+    ttl: std::time::Duration,
+    now: DateTime<Utc>,
+) -> anyhow::Result<Payload> {
+    let until = now + ChronoDuration::from_std(ttl)?;
+    job.generation += 1;
+    job.attempt += 1;
+    job.lease_until = Some(until);
+    job.lease_owner = Some(owner.to_owned());
+    Ok(Payload::JobLeased(JobLeased {
+        generation: job.generation,
+        attempt: job.attempt,
+        lease_owner: owner.to_owned(),
+        lease_until: until,
+        dispatch_event_id,
+    }))
+}
+
+/// Writes leases taken by [`lease`]: their `JobLeased` events and job rows, two statements
+/// for them all.
+///
+/// # Errors
+/// The database failed, or an event did not encode.
+pub async fn write_leases(
+    tx: &mut PgConnection,
+    events: &Events,
+    leases: Vec<(&mut JobRow, Payload, Option<TraceContext>)>,
+) -> anyhow::Result<()> {
     if leases.is_empty() {
         return Ok(());
     }
-    let now = Utc::now();
     let n = leases.len();
-    let mut untils = Vec::with_capacity(n);
     let (mut job_ids, mut generations, mut attempts, mut versions, mut dispatched) = (
         Vec::with_capacity(n),
         Vec::with_capacity(n),
@@ -233,40 +278,30 @@ pub async fn take_leases(
         Vec::with_capacity(n),
         Vec::with_capacity(n),
     );
+    let (mut untils, mut owners) = (Vec::with_capacity(n), Vec::with_capacity(n));
     let mut appends = Vec::with_capacity(n);
-    for (job, dispatch_event_id, trace) in leases {
-        // Each kind's own lease time.
-        let until = now + ChronoDuration::from_std(ttl(&job.kind))?;
-        untils.push(until);
-        job.generation += 1;
-        job.attempt += 1;
-        job.lease_until = Some(until);
-        job.lease_owner = Some(owner.to_owned());
+    for (job, payload, trace) in leases {
         job_ids.push(job.job_id);
         generations.push(job.generation);
         attempts.push(job.attempt);
         versions.push(job.stream_version + 1);
         dispatched.push(job.dispatch_version);
-        let payload = Payload::JobLeased(JobLeased {
-            generation: job.generation,
-            attempt: job.attempt,
-            lease_owner: owner.to_owned(),
-            lease_until: until,
-            dispatch_event_id,
-        });
-        appends.push((job, payload, trace));
+        untils.push(job.lease_until);
+        owners.push(job.lease_owner.clone());
+        appends.push((job, vec![payload], trace));
     }
     let states = states_of(&appends)?;
     events.append_each_then_update_jobs(tx, appends).await?;
     sqlx::query!(
         r#"
         UPDATE jobs j SET state = l.state::job_state, generation = l.generation,
-                          attempt = l.attempt, lease_until = l.lease_until, lease_owner = $6,
-                          next_attempt_at = NULL, stream_version = l.stream_version,
+                          attempt = l.attempt, lease_until = l.lease_until,
+                          lease_owner = l.lease_owner, next_attempt_at = NULL,
+                          stream_version = l.stream_version,
                           dispatch_version = l.dispatch_version
         FROM unnest($1::uuid[], $2::bigint[], $3::int[], $4::int[], $5::timestamptz[],
-                    $7::text[], $8::int[])
-            AS l(job_id, generation, attempt, stream_version, lease_until, state,
+                    $6::text[], $7::text[], $8::int[])
+            AS l(job_id, generation, attempt, stream_version, lease_until, lease_owner, state,
                  dispatch_version)
         WHERE j.job_id = l.job_id
         "#,
@@ -274,8 +309,8 @@ pub async fn take_leases(
         &generations,
         &attempts,
         &versions,
-        &untils,
-        owner,
+        &untils as &[Option<DateTime<Utc>>],
+        &owners as &[Option<String>],
         &states as &[&str],
         &dispatched,
     )
@@ -429,15 +464,27 @@ pub async fn quarantine(
     Ok(())
 }
 
+/// A finished attempt to commit as a success.
+#[derive(Debug)]
+pub struct Success<'a> {
+    pub job: &'a mut JobRow,
+    pub result: serde_json::Value,
+    pub trace: Option<TraceContext>,
+    /// The attempt's `JobLeased` when its lease is not written yet (see [`lease`]): it is
+    /// written with the success, both events in one statement and the job row once.
+    pub lease: Option<Payload>,
+}
+
 /// Commits the success of each attempt (its fence checked by the caller in this
-/// transaction): result rows, `JobSucceeded` events, job rows — three statements for them all.
+/// transaction, or its lease taken in it and written here): result rows, events, job rows —
+/// three statements for them all.
 ///
 /// # Errors
 /// The database failed, an event did not encode, or a job appears twice.
 pub async fn succeed_all(
     tx: &mut PgConnection,
     events: &Events,
-    successes: Vec<(&mut JobRow, serde_json::Value, Option<TraceContext>)>,
+    successes: Vec<Success<'_>>,
 ) -> anyhow::Result<()> {
     if successes.is_empty() {
         return Ok(());
@@ -450,19 +497,26 @@ pub async fn succeed_all(
         Vec::with_capacity(n),
         Vec::with_capacity(n),
     );
+    let (mut attempts, mut dispatched) = (Vec::with_capacity(n), Vec::with_capacity(n));
     let mut appends = Vec::with_capacity(n);
-    for (job, result, trace) in successes {
+    for Success { job, result, trace, lease } in successes {
         job_ids.push(job.job_id);
         input_versions.push(job.input_version);
         generations.push(job.generation);
-        versions.push(job.stream_version + 1);
-        let payload = Payload::JobSucceeded(JobSucceeded {
+        attempts.push(job.attempt);
+        dispatched.push(job.dispatch_version);
+        let succeeded = Payload::JobSucceeded(JobSucceeded {
             generation: job.generation,
             attempt: job.attempt,
             result: result.to_string(),
         });
         results.push(result);
-        appends.push((job, payload, trace));
+        let payloads = match lease {
+            Some(lease) => vec![lease, succeeded],
+            None => vec![succeeded],
+        };
+        versions.push(job.stream_version + payloads.len() as i32);
+        appends.push((job, payloads, trace));
     }
     sqlx::query!(
         "INSERT INTO job_results (job_id, input_version, generation, result) \
@@ -479,35 +533,47 @@ pub async fn succeed_all(
     sqlx::query!(
         r#"
         UPDATE jobs j SET state = s.state::job_state, finished_at = now(), lease_until = NULL,
-                          lease_owner = NULL, last_error = NULL, stream_version = s.stream_version
-        FROM unnest($1::uuid[], $2::int[], $3::text[]) AS s(job_id, stream_version, state)
+                          lease_owner = NULL, last_error = NULL, next_attempt_at = NULL,
+                          stream_version = s.stream_version, generation = s.generation,
+                          attempt = s.attempt, dispatch_version = s.dispatch_version
+        FROM unnest($1::uuid[], $2::int[], $3::text[], $4::bigint[], $5::int[], $6::int[])
+            AS s(job_id, stream_version, state, generation, attempt, dispatch_version)
         WHERE j.job_id = s.job_id
         "#,
         &job_ids,
         &versions,
         &states as &[&str],
+        &generations,
+        &attempts,
+        &dispatched,
     )
     .execute(&mut *tx)
     .await?;
     Ok(())
 }
 
-/// The state each job will have after its append, for the statement that writes the job rows
-/// after it: `job.state.after(payload)`, refused as the append would refuse it.
+/// The state each job will have after its appends, for the statement that writes the job
+/// rows after them: `job.state.after(payload)` for each, refused as the append would refuse
+/// it.
 fn states_of(
-    appends: &[(&mut JobRow, Payload, Option<TraceContext>)],
+    appends: &[(&mut JobRow, Vec<Payload>, Option<TraceContext>)],
 ) -> anyhow::Result<Vec<&'static str>> {
     appends
         .iter()
-        .map(|(job, payload, _)| {
-            job.state.after(payload).map(Status::as_str).map_err(|_| {
-                anyhow::anyhow!(
-                    "job {}: {} cannot follow {}",
-                    job.job_id,
-                    payload.kind(),
-                    job.state
-                )
-            })
+        .map(|(job, payloads, _)| {
+            payloads
+                .iter()
+                .try_fold(job.state, |state, payload| {
+                    state.after(payload).map_err(|_| {
+                        anyhow::anyhow!(
+                            "job {}: {} cannot follow {}",
+                            job.job_id,
+                            payload.kind(),
+                            state
+                        )
+                    })
+                })
+                .map(Status::as_str)
         })
         .collect()
 }
@@ -549,7 +615,7 @@ pub async fn complete(
 ) -> anyhow::Result<&'static str> {
     match outcome {
         Outcome::Succeeded { result } => {
-            succeed_all(tx, events, vec![(job, result, trace)]).await?;
+            succeed_all(tx, events, vec![Success { job, result, trace, lease: None }]).await?;
             Ok("succeeded")
         }
         Outcome::Superseded { newer } => {

@@ -63,10 +63,10 @@ use crate::heartbeat::Heartbeats;
 use crate::internal_events::{
     CompletionFenced, MessageError, MessageRetried, PartitionPaused, PartitionsMoved,
 };
-use crate::lease::{Dispatch, Leased, Leaser};
+use crate::lease::{Dispatch, Inline, InlineRun, Leased, Leaser, Request};
 use crate::metrics as pm;
 use crate::offsets::{Ticket, Tracker};
-use crate::store::Events;
+use crate::store::{Events, JobRow};
 
 /// librdkafka's read-ahead for the processors (each may be set in `[kafka]`): a few
 /// thousand messages a partition and 4 MiB in all keep the fetches large and the memory small.
@@ -774,6 +774,11 @@ async fn cost_of(
 }
 
 /// Leases, runs and completes the dispatch `event` (its slot held by the caller).
+///
+/// A kind with an `inline_window` is offered to run before its lease commits: the lease
+/// transaction sends the job here, waits for the attempt up to the window and commits the
+/// two together; past the window it commits the lease alone and the attempt completes on
+/// its own, as any other.
 async fn attempt(
     shared: &Shared,
     event: JobEvent,
@@ -787,14 +792,111 @@ async fn attempt(
         stream_version: event.stream_version,
         trace: event.trace.clone(),
     };
+    let window = shared.config.kind(&event.job_kind).inline_window;
+    let (inline, mut offered) = if window.is_zero() {
+        (None, None)
+    } else {
+        let (run, offered) = tokio::sync::oneshot::channel();
+        (Some(Inline { window, run }), Some(offered))
+    };
     // The lease's and the completion's waits are boxed: each lives only while it waits, not
     // for the whole run as part of the attempt (a thousand slow jobs in flight).
-    let job = match Box::pin(shared.leaser.submit(dispatch)).await? {
-        Leased::Run(job) => *job,
+    let mut leased = Box::pin(shared.leaser.submit(Request { dispatch, inline }));
+    let offer = async {
+        match offered.as_mut() {
+            Some(offered) => offered.await.ok(),
+            None => None,
+        }
+    };
+    let first = tokio::select! {
+        biased;
+        Some(run) = offer => Ok(run),
+        leased = &mut leased => Err(leased),
+    };
+    let (leased, ran) = match first {
+        Err(leased) => (leased?, None),
+        // 2. Run before the lease commits; the lease transaction waits for the attempt.
+        Ok(InlineRun { job, finished }) => {
+            let Some(attempt) = Box::pin(run_handler(shared, &event, &handler, job)).await? else {
+                return Ok(Step::Interrupted);
+            };
+            // Kept: should the lease transaction fail, the lease is taken again alone and
+            // this attempt completes after it.
+            let _ = finished.send(attempt.clone());
+            (leased.await?, Some(attempt))
+        }
+    };
+    let job = match leased {
+        Leased::Completed(done) => {
+            let generation = ran.map_or(0, |a| a.job.generation);
+            return Ok(completed(shared, event.job_id, generation, done));
+        }
         Leased::Done => return Ok(Step::Done),
         Leased::WaitUntil(until) => return Ok(Step::WaitUntil(until)),
+        Leased::Run(job) => *job,
     };
-    failpoint::hit(failpoint::PROCESSOR_AFTER_LEASE_COMMIT);
+    // The lease committed alone. An attempt already run under it completes; otherwise
+    // (no run yet, or one under another generation) the handler runs now.
+    let attempt = match ran.filter(|a| a.job.generation == job.generation) {
+        Some(attempt) => attempt,
+        None => {
+            failpoint::hit(failpoint::PROCESSOR_AFTER_LEASE_COMMIT);
+            match Box::pin(run_handler(shared, &event, &handler, job)).await? {
+                Some(attempt) => attempt,
+                None => return Ok(Step::Interrupted),
+            }
+        }
+    };
+
+    // 3. Complete, fenced by the generation (in a transaction with the other attempts
+    //    finished at the time). A completion that fails (the database unreachable) is tried
+    //    again with the same generation: the handler does not run again for it.
+    let job_id = attempt.job.job_id;
+    let generation = attempt.job.generation;
+    let mut backoff = RETRY_MIN;
+    let done = loop {
+        match Box::pin(shared.completer.submit(attempt.clone())).await {
+            Ok(done) => break done,
+            // About this attempt's own rows: its event is set aside by the caller.
+            Err(e) if jobfold_common::db::data_error_in(&e).is_some() => return Err(e),
+            Err(e) => {
+                tracing::warn!(error = %format!("{e:#}"), %job_id, generation, "Completion failed; trying it again.");
+                tokio::select! {
+                    _ = shared.shutdown.cancelled() => return Ok(Step::Interrupted),
+                    _ = tokio::time::sleep(backoff) => {}
+                }
+                backoff = (backoff * 2).min(RETRY_MAX);
+            }
+        }
+    };
+    Ok(completed(shared, job_id, generation, done))
+}
+
+/// Counts what became of an attempt; its offset may be stored.
+fn completed(shared: &Shared, job_id: uuid::Uuid, generation: i64, done: Completed) -> Step {
+    match done {
+        Completed::Fenced => {
+            CompletionFenced { job_id, generation }.emit();
+            return Step::Done;
+        }
+        Completed::Committed { job, outcome } => {
+            crate::complete::count(&job, outcome, &shared.handlers);
+            tracing::debug!(job_id = %job.job_id, outcome, "Attempt completed.");
+        }
+    }
+    failpoint::hit(failpoint::PROCESSOR_AFTER_COMPLETION_BEFORE_OFFSET);
+    Step::Done
+}
+
+/// Runs the handler on `job`, leased (its lease committed, or held by a lease transaction
+/// waiting for this run), with heartbeats: the finished attempt, or `None` when the shutdown
+/// cut it short (not the job's fault: no attempt is spent).
+async fn run_handler(
+    shared: &Shared,
+    event: &JobEvent,
+    handler: &std::sync::Arc<dyn crate::handler::ErasedHandler>,
+    job: JobRow,
+) -> anyhow::Result<Option<Attempt>> {
     // The handler's span continues the job's W3C trace: its own span id, the accepting
     // request's span as parent; handlers send `context.trace` onward. The span is made once
     // its fields are known: a log layer formats them when it is made and on every record.
@@ -880,44 +982,11 @@ async fn attempt(
         // Cut short by the shutdown, not the job's fault: no attempt is spent. The lease
         // runs out and the job runs again (redelivery, or the reaper).
         tracing::info!(job_id = %job.job_id, "Shutdown cancelled the handler; the job runs again later.");
-        return Ok(Step::Interrupted);
+        return Ok(None);
     }
     let result = bounded(result, kind.max_output_bytes);
 
-    // 3. Complete, fenced by the generation (in a transaction with the other attempts
-    //    finished at the time). A completion that fails (the database unreachable) is tried
-    //    again with the same generation: the handler does not run again for it.
-    let attempt = Attempt { job, context, result, trace: event.trace.clone() };
-    let job_id = attempt.job.job_id;
-    let generation = attempt.job.generation;
-    let mut backoff = RETRY_MIN;
-    let done = loop {
-        match Box::pin(shared.completer.submit(attempt.clone())).await {
-            Ok(done) => break done,
-            // About this attempt's own rows: its event is set aside by the caller.
-            Err(e) if jobfold_common::db::data_error_in(&e).is_some() => return Err(e),
-            Err(e) => {
-                tracing::warn!(error = %format!("{e:#}"), %job_id, generation, "Completion failed; trying it again.");
-                tokio::select! {
-                    _ = shared.shutdown.cancelled() => return Ok(Step::Interrupted),
-                    _ = tokio::time::sleep(backoff) => {}
-                }
-                backoff = (backoff * 2).min(RETRY_MAX);
-            }
-        }
-    };
-    match done {
-        Completed::Fenced => {
-            CompletionFenced { job_id, generation }.emit();
-            return Ok(Step::Done);
-        }
-        Completed::Committed { job, outcome } => {
-            crate::complete::count(&job, outcome, &shared.handlers);
-            tracing::debug!(%job_id, outcome, "Attempt completed.");
-        }
-    }
-    failpoint::hit(failpoint::PROCESSOR_AFTER_COMPLETION_BEFORE_OFFSET);
-    Ok(Step::Done)
+    Ok(Some(Attempt { job, context, result, trace: event.trace.clone() }))
 }
 
 /// The text of a panic's payload.

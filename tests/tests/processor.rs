@@ -946,14 +946,14 @@ async fn leased_attempt(
     job_id: Uuid,
     result: Result<Value, jobfold_processor::handler::HandlerError>,
 ) -> jobfold_processor::complete::Attempt {
-    use jobfold_processor::lease::{Dispatch, Leased};
+    use jobfold_processor::lease::{Dispatch, Leased, Request};
     let event_id: Uuid = sqlx::query_scalar("SELECT event_id FROM job_events WHERE job_id = $1")
         .bind(job_id)
         .fetch_one(&it.pool)
         .await
         .unwrap();
     let dispatch = Dispatch { job_id, event_id, input_version: 1, stream_version: 1, trace: None };
-    let Leased::Run(leased) = leaser.submit(dispatch).await.unwrap() else {
+    let Leased::Run(leased) = leaser.submit(Request { dispatch, inline: None }).await.unwrap() else {
         panic!("job {job_id} was not leased");
     };
     let context = JobContext {

@@ -56,7 +56,7 @@ macro_rules! append {
         SELECT event_id, job_id, stream_version, kind, body, $10, key, outbox,
                traceparent, tracestate
         FROM path ORDER BY n
-        RETURNING seq, job_id, delayed
+        RETURNING seq, job_id, stream_version, delayed
 "# + $more + r#"), release AS (
         UPDATE outbox SET available_at = least(outbox.available_at, p.publish_at)
         FROM waiting w JOIN path p ON p.job_id = w.job_id
@@ -64,7 +64,7 @@ macro_rules! append {
     )
     INSERT INTO outbox (seq, topic, key, available_at, traceparent, tracestate)
     SELECT e.seq, $11, p.key, p.publish_at, p.traceparent, p.tracestate
-    FROM event e JOIN path p ON p.job_id = e.job_id
+    FROM event e JOIN path p ON p.job_id = e.job_id AND p.stream_version = e.stream_version
     WHERE e.delayed
     "#,
             &$rows.event_id,
@@ -96,7 +96,8 @@ impl Events {
         available_at: Option<DateTime<Utc>>,
         trace: Option<TraceContext>,
     ) -> anyhow::Result<()> {
-        self.write_all(tx, vec![Append { job, payload, available_at, trace }], true).await
+        self.write_all(tx, vec![Append { job, payloads: vec![payload], available_at, trace }], true)
+            .await
     }
 
     /// Appends `payload` like [`append`](Self::append) but leaves `jobs.stream_version` to
@@ -112,33 +113,34 @@ impl Events {
         payload: Payload,
         trace: Option<TraceContext>,
     ) -> anyhow::Result<()> {
-        self.write_all(tx, vec![Append { job, payload, available_at: None, trace }], false).await
+        let append = Append { job, payloads: vec![payload], available_at: None, trace };
+        self.write_all(tx, vec![append], false).await
     }
 
-    /// Appends one event to each of several jobs in one statement, like
+    /// Appends events to each of several jobs in one statement, like
     /// [`append_then_update_job`](Self::append_then_update_job) for each: the caller writes
-    /// every job row after it. One event per job.
+    /// every job row after it. Each job's events follow one another in its stream, in the
+    /// order given (a lease and its success, committed together).
     ///
     /// # Errors
     /// The database failed, an event did not encode, or a job appears twice.
     pub async fn append_each_then_update_jobs(
         &self,
         tx: &mut PgConnection,
-        appends: Vec<(&mut JobRow, Payload, Option<TraceContext>)>,
+        appends: Vec<(&mut JobRow, Vec<Payload>, Option<TraceContext>)>,
     ) -> anyhow::Result<()> {
         let mut seen = std::collections::HashSet::with_capacity(appends.len());
         let appends = appends
             .into_iter()
-            .map(|(job, payload, trace)| {
+            .map(|(job, payloads, trace)| {
                 anyhow::ensure!(seen.insert(job.job_id), "job {} appears twice", job.job_id);
-                Ok(Append { job, payload, available_at: None, trace })
+                Ok(Append { job, payloads, available_at: None, trace })
             })
             .collect::<anyhow::Result<Vec<_>>>()?;
         self.write_all(tx, appends, false).await
     }
 
-    /// Appends each event as its job's next (one per job): the one statement behind every
-    /// append.
+    /// Appends each job's events as its next ones: the one statement behind every append.
     async fn write_all(
         &self,
         tx: &mut PgConnection,
@@ -156,47 +158,52 @@ impl Events {
         let next: Vec<Status> = appends
             .iter()
             .map(|a| {
-                a.job.state.after(&a.payload).map_err(|allowed| {
-                    let allowed: Vec<&str> = allowed.iter().map(|s| s.as_str()).collect();
-                    anyhow::anyhow!(
-                        "job {}: {} cannot follow state {} (allowed only in {})",
-                        a.job.job_id,
-                        a.payload.kind(),
-                        a.job.state,
-                        allowed.join(", ")
-                    )
+                a.payloads.iter().try_fold(a.job.state, |state, payload| {
+                    state.after(payload).map_err(|allowed| {
+                        let allowed: Vec<&str> = allowed.iter().map(|s| s.as_str()).collect();
+                        anyhow::anyhow!(
+                            "job {}: {} cannot follow state {} (allowed only in {})",
+                            a.job.job_id,
+                            payload.kind(),
+                            state,
+                            allowed.join(", ")
+                        )
+                    })
                 })
             })
             .collect::<anyhow::Result<_>>()?;
         let now = Utc::now();
         let now = DateTime::from_timestamp_millis(now.timestamp_millis()).unwrap_or(now);
-        let n = appends.len();
+        let n = appends.iter().map(|a| a.payloads.len()).sum();
         let mut rows = EventRows::with_capacity(n);
-        let mut jobs = Vec::with_capacity(n);
-        for Append { job, payload, available_at, trace } in appends {
-            let event = JobEvent {
-                event_id: Uuid::now_v7(),
-                job_id: job.job_id,
-                document_id: job.document_id.clone(),
-                job_kind: job.kind.clone(),
-                input_version: job.input_version,
-                stream_version: job.stream_version + 1,
-                occurred_at: now,
-                trace,
-                producer: self.producer.clone(),
-                payload,
-            };
-            rows.body.push(self.codec.encode(&event)?);
-            rows.event_id.push(event.event_id);
-            rows.job_id.push(event.job_id);
-            rows.stream_version.push(event.stream_version);
-            rows.kind.push(event.payload.kind());
-            rows.key.push(event.document_id);
-            rows.due.push(available_at);
-            let trace = event.trace;
-            rows.tracestate.push(trace.as_ref().and_then(|t| t.tracestate.clone()));
-            rows.traceparent.push(trace.map(|t| t.traceparent));
-            jobs.push(job);
+        let mut jobs = Vec::with_capacity(appends.len());
+        for Append { job, payloads, available_at, trace } in appends {
+            let count = payloads.len() as i32;
+            for (k, payload) in (1..).zip(payloads) {
+                let event = JobEvent {
+                    event_id: Uuid::now_v7(),
+                    job_id: job.job_id,
+                    document_id: job.document_id.clone(),
+                    job_kind: job.kind.clone(),
+                    input_version: job.input_version,
+                    stream_version: job.stream_version + k,
+                    occurred_at: now,
+                    trace: trace.clone(),
+                    producer: self.producer.clone(),
+                    payload,
+                };
+                rows.body.push(self.codec.encode(&event)?);
+                rows.event_id.push(event.event_id);
+                rows.job_id.push(event.job_id);
+                rows.stream_version.push(event.stream_version);
+                rows.kind.push(event.payload.kind());
+                rows.key.push(event.document_id);
+                rows.due.push(available_at);
+                let trace = event.trace;
+                rows.tracestate.push(trace.as_ref().and_then(|t| t.tracestate.clone()));
+                rows.traceparent.push(trace.map(|t| t.traceparent));
+            }
+            jobs.push((job, count));
         }
         // A statement of its own, after `lock_job`: its snapshot sees every earlier writer of
         // the job committed (see `append!` for the outbox).
@@ -217,18 +224,18 @@ impl Events {
             append!("", rows, now_at, &self.topic).execute(&mut *tx).await
         };
         done?;
-        for (job, next) in jobs.into_iter().zip(next) {
-            job.stream_version += 1;
+        for ((job, count), next) in jobs.into_iter().zip(next) {
+            job.stream_version += count;
             job.state = next;
         }
         Ok(())
     }
 }
 
-/// One event to append.
+/// A job's events to append, in stream order.
 struct Append<'a> {
     job: &'a mut JobRow,
-    payload: Payload,
+    payloads: Vec<Payload>,
     available_at: Option<DateTime<Utc>>,
     trace: Option<TraceContext>,
 }
