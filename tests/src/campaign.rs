@@ -482,7 +482,7 @@ fn input(rng: &mut StdRng, n: u64) -> serde_json::Value {
     } else if roll < 0.30 {
         json!({"text": format!("slow {n}"), "simulate": {"sleep_ms": rng.random_range(1_500..4_000)}})
     } else {
-        json!({"text": format!("document {n}"), "simulate": {"sleep_ms": rng.random_range(5..60)}})
+        json!({"text": format!("document {n}"), "simulate": {"sleep_ms": rng.random_range(0..60)}})
     }
 }
 

@@ -160,6 +160,10 @@ async fn examples_survive_a_crash_at(name: &str, window: &str) {
     env.insert("AUDIO_OUTPUT_DIR".into(), audio_out.display().to_string());
     let _relay = Service::start("jobfold-relay", &env);
     env.insert("JOBFOLD_FAILPOINT".into(), format!("{window}@3"));
+    if window == failpoint::PROCESSOR_AFTER_LEASE_COMMIT {
+        // A lease committed on its own: none is, for a run done within the inline window.
+        env.insert("JOBFOLD_PROCESSOR__INLINE_WINDOW".into(), "0s".into());
+    }
     let mut crashing = Service::start("jobfold-examples", &env);
     eventually(Duration::from_secs(60), "the examples' kinds to be registered", || async {
         count(&it, "SELECT count(*) FROM job_kinds WHERE kind IN ('summarize-conversation', 'convert-audio', 'count-words')").await == 3

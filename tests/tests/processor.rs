@@ -349,13 +349,20 @@ async fn the_upgrade_keeps_what_the_dedupe_rows_knew() {
 }
 
 /// Kill -9 a processor process at `failpoint`, start another, and check the outcome; returns
-/// the surviving processor, still running.
-async fn crash_at(name: &str, failpoint: &str, jobs: usize) -> (Installation, Service) {
+/// the surviving processor, still running. `inline_window` is the processors'
+/// (`processor.inline_window`): `0s` commits every lease before its handler runs.
+async fn crash_at(
+    name: &str,
+    failpoint: &str,
+    jobs: usize,
+    inline_window: &str,
+) -> (Installation, Service) {
     let mut it = Installation::new(name).await;
     fast(&mut it);
     it.create_topics().await;
     let acceptor = it.acceptor().await;
     let mut env = fast_env(&it);
+    env.insert("JOBFOLD_PROCESSOR__INLINE_WINDOW".into(), inline_window.into());
     let _relay = Service::start("jobfold-relay", &env);
     let batch: Vec<NewJob> = (0..jobs)
         .map(|i| job(&format!("doc-{i}"), 1, json!({ "text": format!("text {i}") })))
@@ -386,7 +393,7 @@ async fn crash_at(name: &str, failpoint: &str, jobs: usize) -> (Installation, Se
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killed_after_completion_before_the_offset_store_the_redelivery_is_skipped() {
     let (it, survivor) =
-        crash_at("proc-crash-offset", failpoint::PROCESSOR_AFTER_COMPLETION_BEFORE_OFFSET, 20)
+        crash_at("proc-crash-offset", failpoint::PROCESSOR_AFTER_COMPLETION_BEFORE_OFFSET, 20, "5ms")
             .await;
     // The third completion committed, then the process died before storing its offset: the
     // survivor gets the event again and skips it by its job row (its dispatch version and
@@ -417,7 +424,8 @@ async fn killed_after_completion_before_the_offset_store_the_redelivery_is_skipp
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killed_after_the_lease_the_job_is_leased_again_with_a_higher_generation() {
-    let (it, _) = crash_at("proc-crash-lease", failpoint::PROCESSOR_AFTER_LEASE_COMMIT, 20).await;
+    let (it, _) =
+        crash_at("proc-crash-lease", failpoint::PROCESSOR_AFTER_LEASE_COMMIT, 20, "0s").await;
     // The job leased when the process died is finished by generation 2.
     let regenerated = count_where(&it, "SELECT count(*) FROM jobs WHERE generation > 1").await;
     assert!(regenerated >= 1, "the orphaned lease was never taken over");
@@ -426,9 +434,32 @@ async fn killed_after_the_lease_the_job_is_leased_again_with_a_higher_generation
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killed_in_the_handler_nothing_of_the_attempt_is_committed() {
-    let (it, _) = crash_at("proc-crash-handler", failpoint::PROCESSOR_IN_HANDLER, 20).await;
+    let (it, _) = crash_at("proc-crash-handler", failpoint::PROCESSOR_IN_HANDLER, 20, "0s").await;
     let regenerated = count_where(&it, "SELECT count(*) FROM jobs WHERE generation > 1").await;
     assert!(regenerated >= 1, "the orphaned lease was never taken over");
+    it.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_in_a_handler_run_within_its_lease_transaction_neither_lease_nor_result_is_kept() {
+    // Handlers finish within the window: each lease commits with its attempt's outcome, so
+    // the process dying in a handler leaves no lease behind to wait out or take over — the
+    // survivor leases the interrupted jobs as their first generation.
+    let (it, _) = crash_at("proc-crash-inline", failpoint::PROCESSOR_IN_HANDLER, 20, "1s").await;
+    assert_eq!(count_where(&it, "SELECT count(*) FROM jobs WHERE generation > 1").await, 0);
+    assert_eq!(
+        count_where(&it, "SELECT count(*) FROM job_events WHERE kind = 'JobLeased'").await,
+        20,
+        "one lease a job"
+    );
+    // Every lease was committed by its success's transaction.
+    let apart = count_where(
+        &it,
+        "SELECT count(*) FROM job_events l JOIN job_events s USING (job_id) \
+         WHERE l.kind = 'JobLeased' AND s.kind = 'JobSucceeded' AND l.xid <> s.xid",
+    )
+    .await;
+    assert_eq!(apart, 0);
     it.cleanup().await;
 }
 
@@ -860,7 +891,7 @@ async fn an_append_the_state_machine_refuses_is_not_written() {
 /// Holds every run until `together` runs have started, so their completions arrive at once.
 /// The business write of `doc-bad`'s first attempt fails.
 struct Together {
-    started: std::sync::atomic::AtomicUsize,
+    started: Arc<std::sync::atomic::AtomicUsize>,
     together: usize,
 }
 
@@ -968,6 +999,59 @@ async fn leased_attempt(
         deadline: leased.deadline,
     };
     jobfold_processor::complete::Attempt { job: *leased, context, result, trace: None }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_short_run_commits_with_its_lease_and_a_failing_one_costs_only_its_job() {
+    let (mut it, acceptor) = fast_installation("proc-inline").await;
+    it.config.processor.inline_window = Duration::from_secs(1);
+    let shutdown = CancellationToken::new();
+    let relay = tokio::spawn(jobfold_relay::run(it.config.clone(), shutdown.clone()));
+    let started = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let handler = Together { started: Arc::clone(&started), together: 0 };
+    let worker = tokio::spawn(jobfold_processor::worker::run(
+        it.config.clone(),
+        it.pool.clone(),
+        jobfold_schemas::Decoder::new(it.registry()),
+        it.events().await,
+        Handlers::new().with("index-document", handler),
+        shutdown.clone(),
+    ));
+
+    // Runs done within the window: each job's lease and success in one transaction.
+    let good: Vec<NewJob> =
+        (0..8).map(|i| job(&format!("doc-{i}"), 1, json!({ "text": "x" }))).collect();
+    accept_all(&acceptor, &it, &good).await;
+    eventually(Duration::from_secs(60), "every job to succeed", || all_finished(&it, 8)).await;
+    let together = "SELECT count(*) FROM job_events l JOIN job_events s USING (job_id) \
+                    WHERE l.kind = 'JobLeased' AND s.kind = 'JobSucceeded' AND l.xid = s.xid";
+    assert_eq!(count_where(&it, together).await, 8);
+
+    // A business write Postgres refuses, run with others in one lease transaction: the
+    // transaction fails, its leases are taken again on their own, and the attempts already
+    // run complete after them — the bad one quarantined with the reason, none run twice.
+    let mut more: Vec<NewJob> =
+        (8..12).map(|i| job(&format!("doc-{i}"), 1, json!({ "text": "x" }))).collect();
+    more.push(job("doc-bad", 1, json!({ "text": "x" })));
+    accept_all(&acceptor, &it, &more).await;
+    eventually(Duration::from_secs(60), "the new jobs to end", || async {
+        count_where(&it, "SELECT count(*) FROM jobs WHERE state IN ('succeeded', 'quarantined')")
+            .await
+            == 13
+    })
+    .await;
+    shutdown.cancel();
+    worker.await.unwrap().unwrap();
+    relay.await.unwrap().unwrap();
+    assert_eq!(states(&it).await, [("quarantined".into(), 1), ("succeeded".into(), 12)]);
+    let reason: String =
+        sqlx::query_scalar("SELECT reason FROM quarantine").fetch_one(&it.pool).await.unwrap();
+    assert!(reason.contains("22012"), "{reason}");
+    assert_eq!(started.load(std::sync::atomic::Ordering::SeqCst), 13, "one run a job");
+    assert_eq!(count_where(&it, "SELECT count(*) FROM jobs WHERE generation <> 1").await, 0);
+    assert_exactly_one_write_per_success(&it).await;
+    assert_eq!(fold_mismatches(&it).await, Vec::<String>::new());
+    it.cleanup().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1281,6 +1365,11 @@ async fn shutdown_cancels_a_long_handler() {
     let long = NewJob { kind: "long".into(), ..job("doc-l", 1, json!({})) };
     let id = accept_all(&acceptor, &it, &[long]).await[0];
     tokio::time::timeout(Duration::from_secs(60), started.notified()).await.expect("it runs");
+    // Its lease commits alone once the run outlasts the lease transaction's inline window.
+    eventually(Duration::from_secs(10), "the lease to commit", || async {
+        state_and_attempt(&it, id).await == ("leased".into(), 1)
+    })
+    .await;
     pipeline.stop().await;
     assert!(cancelled.load(std::sync::atomic::Ordering::SeqCst), "the token fired");
     let (state, attempt) = state_and_attempt(&it, id).await;
@@ -1466,8 +1555,13 @@ async fn each_kind_runs_within_its_own_settings() {
     }
     let ids = accept_all(&acceptor, &it, &jobs).await;
 
-    // The long lease: 40 s, where the global one is 3 s.
+    // The long lease: 40 s, where the global one is 3 s (committed once the run outlasts the
+    // inline window).
     tokio::time::timeout(Duration::from_secs(60), started.notified()).await.expect("it runs");
+    eventually(Duration::from_secs(10), "the lease to commit", || async {
+        state_and_attempt(&it, ids[2]).await.0 == "leased"
+    })
+    .await;
     let left: f64 = sqlx::query_scalar(
         "SELECT EXTRACT(EPOCH FROM lease_until - now())::float8 FROM jobs WHERE job_id = $1",
     )
