@@ -39,9 +39,9 @@ pub mod decide;
 pub use decide::{LeaseDecision, decide};
 
 /// Dispatches decided in one transaction, at most.
-pub const BATCH: usize = 64;
+pub const BATCH: usize = 256;
 /// Lease transactions at once, at most.
-pub const WORKERS: usize = 2;
+pub const WORKERS: usize = 3;
 
 /// A dispatch event, as the lease transaction needs it.
 #[derive(Debug, Clone)]
