@@ -103,7 +103,6 @@ pub(crate) struct Batch<'a> {
     pub(crate) handlers: &'a Handlers,
 }
 
-
 impl Batch<'_> {
     /// One attempt in a transaction of its own. If Postgres refuses what the attempt writes
     /// (a data error, class 22 or 23), that is the job's fault, not an outage: the attempt
@@ -216,8 +215,12 @@ impl Batch<'_> {
                 },
             };
             if let Some(lease) = lease {
-                store::write_leases(tx, self.events, vec![(&mut job, lease, attempt.trace.clone())])
-                    .await?;
+                store::write_leases(
+                    tx,
+                    self.events,
+                    vec![(&mut job, lease, attempt.trace.clone())],
+                )
+                .await?;
             }
             let error = attempt.result.as_ref().err();
             let backoff = if error.is_some_and(|e| e.throttled) {

@@ -137,7 +137,10 @@ pub fn start(settings: Settings) -> Leaser {
 
 /// Leases `dispatches` in one transaction, none run in it; if it fails, the error for each
 /// (a data error found by leasing each alone, so it reaches only the one it is about).
-async fn lease_plain(settings: &Settings, dispatches: Vec<Dispatch>) -> Vec<anyhow::Result<Leased>> {
+async fn lease_plain(
+    settings: &Settings,
+    dispatches: Vec<Dispatch>,
+) -> Vec<anyhow::Result<Leased>> {
     let n = dispatches.len();
     let none = || (0..n).map(|_| None).collect();
     match lease_batch(settings, &dispatches, none()).await {
@@ -147,7 +150,8 @@ async fn lease_plain(settings: &Settings, dispatches: Vec<Dispatch>) -> Vec<anyh
         Err(e) if jobfold_common::db::data_error_in(&e).is_some() => {
             let mut answers = Vec::with_capacity(n);
             for dispatch in dispatches {
-                let alone = lease_batch(settings, std::slice::from_ref(&dispatch), vec![None]).await;
+                let alone =
+                    lease_batch(settings, std::slice::from_ref(&dispatch), vec![None]).await;
                 answers.push(alone.map(|mut decided| decided.remove(0)));
             }
             answers
@@ -246,9 +250,8 @@ async fn lease_batch(
         .collect();
     let ttl = |kind: &str| settings.config.kind(kind).lease_ttl;
     store::take_leases(&mut tx, &settings.events, leases, &settings.owner, ttl).await?;
-    let (finished, pending) = run_inline(settings, dispatches, &mut offers, inline, now, &mut decided)?
-        .wait()
-        .await;
+    let (finished, pending) =
+        run_inline(settings, dispatches, &mut offers, inline, now, &mut decided)?.wait().await;
     let mut pending = pending;
     let leases = pending
         .iter_mut()
@@ -258,7 +261,8 @@ async fn lease_batch(
     let completed = if finished.is_empty() {
         Vec::new()
     } else {
-        let unwritten = finished.iter().map(|(_, a, lease)| (a.job.job_id, lease.clone())).collect();
+        let unwritten =
+            finished.iter().map(|(_, a, lease)| (a.job.job_id, lease.clone())).collect();
         let current = finished.iter().map(|(_, a, _)| (a.job.job_id, a.job.clone())).collect();
         let attempts: Vec<Attempt> = finished.iter().map(|(_, a, _)| a.clone()).collect();
         let batch = crate::complete::Batch {

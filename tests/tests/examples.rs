@@ -158,7 +158,7 @@ async fn examples_survive_a_crash_at(name: &str, window: &str) {
     env.insert("SUMMARIZE_MODEL_URL".into(), format!("{outside}/v1/chat/completions"));
     env.insert("AUDIO_INPUT_DIR".into(), audio_in.display().to_string());
     env.insert("AUDIO_OUTPUT_DIR".into(), audio_out.display().to_string());
-    let _relay = Service::start("jobfold-relay", &env);
+    let relay = Service::start("jobfold-relay", &env);
     env.insert("JOBFOLD_FAILPOINT".into(), format!("{window}@3"));
     if window == failpoint::PROCESSOR_AFTER_LEASE_COMMIT {
         // A lease committed on its own: none is, for a run done within the inline window.
@@ -207,12 +207,19 @@ async fn examples_survive_a_crash_at(name: &str, window: &str) {
         std::env::var_os("MALLOC_ARENA_MAX").is_none(),
         "MALLOC_ARENA_MAX is set for the tests: the processor would inherit it, not set it"
     );
-    let environ = format!("/proc/{}/environ", survivor.pid());
-    eventually(Duration::from_secs(30), "the processor to run with two malloc arenas", || async {
-        std::fs::read(&environ)
-            .is_ok_and(|env| env.split(|b| *b == 0).any(|var| var == b"MALLOC_ARENA_MAX=2"))
-    })
-    .await;
+    // So does the relay.
+    for (name, pid) in [("processor", survivor.pid()), ("relay", relay.pid())] {
+        let environ = format!("/proc/{pid}/environ");
+        eventually(
+            Duration::from_secs(30),
+            &format!("the {name} to run with two malloc arenas"),
+            || async {
+                std::fs::read(&environ)
+                    .is_ok_and(|env| env.split(|b| *b == 0).any(|var| var == b"MALLOC_ARENA_MAX=2"))
+            },
+        )
+        .await;
+    }
     let total = jobs.len() as i64;
     eventually(Duration::from_secs(120), "every job to end after the crash", || async {
         count(

@@ -392,9 +392,13 @@ async fn crash_at(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killed_after_completion_before_the_offset_store_the_redelivery_is_skipped() {
-    let (it, survivor) =
-        crash_at("proc-crash-offset", failpoint::PROCESSOR_AFTER_COMPLETION_BEFORE_OFFSET, 20, "5ms")
-            .await;
+    let (it, survivor) = crash_at(
+        "proc-crash-offset",
+        failpoint::PROCESSOR_AFTER_COMPLETION_BEFORE_OFFSET,
+        20,
+        "5ms",
+    )
+    .await;
     // The third completion committed, then the process died before storing its offset: the
     // survivor gets the event again and skips it by its job row (its dispatch version and
     // state), running nothing. (Every job may be finished before the survivor joins:
@@ -984,7 +988,8 @@ async fn leased_attempt(
         .await
         .unwrap();
     let dispatch = Dispatch { job_id, event_id, input_version: 1, stream_version: 1, trace: None };
-    let Leased::Run(leased) = leaser.submit(Request { dispatch, inline: None }).await.unwrap() else {
+    let Leased::Run(leased) = leaser.submit(Request { dispatch, inline: None }).await.unwrap()
+    else {
         panic!("job {job_id} was not leased");
     };
     let context = JobContext {
