@@ -60,9 +60,9 @@ pub fn render_metrics() -> Option<String> {
 /// Runs this program again, in place (same process id, arguments and environment), with
 /// `MALLOC_ARENA_MAX=2` — unless that is set already, which it then is. For the processors
 /// and the relay, which use glibc's allocator: glibc gives each thread that allocates an
-/// arena of its own (up to eight a core) and keeps what is freed in each, so a burst whose messages are
-/// allocated on one thread and freed on others held 74-82 MiB at its peak; the same burst
-/// in two arenas peaked at 59 MiB, at the same CPU per job (`jobfold bench`, 50,000 jobs).
+/// arena of its own (up to eight a core) and keeps what is freed in each, so a burst whose
+/// messages are allocated on one thread and freed on others held 74-82 MiB at its peak; the
+/// same burst in two arenas peaked at 59 MiB, at the same CPU per job (`jobfold bench`, 50,000 jobs).
 /// The variable is read by glibc only as a program starts, hence the second start. If it
 /// cannot start again, it goes on as it is, and says so.
 pub fn at_most_two_malloc_arenas() {
