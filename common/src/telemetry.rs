@@ -58,18 +58,27 @@ pub fn render_metrics() -> Option<String> {
 }
 
 /// Runs this program again, in place (same process id, arguments and environment), with
-/// `MALLOC_ARENA_MAX=2` — unless that is set already, which it then is. For the processors
-/// and the relay, which use glibc's allocator: glibc gives each thread that allocates an
-/// arena of its own (up to eight a core) and keeps what is freed in each, so a burst whose
-/// messages are allocated on one thread and freed on others held 74-82 MiB at its peak; the
-/// same burst in two arenas peaked at 59 MiB, at the same CPU per job (`jobfold bench`, 50,000 jobs).
-/// The variable is read by glibc only as a program starts, hence the second start. If it
+/// `MALLOC_ARENA_MAX=2` and fixed trim and mmap thresholds of 128 KiB — unless
+/// `MALLOC_ARENA_MAX` is set already, which it then is. For the processors and the relay,
+/// which use glibc's allocator:
+/// - glibc gives each thread that allocates an arena of its own (up to eight a core) and
+///   keeps what is freed in each, so a burst whose messages are allocated on one thread and
+///   freed on others held 74-82 MiB at its peak; in two arenas it peaked at 59 MiB, at the
+///   same CPU per job (`jobfold bench`, 50,000 jobs);
+/// - glibc raises its thresholds each time a large block is freed (librdkafka's decompressed
+///   message sets), after which it keeps up to twice that free in each arena: the processor
+///   that ran the 50,000-job bursts peaked at 64-76 MiB, and at 58.5 MiB with the thresholds
+///   fixed, at the same throughput.
+///
+/// The variables are read by glibc only as a program starts, hence the second start. If it
 /// cannot start again, it goes on as it is, and says so.
 pub fn at_most_two_malloc_arenas() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     {
         use std::os::unix::process::CommandExt;
         const VAR: &str = "MALLOC_ARENA_MAX";
+        const THRESHOLDS: [(&str, &str); 2] =
+            [("MALLOC_TRIM_THRESHOLD_", "131072"), ("MALLOC_MMAP_THRESHOLD_", "131072")];
         if std::env::var_os(VAR).is_some() {
             return;
         }
@@ -78,6 +87,11 @@ pub fn at_most_two_malloc_arenas() {
         let mut again = std::process::Command::new(program);
         if let Some(name) = args.next() {
             again.arg0(name);
+        }
+        for (name, value) in THRESHOLDS {
+            if std::env::var_os(name).is_none() {
+                again.env(name, value);
+            }
         }
         // Returns only if it failed.
         let e = again.args(args).env(VAR, "2").exec();

@@ -201,8 +201,9 @@ async fn examples_survive_a_crash_at(name: &str, window: &str) {
     assert!(!status.success() && crashing.log_text().contains(window), "{}", crashing.log_text());
     env.remove("JOBFOLD_FAILPOINT");
     let survivor = Service::start("jobfold-examples", &env);
-    // The processor runs with two malloc arenas: it starts itself again in place (the same
-    // pid) with MALLOC_ARENA_MAX=2, which glibc reads only as a program starts.
+    // The processor runs with two malloc arenas and fixed thresholds: it starts itself again
+    // in place (the same pid) with MALLOC_ARENA_MAX=2 and the thresholds set, which glibc
+    // reads only as a program starts.
     assert!(
         std::env::var_os("MALLOC_ARENA_MAX").is_none(),
         "MALLOC_ARENA_MAX is set for the tests: the processor would inherit it, not set it"
@@ -212,10 +213,18 @@ async fn examples_survive_a_crash_at(name: &str, window: &str) {
         let environ = format!("/proc/{pid}/environ");
         eventually(
             Duration::from_secs(30),
-            &format!("the {name} to run with two malloc arenas"),
+            &format!("the {name} to run with two malloc arenas and fixed thresholds"),
             || async {
-                std::fs::read(&environ)
-                    .is_ok_and(|env| env.split(|b| *b == 0).any(|var| var == b"MALLOC_ARENA_MAX=2"))
+                std::fs::read(&environ).is_ok_and(|env| {
+                    let vars: Vec<&[u8]> = env.split(|b| *b == 0).collect();
+                    [
+                        &b"MALLOC_ARENA_MAX=2"[..],
+                        b"MALLOC_TRIM_THRESHOLD_=131072",
+                        b"MALLOC_MMAP_THRESHOLD_=131072",
+                    ]
+                    .iter()
+                    .all(|wanted| vars.contains(wanted))
+                })
             },
         )
         .await;
