@@ -60,6 +60,21 @@ impl Pipeline {
         Self { shutdown, tasks }
     }
 
+    /// A relay and a processor running `handlers` (the worker alone, no processor services).
+    async fn with_handlers(it: &Installation, handlers: Handlers) -> Self {
+        let shutdown = CancellationToken::new();
+        let relay = tokio::spawn(jobfold_relay::run(it.config.clone(), shutdown.clone()));
+        let worker = tokio::spawn(jobfold_processor::worker::run(
+            it.config.clone(),
+            it.pool.clone(),
+            jobfold_schemas::Decoder::new(it.registry()),
+            it.events().await,
+            handlers,
+            shutdown.clone(),
+        ));
+        Self { shutdown, tasks: vec![relay, worker] }
+    }
+
     async fn stop(self) {
         self.shutdown.cancel();
         for task in self.tasks {
@@ -938,22 +953,12 @@ async fn dispatches_and_attempts_arriving_together_share_a_transaction() {
         (0..JOBS).map(|i| job(&format!("doc-{i}"), 1, json!({ "text": "x" }))).collect();
     accept_all(&acceptor, &it, &jobs).await;
 
-    let shutdown = CancellationToken::new();
-    let relay = tokio::spawn(jobfold_relay::run(it.config.clone(), shutdown.clone()));
     let handler = Together { started: Default::default(), together: JOBS };
-    let worker = tokio::spawn(jobfold_processor::worker::run(
-        it.config.clone(),
-        it.pool.clone(),
-        jobfold_schemas::Decoder::new(it.registry()),
-        it.events().await,
-        Handlers::new().with("index-document", handler),
-        shutdown.clone(),
-    ));
+    let pipeline =
+        Pipeline::with_handlers(&it, Handlers::new().with("index-document", handler)).await;
     eventually(Duration::from_secs(60), "every job to succeed", || all_finished(&it, JOBS as i64))
         .await;
-    shutdown.cancel();
-    worker.await.unwrap().unwrap();
-    relay.await.unwrap().unwrap();
+    pipeline.stop().await;
 
     assert_eq!(states(&it).await, [("succeeded".into(), JOBS as i64)]);
     assert_exactly_one_write_per_success(&it).await;
@@ -1010,18 +1015,10 @@ async fn leased_attempt(
 async fn a_short_run_commits_with_its_lease_and_a_failing_one_costs_only_its_job() {
     let (mut it, acceptor) = fast_installation("proc-inline").await;
     it.config.processor.inline_window = Duration::from_secs(1);
-    let shutdown = CancellationToken::new();
-    let relay = tokio::spawn(jobfold_relay::run(it.config.clone(), shutdown.clone()));
     let started = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let handler = Together { started: Arc::clone(&started), together: 0 };
-    let worker = tokio::spawn(jobfold_processor::worker::run(
-        it.config.clone(),
-        it.pool.clone(),
-        jobfold_schemas::Decoder::new(it.registry()),
-        it.events().await,
-        Handlers::new().with("index-document", handler),
-        shutdown.clone(),
-    ));
+    let pipeline =
+        Pipeline::with_handlers(&it, Handlers::new().with("index-document", handler)).await;
 
     // Runs done within the window: each job's lease and success in one transaction.
     let good: Vec<NewJob> =
@@ -1045,9 +1042,7 @@ async fn a_short_run_commits_with_its_lease_and_a_failing_one_costs_only_its_job
             == 13
     })
     .await;
-    shutdown.cancel();
-    worker.await.unwrap().unwrap();
-    relay.await.unwrap().unwrap();
+    pipeline.stop().await;
     assert_eq!(states(&it).await, [("quarantined".into(), 1), ("succeeded".into(), 12)]);
     let reason: String =
         sqlx::query_scalar("SELECT reason FROM quarantine").fetch_one(&it.pool).await.unwrap();
