@@ -90,6 +90,9 @@ pub enum Leased {
     WaitUntil(DateTime<Utc>),
     /// Run within the lease transaction: the attempt committed with its lease.
     Completed(Completed),
+    /// Sent to run within the lease transaction, but not back within the window: the lease
+    /// (the job as sent) committed alone, and the run's attempt completes as any other.
+    RunOn,
 }
 
 /// What the lease transactions need to know.
@@ -280,8 +283,8 @@ async fn lease_batch(
     for (i, job) in plain {
         decided[i] = Leased::Run(Box::new(job));
     }
-    for (i, job, _) in pending {
-        decided[i] = Leased::Run(Box::new(job));
+    for (i, _, _) in pending {
+        decided[i] = Leased::RunOn;
     }
     for ((i, _, _), done) in finished.into_iter().zip(completed) {
         decided[i] = Leased::Completed(done);

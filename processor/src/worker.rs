@@ -817,12 +817,27 @@ async fn attempt(
         Err(leased) => (leased?, None),
         // 2. Run before the lease commits; the lease transaction waits for the attempt.
         Ok(InlineRun { job, finished }) => {
-            let Some(attempt) = Box::pin(run_handler(shared, &event, &handler, job)).await? else {
-                return Ok(Step::Interrupted);
+            let mut run = Box::pin(run_handler(shared, &event, &handler, job));
+            // Once the lease transaction stops waiting (its window closed and the lease
+            // committed alone), the way back is let go of: a long run keeps only what any
+            // run keeps.
+            let mut finished = Some(finished);
+            let ran = loop {
+                let Some(back) = finished.as_mut() else { break run.await? };
+                let closed = tokio::select! {
+                    ran = &mut run => break ran?,
+                    () = back.closed() => true,
+                };
+                if closed {
+                    finished = None;
+                }
             };
+            let Some(attempt) = ran else { return Ok(Step::Interrupted) };
             // Kept: should the lease transaction fail, the lease is taken again alone and
             // this attempt completes after it.
-            let _ = finished.send(attempt.clone());
+            if let Some(back) = finished {
+                let _ = back.send(attempt.clone());
+            }
             (leased.await?, Some(attempt))
         }
     };
@@ -833,13 +848,16 @@ async fn attempt(
         }
         Leased::Done => return Ok(Step::Done),
         Leased::WaitUntil(until) => return Ok(Step::WaitUntil(until)),
-        Leased::Run(job) => *job,
+        Leased::Run(job) => Some(*job),
+        Leased::RunOn => None,
     };
     // The lease committed alone. An attempt already run under it completes; otherwise
     // (no run yet, or one under another generation) the handler runs now.
-    let attempt = match ran.filter(|a| a.job.generation == job.generation) {
-        Some(attempt) => attempt,
-        None => {
+    let attempt = match (ran, job) {
+        (Some(attempt), None) => attempt,
+        (Some(attempt), Some(job)) if attempt.job.generation == job.generation => attempt,
+        (_, None) => anyhow::bail!("a lease committed for a run this task did not make"),
+        (_, Some(job)) => {
             failpoint::hit(failpoint::PROCESSOR_AFTER_LEASE_COMMIT);
             match Box::pin(run_handler(shared, &event, &handler, job)).await? {
                 Some(attempt) => attempt,
