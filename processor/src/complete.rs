@@ -13,6 +13,7 @@
 //! attempts are completed again one transaction each, so one bad attempt fails alone.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use crate::metrics as pm;
 use chrono::Utc;
@@ -53,12 +54,12 @@ pub enum Completed {
 }
 
 /// Commits finished attempts, several to a transaction.
-pub type Completer = Batcher<Attempt, Completed>;
+pub type Completer = Batcher<Arc<Attempt>, Completed>;
 
 /// Starts the completing task; it ends when every clone of the returned [`Completer`] is
 /// dropped.
 pub fn start(config: Config, pool: PgPool, events: Events, handlers: Handlers) -> Completer {
-    Batcher::start("completion", BATCH, WORKERS, move |attempts: Vec<Attempt>| {
+    Batcher::start("completion", BATCH, WORKERS, move |attempts: Vec<Arc<Attempt>>| {
         let (config, pool, events, handlers) =
             (config.clone(), pool.clone(), events.clone(), handlers.clone());
         async move { complete_all(&config, &pool, &events, &handlers, &attempts).await }
@@ -72,7 +73,7 @@ pub async fn complete_all(
     pool: &PgPool,
     events: &Events,
     handlers: &Handlers,
-    attempts: &[Attempt],
+    attempts: &[Arc<Attempt>],
 ) -> Vec<anyhow::Result<Completed>> {
     let batch = Batch { config, pool, events, handlers };
     if attempts.len() == 1 {
@@ -108,7 +109,7 @@ impl Batch<'_> {
     /// (a data error, class 22 or 23), that is the job's fault, not an outage: the attempt
     /// is completed again as a permanent failure naming the error, so the job is
     /// quarantined with the reason instead of being retried for ever.
-    async fn complete_alone(&self, attempt: &Attempt) -> anyhow::Result<Completed> {
+    async fn complete_alone(&self, attempt: &Arc<Attempt>) -> anyhow::Result<Completed> {
         let first = self.complete(std::slice::from_ref(attempt)).await;
         let e = match first {
             Ok(mut done) => return Ok(done.remove(0)),
@@ -125,10 +126,12 @@ impl Batch<'_> {
             error = %message,
             "Postgres refuses the attempt's result; the job is quarantined."
         );
-        let mut refused = attempt.clone();
-        refused.result = Err(HandlerError::permanent(format!(
-            "the result cannot be stored: Postgres refused it ({code}): {message}"
-        )));
+        let refused = Arc::new(Attempt {
+            result: Err(HandlerError::permanent(format!(
+                "the result cannot be stored: Postgres refused it ({code}): {message}"
+            ))),
+            ..Attempt::clone(attempt)
+        });
         self.complete(std::slice::from_ref(&refused)).await.map(|mut done| done.remove(0))
     }
 
@@ -148,7 +151,7 @@ impl Batch<'_> {
     }
 
     /// One transaction for `attempts`; what became of each, in their order.
-    async fn complete(&self, attempts: &[Attempt]) -> anyhow::Result<Vec<Completed>> {
+    async fn complete(&self, attempts: &[Arc<Attempt>]) -> anyhow::Result<Vec<Completed>> {
         let job_ids: Vec<Uuid> = attempts.iter().map(|a| a.job.job_id).collect();
         // One document's attempts finish one after another, so a job comes once per batch;
         // should it come twice, the batch fails and each attempt is completed alone.
@@ -179,7 +182,7 @@ impl Batch<'_> {
         &self,
         tx: &mut sqlx::PgConnection,
         mut current: HashMap<Uuid, JobRow>,
-        attempts: &[Attempt],
+        attempts: &[Arc<Attempt>],
         mut unwritten: HashMap<Uuid, jobfold_schemas::Payload>,
     ) -> anyhow::Result<Vec<Completed>> {
         let mut answers: Vec<Option<Completed>> = attempts.iter().map(|_| None).collect();
@@ -201,7 +204,7 @@ impl Batch<'_> {
             let outcome = match &attempt.result {
                 Ok(output) => match self.commit(tx, attempt, output).await? {
                     Committed::Applied => {
-                        successes.push((i, job, output.clone(), lease));
+                        successes.push((i, job, output, lease));
                         continue;
                     }
                     Committed::Stale { newer_version } => {
@@ -247,7 +250,7 @@ impl Batch<'_> {
             .iter_mut()
             .map(|(i, job, result, lease)| store::Success {
                 job,
-                result: result.clone(),
+                result,
                 trace: attempts[*i].trace.clone(),
                 lease: lease.take(),
             })

@@ -20,6 +20,7 @@
 //! (its task dead-letters the event rather than retrying it for ever).
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use crate::metrics as pm;
 use chrono::{DateTime, Utc};
@@ -76,7 +77,7 @@ pub struct Inline {
 #[derive(Debug)]
 pub struct InlineRun {
     pub job: JobRow,
-    pub finished: oneshot::Sender<Attempt>,
+    pub finished: oneshot::Sender<Arc<Attempt>>,
 }
 
 /// What the lease transaction made of a dispatch.
@@ -253,21 +254,27 @@ async fn lease_batch(
         .collect();
     let ttl = |kind: &str| settings.config.kind(kind).lease_ttl;
     store::take_leases(&mut tx, &settings.events, leases, &settings.owner, ttl).await?;
-    let (finished, pending) =
+    let (finished, mut pending) =
         run_inline(settings, dispatches, &mut offers, inline, now, &mut decided)?.wait().await;
-    let mut pending = pending;
     let leases = pending
         .iter_mut()
         .map(|(i, job, lease)| (job, lease.clone(), dispatches[*i].trace.clone()))
         .collect();
     store::write_leases(&mut tx, &settings.events, leases).await?;
+    let mut indices = Vec::with_capacity(finished.len());
     let completed = if finished.is_empty() {
         Vec::new()
     } else {
-        let unwritten =
-            finished.iter().map(|(_, a, lease)| (a.job.job_id, lease.clone())).collect();
-        let current = finished.iter().map(|(_, a, _)| (a.job.job_id, a.job.clone())).collect();
-        let attempts: Vec<Attempt> = finished.iter().map(|(_, a, _)| a.clone()).collect();
+        let (mut current, mut unwritten) = (HashMap::new(), HashMap::new());
+        let attempts: Vec<Arc<Attempt>> = finished
+            .into_iter()
+            .map(|(i, attempt, lease)| {
+                indices.push(i);
+                current.insert(attempt.job.job_id, attempt.job.clone());
+                unwritten.insert(attempt.job.job_id, lease);
+                attempt
+            })
+            .collect();
         let batch = crate::complete::Batch {
             config: &settings.config,
             pool: &settings.pool,
@@ -286,7 +293,7 @@ async fn lease_batch(
     for (i, _, _) in pending {
         decided[i] = Leased::RunOn;
     }
-    for ((i, _, _), done) in finished.into_iter().zip(completed) {
+    for (i, done) in indices.into_iter().zip(completed) {
         decided[i] = Leased::Completed(done);
     }
     Ok(decided)
@@ -296,7 +303,7 @@ async fn lease_batch(
 struct Running {
     /// Index in the batch, the job leased in memory, its `JobLeased`, where its attempt
     /// comes back, and until when it is waited for.
-    runs: Vec<(usize, JobRow, Payload, oneshot::Receiver<Attempt>, tokio::time::Instant)>,
+    runs: Vec<(usize, JobRow, Payload, oneshot::Receiver<Arc<Attempt>>, tokio::time::Instant)>,
 }
 
 /// Leases each of `inline` in memory and sends it to its task to run. A task that is gone
@@ -316,7 +323,9 @@ fn run_inline(
         let ttl = settings.config.kind(&job.kind).lease_ttl;
         let lease = store::lease(&mut job, dispatches[i].event_id, &settings.owner, ttl, now)?;
         let (finished, attempt) = oneshot::channel();
-        if offer.run.send(InlineRun { job: job.clone(), finished }).is_err() {
+        // The input goes to the run; what stays here to write the lease needs none of it.
+        let payload = std::mem::take(&mut job.payload);
+        if offer.run.send(InlineRun { job: JobRow { payload, ..job.clone() }, finished }).is_err() {
             decided[i] = Leased::WaitUntil(now);
             continue;
         }
@@ -329,7 +338,7 @@ impl Running {
     /// Waits for each run until its window closes: the attempts finished in time (index,
     /// attempt, unwritten `JobLeased`), and the jobs still running (index, job, `JobLeased`),
     /// whose leases are written to commit alone. A run given up by its task is neither.
-    async fn wait(self) -> (Vec<(usize, Attempt, Payload)>, Vec<(usize, JobRow, Payload)>) {
+    async fn wait(self) -> (Vec<(usize, Arc<Attempt>, Payload)>, Vec<(usize, JobRow, Payload)>) {
         let (mut finished, mut pending) = (Vec::new(), Vec::new());
         for (i, job, lease, attempt, until) in self.runs {
             match tokio::time::timeout_at(until, attempt).await {

@@ -468,7 +468,7 @@ pub async fn quarantine(
 #[derive(Debug)]
 pub struct Success<'a> {
     pub job: &'a mut JobRow,
-    pub result: serde_json::Value,
+    pub result: &'a serde_json::Value,
     pub trace: Option<TraceContext>,
     /// The attempt's `JobLeased` when its lease is not written yet (see [`lease`]): it is
     /// written with the success, both events in one statement and the job row once.
@@ -505,12 +505,14 @@ pub async fn succeed_all(
         generations.push(job.generation);
         attempts.push(job.attempt);
         dispatched.push(job.dispatch_version);
+        // Serialized once, for the event and the result row.
+        let result = result.to_string();
+        results.push(result.clone());
         let succeeded = Payload::JobSucceeded(JobSucceeded {
             generation: job.generation,
             attempt: job.attempt,
-            result: result.to_string(),
+            result,
         });
-        results.push(result);
         let payloads = match lease {
             Some(lease) => vec![lease, succeeded],
             None => vec![succeeded],
@@ -520,7 +522,7 @@ pub async fn succeed_all(
     }
     sqlx::query!(
         "INSERT INTO job_results (job_id, input_version, generation, result) \
-         SELECT * FROM unnest($1::uuid[], $2::bigint[], $3::bigint[], $4::jsonb[])",
+         SELECT * FROM unnest($1::uuid[], $2::bigint[], $3::bigint[], $4::text[]::jsonb[])",
         &job_ids,
         &input_versions,
         &generations,
@@ -615,7 +617,8 @@ pub async fn complete(
 ) -> anyhow::Result<&'static str> {
     match outcome {
         Outcome::Succeeded { result } => {
-            succeed_all(tx, events, vec![Success { job, result, trace, lease: None }]).await?;
+            succeed_all(tx, events, vec![Success { job, result: &result, trace, lease: None }])
+                .await?;
             Ok("succeeded")
         }
         Outcome::Superseded { newer } => {

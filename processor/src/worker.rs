@@ -835,8 +835,9 @@ async fn attempt(
             let Some(attempt) = ran else { return Ok(Step::Interrupted) };
             // Kept: should the lease transaction fail, the lease is taken again alone and
             // this attempt completes after it.
+            let attempt = Arc::new(attempt);
             if let Some(back) = finished {
-                let _ = back.send(attempt.clone());
+                let _ = back.send(Arc::clone(&attempt));
             }
             (leased.await?, Some(attempt))
         }
@@ -860,7 +861,7 @@ async fn attempt(
         (_, Some(job)) => {
             failpoint::hit(failpoint::PROCESSOR_AFTER_LEASE_COMMIT);
             match Box::pin(run_handler(shared, &event, &handler, job)).await? {
-                Some(attempt) => attempt,
+                Some(attempt) => Arc::new(attempt),
                 None => return Ok(Step::Interrupted),
             }
         }
@@ -873,7 +874,7 @@ async fn attempt(
     let generation = attempt.job.generation;
     let mut backoff = RETRY_MIN;
     let done = loop {
-        match Box::pin(shared.completer.submit(attempt.clone())).await {
+        match Box::pin(shared.completer.submit(Arc::clone(&attempt))).await {
             Ok(done) => break done,
             // About this attempt's own rows: its event is set aside by the caller.
             Err(e) if jobfold_common::db::data_error_in(&e).is_some() => return Err(e),
@@ -913,7 +914,7 @@ async fn run_handler(
     shared: &Shared,
     event: &JobEvent,
     handler: &std::sync::Arc<dyn crate::handler::ErasedHandler>,
-    job: JobRow,
+    mut job: JobRow,
 ) -> anyhow::Result<Option<Attempt>> {
     // The handler's span continues the job's W3C trace: its own span id, the accepting
     // request's span as parent; handlers send `context.trace` onward. The span is made once
@@ -939,7 +940,8 @@ async fn run_handler(
         document_id: job.document_id.clone(),
         kind: job.kind.clone(),
         input_version: job.input_version,
-        input: job.payload.clone(),
+        // The job row's copy of the input is not needed again: the handler's is the only one.
+        input: std::mem::take(&mut job.payload),
         attempt: job.attempt,
         generation: job.generation,
         deadline: job.deadline,

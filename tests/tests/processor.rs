@@ -985,7 +985,7 @@ async fn leased_attempt(
     leaser: &jobfold_processor::lease::Leaser,
     job_id: Uuid,
     result: Result<Value, jobfold_processor::handler::HandlerError>,
-) -> jobfold_processor::complete::Attempt {
+) -> std::sync::Arc<jobfold_processor::complete::Attempt> {
     use jobfold_processor::lease::{Dispatch, Leased, Request};
     let event_id: Uuid = sqlx::query_scalar("SELECT event_id FROM job_events WHERE job_id = $1")
         .bind(job_id)
@@ -1008,7 +1008,12 @@ async fn leased_attempt(
         trace: None,
         deadline: leased.deadline,
     };
-    jobfold_processor::complete::Attempt { job: *leased, context, result, trace: None }
+    std::sync::Arc::new(jobfold_processor::complete::Attempt {
+        job: *leased,
+        context,
+        result,
+        trace: None,
+    })
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
