@@ -68,10 +68,20 @@ use crate::metrics as pm;
 use crate::offsets::{Ticket, Tracker};
 use crate::store::{Events, JobRow};
 
-/// librdkafka's read-ahead for the processors (each may be set in `[kafka]`): a few
-/// thousand messages a partition and 4 MiB in all keep the fetches large and the memory small.
-const PREFETCH: &[(&str, &str)] =
-    &[("queued.min.messages", "5000"), ("queued.max.messages.kbytes", "4096")];
+/// librdkafka's read-ahead for the processors (each may be set in `[kafka]`). A fetch
+/// brings whole record batches, each decompressed into one buffer that lives as long as any
+/// of its messages waits in librdkafka's queue: by default up to 1 MiB of compressed batches
+/// a partition and 50 MiB a fetch, several times that once decompressed. Here a fetch brings
+/// 1 MiB at most (256 KiB a partition), the next one is sent while fewer than a thousand
+/// messages or 2 MiB wait, and 10 ms after the queue was found full (librdkafka waits a
+/// second by default, which so small a read-ahead drains long before).
+const PREFETCH: &[(&str, &str)] = &[
+    ("fetch.max.bytes", "1048576"),
+    ("max.partition.fetch.bytes", "262144"),
+    ("queued.min.messages", "1000"),
+    ("queued.max.messages.kbytes", "2048"),
+    ("fetch.queue.backoff.ms", "10"),
+];
 
 const RETRY_MIN: Duration = Duration::from_millis(100);
 const RETRY_MAX: Duration = Duration::from_secs(10);
