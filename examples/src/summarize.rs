@@ -94,14 +94,18 @@ impl Handler for Summarize {
         job: &JobContext,
         cancel: CancellationToken,
     ) -> Result<Value, HandlerError> {
-        let body = self.request(messages(&job.input)?);
-        let mut request =
-            self.client.post(self.url.clone()).header("Idempotency-Key", job.idempotency_key());
+        // The body is serialized here and its value let go of: only the bytes wait for the
+        // answer.
+        let mut request = self
+            .client
+            .post(self.url.clone())
+            .header("Idempotency-Key", job.idempotency_key())
+            .json(&self.request(messages(&job.input)?));
         if let Some(trace) = &job.trace {
             request = request.header("traceparent", &trace.traceparent);
         }
         let call = async {
-            let response = request.json(&body).send().await.map_err(|e| {
+            let response = request.send().await.map_err(|e| {
                 HandlerError::retryable(format!(
                     "calling the model at {}: {}",
                     self.url,
