@@ -41,8 +41,11 @@ static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
 /// # Errors
 /// The address cannot be bound, or a recorder is already installed.
 pub fn install_metrics(addr: SocketAddr) -> Result<(), BuildError> {
+    // Histograms keep their samples until the upkeep drains them: every second, so a busy
+    // process holds a second of them (the crate's default is five).
     let (recorder, exporter) = PrometheusBuilder::new()
         .with_http_listener(addr)
+        .upkeep_timeout(std::time::Duration::from_secs(1))
         .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), SECONDS_BUCKETS)?
         .build()?;
     let handle = recorder.handle();
