@@ -301,9 +301,21 @@ async fn lease_batch(
 
 /// The jobs of a lease transaction running before it commits.
 struct Running {
-    /// Index in the batch, the job leased in memory, its `JobLeased`, where its attempt
-    /// comes back, and until when it is waited for.
-    runs: Vec<(usize, JobRow, Payload, oneshot::Receiver<Arc<Attempt>>, tokio::time::Instant)>,
+    runs: Vec<Run>,
+}
+
+/// A job of the batch running before its lease commits.
+struct Run {
+    /// Its index in the batch.
+    index: usize,
+    /// The job, leased in memory.
+    job: JobRow,
+    /// Its `JobLeased`, not written yet.
+    lease: Payload,
+    /// Where its attempt comes back.
+    attempt: oneshot::Receiver<Arc<Attempt>>,
+    /// Until when it is waited for.
+    until: tokio::time::Instant,
 }
 
 /// Leases each of `inline` in memory and sends it to its task to run. A task that is gone
@@ -329,7 +341,7 @@ fn run_inline(
             decided[i] = Leased::WaitUntil(now);
             continue;
         }
-        runs.push((i, job, lease, attempt, started + offer.window));
+        runs.push(Run { index: i, job, lease, attempt, until: started + offer.window });
     }
     Ok(Running { runs })
 }
@@ -340,11 +352,11 @@ impl Running {
     /// whose leases are written to commit alone. A run given up by its task is neither.
     async fn wait(self) -> (Vec<(usize, Arc<Attempt>, Payload)>, Vec<(usize, JobRow, Payload)>) {
         let (mut finished, mut pending) = (Vec::new(), Vec::new());
-        for (i, job, lease, attempt, until) in self.runs {
+        for Run { index, job, lease, attempt, until } in self.runs {
             match tokio::time::timeout_at(until, attempt).await {
-                Ok(Ok(attempt)) => finished.push((i, attempt, lease)),
+                Ok(Ok(attempt)) => finished.push((index, attempt, lease)),
                 Ok(Err(_)) => {}
-                Err(_) => pending.push((i, job, lease)),
+                Err(_) => pending.push((index, job, lease)),
             }
         }
         (finished, pending)
