@@ -1,7 +1,7 @@
 //! Poison messages: kept in `dead_letters` with their coordinates and raw bytes, so the
 //! partition moves on and nothing is lost.
 
-use crate::internal_events::{Coordinates, DeadLettered};
+use crate::internal_events::{At, DeadLettered};
 use crate::metrics as m;
 use rdkafka::Message;
 use sqlx::PgPool;
@@ -14,7 +14,7 @@ use sqlx::PgPool;
 pub async fn store(
     pool: &PgPool,
     group: &str,
-    message: &impl Message,
+    message: Raw<'_>,
     error: &str,
 ) -> Result<(), sqlx::Error> {
     // The reason may quote the message; Postgres text cannot hold U+0000.
@@ -28,17 +28,31 @@ pub async fn store(
         ON CONFLICT ON CONSTRAINT dead_letters_coordinates_key DO NOTHING
         "#,
         group,
-        message.topic(),
-        message.partition(),
-        message.offset(),
-        message.key(),
-        message.payload(),
+        message.at.topic,
+        message.at.partition,
+        message.at.offset,
+        message.key,
+        message.payload,
         error,
     )
     .execute(pool)
     .await?;
-    DeadLettered { at: Coordinates::of(message), group, error }.emit();
+    DeadLettered { at: message.at.to_owned(), group, error }.emit();
     Ok(())
+}
+
+/// A message as a dead letter keeps it: where it sits and its raw bytes.
+#[derive(Debug, Clone, Copy)]
+pub struct Raw<'a> {
+    pub at: At<'a>,
+    pub key: Option<&'a [u8]>,
+    pub payload: Option<&'a [u8]>,
+}
+
+impl<'a> Raw<'a> {
+    pub fn of(message: &'a impl Message) -> Self {
+        Self { at: At::of(message), key: message.key(), payload: message.payload() }
+    }
 }
 
 /// A dead letter as operators list it (`GET /v1/dead-letters`, `jobfold dead-letters list`).

@@ -16,6 +16,7 @@
 
 use std::time::Duration;
 
+use crate::dead_letter::Raw;
 use crate::internal_events::{MessageError, MessageRetried};
 use crate::metrics as m;
 use jobfold_common::accept::{Acceptor, NewJob};
@@ -192,7 +193,7 @@ impl Intake {
         message: &BorrowedMessage<'_>,
         error: &str,
     ) -> Result<Handled, Transient> {
-        crate::dead_letter::store(&self.pool, &self.group, message, error)
+        crate::dead_letter::store(&self.pool, &self.group, Raw::of(message), error)
             .await
             .map_err(|e| Transient(format!("storing the dead letter: {e}")))?;
         Ok(Handled::DeadLettered)

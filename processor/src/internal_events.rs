@@ -20,11 +20,26 @@ pub struct Coordinates {
 
 impl Coordinates {
     pub fn of(message: &impl Message) -> Self {
-        Self {
-            topic: message.topic().to_owned(),
-            partition: message.partition(),
-            offset: message.offset(),
-        }
+        At::of(message).to_owned()
+    }
+}
+
+/// [`Coordinates`], borrowed.
+#[derive(Debug, Clone, Copy)]
+pub struct At<'a> {
+    pub topic: &'a str,
+    pub partition: i32,
+    pub offset: i64,
+}
+
+impl<'a> At<'a> {
+    pub fn of(message: &'a impl Message) -> Self {
+        Self { topic: message.topic(), partition: message.partition(), offset: message.offset() }
+    }
+
+    #[must_use]
+    pub fn to_owned(self) -> Coordinates {
+        Coordinates { topic: self.topic.to_owned(), partition: self.partition, offset: self.offset }
     }
 }
 

@@ -49,7 +49,6 @@ use jobfold_schemas::{Decoder, JobEvent, Payload};
 use rand::Rng;
 use rdkafka::TopicPartitionList;
 use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext, Rebalance, StreamConsumer};
-use rdkafka::message::OwnedMessage;
 use rdkafka::{ClientContext, Message, Statistics};
 use sqlx::PgPool;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
@@ -58,10 +57,11 @@ use tracing::Instrument;
 
 use crate::buffer::{Bounds, Buffer};
 use crate::complete::{Attempt, Completed, Completer};
+use crate::dead_letter::Raw;
 use crate::handler::{HandlerError, Handlers, JobContext};
 use crate::heartbeat::Heartbeats;
 use crate::internal_events::{
-    CompletionFenced, MessageError, MessageRetried, PartitionPaused, PartitionsMoved,
+    At, CompletionFenced, MessageError, MessageRetried, PartitionPaused, PartitionsMoved,
 };
 use crate::lease::{Dispatch, Inline, InlineRun, Leased, Leaser, Request};
 use crate::metrics as pm;
@@ -184,9 +184,40 @@ impl ConsumerContext for WorkerContext {
 
 /// A message held for its document's task, and the bytes it counts in its partition.
 struct Queued {
-    message: OwnedMessage,
+    message: Held,
     ticket: Ticket,
     bytes: usize,
+}
+
+/// What is kept of a dispatch message while it waits: its key and value, and where it is
+/// (the topic is the one this processor consumes). rdkafka's `OwnedMessage` would also copy
+/// the topic's name and each header, in allocations of their own: about 1.4 KiB a message
+/// held, against its value's few hundred bytes.
+struct Held {
+    key: Option<Box<[u8]>>,
+    payload: Option<Box<[u8]>>,
+    partition: i32,
+    offset: i64,
+}
+
+impl Held {
+    fn of(message: &impl Message) -> Self {
+        Self {
+            key: message.key().map(Box::from),
+            payload: message.payload().map(Box::from),
+            partition: message.partition(),
+            offset: message.offset(),
+        }
+    }
+
+    /// As a dead letter keeps it, on `topic`.
+    fn raw<'a>(&'a self, topic: &'a str) -> Raw<'a> {
+        Raw {
+            at: At { topic, partition: self.partition, offset: self.offset },
+            key: self.key.as_deref(),
+            payload: self.payload.as_deref(),
+        }
+    }
 }
 
 /// The documents with messages in memory. A document is here from its first message until
@@ -195,9 +226,9 @@ struct Queued {
 #[derive(Default)]
 struct Queues {
     /// Per document: the messages no task has taken yet.
-    waiting: HashMap<String, VecDeque<Queued>>,
+    waiting: HashMap<Arc<str>, VecDeque<Queued>>,
     /// Documents with a message to run and no task, in the order they became ready.
-    ready: VecDeque<String>,
+    ready: VecDeque<Arc<str>>,
 }
 
 impl Queues {
@@ -210,8 +241,9 @@ impl Queues {
         // Most documents hold one message at a time: no room for more until they do.
         let mut queue = VecDeque::with_capacity(1);
         queue.push_back(queued);
-        self.waiting.insert(key.to_owned(), queue);
-        self.ready.push_back(key.to_owned());
+        let key: Arc<str> = key.into();
+        self.waiting.insert(Arc::clone(&key), queue);
+        self.ready.push_back(key);
         true
     }
 
@@ -228,7 +260,7 @@ impl Queues {
     /// After its task ran one message: `key` goes to the back of `ready` if more are queued
     /// (so a busy document takes its turn with the others), else it is forgotten. True if it
     /// is ready again.
-    fn done(&mut self, key: String) -> bool {
+    fn done(&mut self, key: Arc<str>) -> bool {
         match self.waiting.get(&key) {
             Some(queue) if !queue.is_empty() => {
                 self.ready.push_back(key);
@@ -410,25 +442,24 @@ pub async fn run(
             }
             continue;
         }
-        let message = message.detach();
         let Some(ticket) =
             shared.tracker.lock().expect("tracker").start(message.partition(), message.offset())
         else {
             continue;
         };
-        let key =
-            message.key().map(|k| String::from_utf8_lossy(k).into_owned()).unwrap_or_default();
-        let bytes = message.payload().map_or(0, <[u8]>::len) + key.len();
+        let key = message.key().map(String::from_utf8_lossy).unwrap_or_default();
+        let held = Held::of(&message);
+        let bytes = held.payload.as_deref().map_or(0, <[u8]>::len) + key.len();
         {
             // Decided and done under the lock: a resume decided meanwhile by a finishing
             // task cannot come before this pause and leave the partition paused for good.
             let mut buffer = shared.buffer.lock().expect("buffer");
             if buffer.add(ticket.partition, bytes) {
-                pause_or_resume(&shared, &buffer, &message, true);
+                pause_or_resume(&shared, &buffer, ticket.partition, true);
             }
             metrics::gauge!(pm::BUFFERED_MESSAGES).set(buffer.messages() as f64);
         }
-        let queued = Queued { message, ticket, bytes };
+        let queued = Queued { message: held, ticket, bytes };
         if shared.queues.lock().expect("queues").push(&key, queued) {
             shared.ready.notify_one();
         }
@@ -452,18 +483,18 @@ pub async fn run(
     Ok(())
 }
 
-/// Pauses (or resumes) fetching `message`'s partition, and counts it. Called with the
-/// buffer locked, as it decided.
-fn pause_or_resume(shared: &Shared, buffer: &Buffer, message: &OwnedMessage, pause: bool) {
+/// Pauses (or resumes) fetching `partition`, and counts it. Called with the buffer locked,
+/// as it decided.
+fn pause_or_resume(shared: &Shared, buffer: &Buffer, partition: i32, pause: bool) {
     let mut list = TopicPartitionList::new();
-    list.add_partition(message.topic(), message.partition());
+    list.add_partition(&shared.config.topics.events, partition);
     let done = if pause { shared.consumer.pause(&list) } else { shared.consumer.resume(&list) };
     match done {
-        Ok(()) if pause => PartitionPaused { partition: message.partition() }.emit(),
-        Ok(()) => tracing::debug!(partition = message.partition(), "Partition resumed."),
+        Ok(()) if pause => PartitionPaused { partition }.emit(),
+        Ok(()) => tracing::debug!(partition, "Partition resumed."),
         // The partition moved meanwhile: the next owner fetches it afresh.
         Err(e) => {
-            tracing::debug!(error = %e, partition = message.partition(), pause, "Pause or resume failed.")
+            tracing::debug!(error = %e, partition, pause, "Pause or resume failed.")
         }
     }
     metrics::gauge!(pm::PAUSED_PARTITIONS).set(buffer.paused() as f64);
@@ -551,7 +582,7 @@ async fn dispatch(shared: Arc<Shared>) {
 
 /// Runs the next message of `key`'s document in the slot `permit`, then puts the document
 /// back in line if more of its messages are queued.
-async fn run_next(shared: Arc<Shared>, key: String, permit: OwnedSemaphorePermit) {
+async fn run_next(shared: Arc<Shared>, key: Arc<str>, permit: OwnedSemaphorePermit) {
     let Some(queued) = shared.queues.lock().expect("queues").next(&key) else { return };
     let ticket = queued.ticket;
     // After shutdown or revoke, queued messages are left for redelivery.
@@ -570,12 +601,12 @@ async fn run_next(shared: Arc<Shared>, key: String, permit: OwnedSemaphorePermit
         }
     };
     if let Some(offset) = store {
-        store_offset(&shared, queued.message.topic(), ticket.partition, offset);
+        store_offset(&shared, &shared.config.topics.events, ticket.partition, offset);
     }
     {
         let mut buffer = shared.buffer.lock().expect("buffer");
         if buffer.remove(ticket.partition, queued.bytes) {
-            pause_or_resume(&shared, &buffer, &queued.message, false);
+            pause_or_resume(&shared, &buffer, ticket.partition, false);
         }
         metrics::gauge!(pm::BUFFERED_MESSAGES).set(buffer.messages() as f64);
     }
@@ -611,7 +642,7 @@ fn store_offset(shared: &Shared, topic: &str, partition: i32, offset: i64) {
 /// to try again (no handler here, another worker's live lease, an error) it holds no slot.
 async fn handle(
     shared: &Shared,
-    message: &OwnedMessage,
+    message: &Held,
     ticket: &Ticket,
     mut permit: Option<OwnedSemaphorePermit>,
 ) -> bool {
@@ -632,8 +663,8 @@ async fn handle(
                 if !announced {
                     tracing::warn!(
                         kind = %kind,
-                        partition = message.partition(),
-                        offset = message.offset(),
+                        partition = message.partition,
+                        offset = message.offset,
                         "No handler for this kind here; the job waits for a processor that has one."
                     );
                     announced = true;
@@ -687,7 +718,8 @@ async fn handle(
                 backoff = (backoff * 2).min(RETRY_MAX);
             }
             Err(e) => {
-                let error = MessageError::at(message, e);
+                let at = message.raw(&shared.config.topics.events).at.to_owned();
+                let error = MessageError { at, cause: e };
                 MessageRetried { error: &error, stage: "dispatch", backoff }.emit();
                 tokio::select! {
                     _ = shared.shutdown.cancelled() => return false,
@@ -713,11 +745,11 @@ const NO_HANDLER_RETRY: Duration = Duration::from_secs(5);
 
 async fn try_handle(
     shared: &Shared,
-    message: &OwnedMessage,
+    message: &Held,
     ticket: &Ticket,
     permit: &mut Option<OwnedSemaphorePermit>,
 ) -> anyhow::Result<Step> {
-    let Some(payload) = message.payload() else {
+    let Some(payload) = message.payload.as_deref() else {
         set_aside(shared, message, "message has no value").await?;
         return Ok(Step::Done);
     };
@@ -763,11 +795,11 @@ async fn try_handle(
 
 /// Stores `message` in `dead_letters` with `reason`. Boxed: a rare path whose future would
 /// otherwise be part of every document's task.
-async fn set_aside(shared: &Shared, message: &OwnedMessage, reason: &str) -> anyhow::Result<()> {
+async fn set_aside(shared: &Shared, message: &Held, reason: &str) -> anyhow::Result<()> {
     Ok(Box::pin(crate::dead_letter::store(
         &shared.pool,
         &shared.config.processor.group,
-        message,
+        message.raw(&shared.config.topics.events),
         reason,
     ))
     .await?)
@@ -1079,15 +1111,7 @@ mod tests {
     use crate::handler::ErrorClass;
 
     fn queued(tracker: &mut Tracker, partition: i32, offset: i64) -> Queued {
-        let message = OwnedMessage::new(
-            None,
-            None,
-            "events".into(),
-            rdkafka::Timestamp::NotAvailable,
-            partition,
-            offset,
-            None,
-        );
+        let message = Held { key: None, payload: None, partition, offset };
         Queued { message, ticket: tracker.start(partition, offset).unwrap(), bytes: 1 }
     }
 
@@ -1101,17 +1125,19 @@ mod tests {
         assert!(queues.push("busy", queued(&mut tracker, 0, 0)));
         assert!(!queues.push("busy", queued(&mut tracker, 0, 1)), "already in line");
         assert!(queues.push("quiet", queued(&mut tracker, 1, 0)));
-        assert_eq!(queues.ready, ["busy", "quiet"]);
+        let ready =
+            |queues: &Queues| queues.ready.iter().map(|k| k.to_string()).collect::<Vec<_>>();
+        assert_eq!(ready(&queues), ["busy", "quiet"]);
 
         // The dispatcher starts busy's task: its first message is taken.
         let key = queues.ready.pop_front().unwrap();
         assert_eq!(queues.next(&key).unwrap().ticket.offset, 0);
         // A message arriving while it runs waits behind it, without a second turn in line.
         assert!(!queues.push("busy", queued(&mut tracker, 0, 2)));
-        assert_eq!(queues.ready, ["quiet"]);
+        assert_eq!(ready(&queues), ["quiet"]);
         // Done with one message, busy has two more: back in line, behind quiet.
         assert!(queues.done(key));
-        assert_eq!(queues.ready, ["quiet", "busy"]);
+        assert_eq!(ready(&queues), ["quiet", "busy"]);
 
         let quiet = queues.ready.pop_front().unwrap();
         assert_eq!(queues.next(&quiet).unwrap().ticket.partition, 1);
