@@ -37,7 +37,7 @@ pub async fn store(
     )
     .execute(pool)
     .await?;
-    DeadLettered { at: message.at.to_owned(), group, error }.emit();
+    DeadLettered { at: message.at.coordinates(), group, error }.emit();
     Ok(())
 }
 

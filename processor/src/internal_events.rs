@@ -20,7 +20,7 @@ pub struct Coordinates {
 
 impl Coordinates {
     pub fn of(message: &impl Message) -> Self {
-        At::of(message).to_owned()
+        At::of(message).coordinates()
     }
 }
 
@@ -38,7 +38,7 @@ impl<'a> At<'a> {
     }
 
     #[must_use]
-    pub fn to_owned(self) -> Coordinates {
+    pub fn coordinates(self) -> Coordinates {
         Coordinates { topic: self.topic.to_owned(), partition: self.partition, offset: self.offset }
     }
 }

@@ -210,13 +210,14 @@ impl Held {
         }
     }
 
+    /// Where it is, on `topic`.
+    fn at<'a>(&self, topic: &'a str) -> At<'a> {
+        At { topic, partition: self.partition, offset: self.offset }
+    }
+
     /// As a dead letter keeps it, on `topic`.
     fn raw<'a>(&'a self, topic: &'a str) -> Raw<'a> {
-        Raw {
-            at: At { topic, partition: self.partition, offset: self.offset },
-            key: self.key.as_deref(),
-            payload: self.payload.as_deref(),
-        }
+        Raw { at: self.at(topic), key: self.key.as_deref(), payload: self.payload.as_deref() }
     }
 }
 
@@ -718,7 +719,7 @@ async fn handle(
                 backoff = (backoff * 2).min(RETRY_MAX);
             }
             Err(e) => {
-                let at = message.raw(&shared.config.topics.events).at.to_owned();
+                let at = message.at(&shared.config.topics.events).coordinates();
                 let error = MessageError { at, cause: e };
                 MessageRetried { error: &error, stage: "dispatch", backoff }.emit();
                 tokio::select! {
