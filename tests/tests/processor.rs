@@ -1211,6 +1211,34 @@ async fn a_result_too_large_for_the_topic_costs_only_its_own_job() {
     it.cleanup().await;
 }
 
+/// A job whose `JobRequested` is as large as accept takes (`accept.max_input_bytes`, of
+/// text lz4 cannot shrink) is far larger than what a processor fetches at once (256 KiB a
+/// partition, 1 MiB a fetch): it is fetched whole all the same, and runs with the others.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_dispatch_larger_than_a_fetch_is_read_whole_and_runs() {
+    let (it, acceptor) = fast_installation("proc-big-input").await;
+    let pipeline = Pipeline::start(&it, true);
+
+    // Random letters and digits, nearly as many bytes compressed as not.
+    let mut seed: u64 = 0x9e37_79b9_7f4a_7c15;
+    let blob: String = (0..it.config.accept.max_input_bytes - 1024)
+        .map(|_| {
+            seed = seed
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            char::from(b"abcdefghijklmnopqrstuvwxyz0123456789"[(seed >> 33) as usize % 36])
+        })
+        .collect();
+    assert!(blob.len() > 512 * 1024, "{}", blob.len());
+    let mut jobs = vec![job("doc-big", 1, json!({ "text": "ok", "blob": blob }))];
+    jobs.extend((0..20).map(|i| job(&format!("doc-{i}"), 1, json!({ "text": "ok" }))));
+    accept_all(&acceptor, &it, &jobs).await;
+    eventually(Duration::from_secs(60), "every job to finish", || all_finished(&it, 21)).await;
+    pipeline.stop().await;
+    assert_eq!(states(&it).await, [("succeeded".into(), 21)]);
+    it.cleanup().await;
+}
+
 /// A dispatch event whose lease Postgres refuses (a corrupt copy on the topic whose trace
 /// state holds U+0000, which the `JobLeased` row cannot store) is dead-lettered with the
 /// reason; the partition moves on and the job runs from its genuine event.
