@@ -250,6 +250,24 @@ pub struct Processor {
     pub retry_cap: Duration,
     /// Quarantine owner of kinds without `[kinds.<kind>] owner`.
     pub default_owner: String,
+    /// How long one run may take: past it the run is cancelled and dropped, and the attempt
+    /// fails retryably, so every attempt ends. `0s`: no limit (only when asked for).
+    #[serde(with = "humantime_serde")]
+    pub run_timeout: Duration,
+    /// The longest wait an outside answer can ask for: a `Retry-After` (or a handler's
+    /// `retry_after`, or a snooze) past it is cut to it, so no header can pause a kind or a
+    /// job for longer.
+    #[serde(with = "humantime_serde")]
+    pub max_retry_after: Duration,
+    /// How often one job may be snoozed (a `503` with `Retry-After`, or
+    /// `HandlerError::snooze`) without spending an attempt; later snoozes spend one.
+    pub max_snoozes: i32,
+    /// A job whose run killed its processor this many times (the process died while it
+    /// ran, before anything of the attempt committed) is quarantined, saying so.
+    pub max_crashes: i32,
+    /// How long a remote handler's connection may take to open.
+    #[serde(with = "humantime_serde")]
+    pub connect_timeout: Duration,
     /// How long a revoked partition's running jobs may take to finish before it is released.
     #[serde(with = "humantime_serde")]
     pub revoke_timeout: Duration,
@@ -361,10 +379,25 @@ pub struct Kind {
     /// are not held back waiting for them.
     #[serde(default, with = "humantime_serde")]
     pub inline_window: Option<Duration>,
-    /// How long one run may take; past it the run is cancelled and dropped, and the attempt
-    /// fails retryably (else no limit).
+    /// `processor.run_timeout` (`0s`: no limit).
     #[serde(default, with = "humantime_serde")]
     pub run_timeout: Option<Duration>,
+    /// For a kind run at `url`: how long one call may take in all, from connecting to the
+    /// last byte of the answer (else its `run_timeout`).
+    #[serde(default, with = "humantime_serde")]
+    pub request_timeout: Option<Duration>,
+    /// For a kind run at `url`: `processor.connect_timeout`.
+    #[serde(default, with = "humantime_serde")]
+    pub connect_timeout: Option<Duration>,
+    /// `processor.max_retry_after`.
+    #[serde(default, with = "humantime_serde")]
+    pub max_retry_after: Option<Duration>,
+    /// `processor.max_snoozes`.
+    #[serde(default)]
+    pub max_snoozes: Option<i32>,
+    /// `processor.max_crashes`.
+    #[serde(default)]
+    pub max_crashes: Option<i32>,
     /// `accept.default_max_attempts`.
     #[serde(default)]
     pub max_attempts: Option<i32>,
@@ -409,7 +442,14 @@ pub struct KindSettings {
     pub lease_ttl: Duration,
     pub heartbeat: Duration,
     pub inline_window: Duration,
+    /// None: no limit (`0s`, asked for explicitly).
     pub run_timeout: Option<Duration>,
+    /// A remote call's whole time: `request_timeout`, else the run's.
+    pub request_timeout: Option<Duration>,
+    pub connect_timeout: Duration,
+    pub max_retry_after: Duration,
+    pub max_snoozes: i32,
+    pub max_crashes: i32,
     pub max_attempts: i32,
     pub deadline: Option<Duration>,
     pub retry_base: Duration,
@@ -461,7 +501,15 @@ impl Config {
             lease_ttl: k.lease_ttl.unwrap_or(p.lease_ttl),
             heartbeat: k.heartbeat.unwrap_or(p.heartbeat),
             inline_window: k.inline_window.unwrap_or(p.inline_window),
-            run_timeout: k.run_timeout,
+            run_timeout: Some(k.run_timeout.unwrap_or(p.run_timeout)).filter(|t| !t.is_zero()),
+            request_timeout: k
+                .request_timeout
+                .or_else(|| Some(k.run_timeout.unwrap_or(p.run_timeout)))
+                .filter(|t| !t.is_zero()),
+            connect_timeout: k.connect_timeout.unwrap_or(p.connect_timeout),
+            max_retry_after: k.max_retry_after.unwrap_or(p.max_retry_after),
+            max_snoozes: k.max_snoozes.unwrap_or(p.max_snoozes),
+            max_crashes: k.max_crashes.unwrap_or(p.max_crashes),
             max_attempts: k.max_attempts.unwrap_or(self.accept.default_max_attempts),
             deadline: k.deadline.or(self.accept.default_deadline),
             retry_base: k.retry_base.unwrap_or(p.retry_base),
@@ -708,6 +756,18 @@ impl Config {
                 "must be above zero and at most processor.retry_cap",
             );
         }
+        if p.connect_timeout.is_zero() {
+            return invalid("processor.connect_timeout", "must be above zero");
+        }
+        if p.max_retry_after.is_zero() {
+            return invalid("processor.max_retry_after", "must be above zero");
+        }
+        if p.max_snoozes < 0 {
+            return invalid("processor.max_snoozes", "must be at least 0");
+        }
+        if p.max_crashes < 1 {
+            return invalid("processor.max_crashes", "must be at least 1");
+        }
         if self.accept.max_schedule_ahead.is_zero() {
             return invalid("accept.max_schedule_ahead", "must be above zero");
         }
@@ -770,8 +830,20 @@ impl Config {
         if k.inline_window > MAX_INLINE_WINDOW {
             return invalid("inline_window", "must be at most 1s");
         }
-        if k.run_timeout.is_some_and(|t| t.is_zero()) {
-            return invalid("run_timeout", "must be above zero");
+        if self.kinds.get(name).and_then(|k| k.request_timeout).is_some_and(|t| t.is_zero()) {
+            return invalid("request_timeout", "must be above zero");
+        }
+        if k.connect_timeout.is_zero() {
+            return invalid("connect_timeout", "must be above zero");
+        }
+        if k.max_retry_after.is_zero() {
+            return invalid("max_retry_after", "must be above zero");
+        }
+        if k.max_snoozes < 0 {
+            return invalid("max_snoozes", "must be at least 0");
+        }
+        if k.max_crashes < 1 {
+            return invalid("max_crashes", "must be at least 1");
         }
         if k.max_attempts < 1 {
             return invalid("max_attempts", "must be at least 1");
@@ -984,7 +1056,10 @@ mod tests {
         for (kind, key) in [
             (Kind { heartbeat: Some(Duration::from_secs(40)), ..Kind::default() }, "heartbeat"),
             (Kind { concurrency: Some(0), ..Kind::default() }, "concurrency"),
-            (Kind { run_timeout: Some(Duration::ZERO), ..Kind::default() }, "run_timeout"),
+            (Kind { request_timeout: Some(Duration::ZERO), ..Kind::default() }, "request_timeout"),
+            (Kind { max_retry_after: Some(Duration::ZERO), ..Kind::default() }, "max_retry_after"),
+            (Kind { max_crashes: Some(0), ..Kind::default() }, "max_crashes"),
+            (Kind { max_snoozes: Some(-1), ..Kind::default() }, "max_snoozes"),
             (Kind { retry_base: Some(Duration::from_secs(3600)), ..Kind::default() }, "retry_base"),
             (Kind { max_attempts: Some(0), ..Kind::default() }, "max_attempts"),
             (Kind { url: Some("ftp://host/run".into()), ..Kind::default() }, "url"),

@@ -45,6 +45,9 @@ impl Summarize {
         let client = reqwest::Client::builder()
             .connect_timeout(Duration::from_secs(5))
             .timeout(timeout)
+            // Only the model's own URL answers for a job: a redirect is its answer, not
+            // followed.
+            .redirect(reqwest::redirect::Policy::none())
             .build()?;
         Ok(Self { url: url.parse()?, model: model.into(), client })
     }

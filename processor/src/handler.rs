@@ -66,6 +66,9 @@ pub struct HandlerError {
     /// The outside service refused for its quota (HTTP 429): the attempt is not counted
     /// against the job's budget, and the whole kind backs off ([`crate::quota`]).
     pub throttled: bool,
+    /// Not now, this job only ([`HandlerError::snooze`]): it runs again after
+    /// `retry_after` without spending an attempt, up to the kind's `max_snoozes`.
+    pub snoozed: bool,
 }
 
 impl HandlerError {
@@ -76,6 +79,7 @@ impl HandlerError {
             message: message.into(),
             retry_after: None,
             throttled: false,
+            snoozed: false,
         }
     }
 
@@ -86,6 +90,7 @@ impl HandlerError {
             message: message.into(),
             retry_after: None,
             throttled: false,
+            snoozed: false,
         }
     }
 
@@ -97,7 +102,17 @@ impl HandlerError {
         Self { throttled: true, ..Self::retryable(message) }
     }
 
-    /// The next attempt waits at least `delay` (the backoff, if longer, wins).
+    /// Defers this job alone (an outside service's `503` with `Retry-After`, a resource
+    /// not ready yet): it runs again after `delay` without spending an attempt and without
+    /// holding back the kind. Bounded: `delay` is cut to the kind's `max_retry_after`, a job
+    /// snoozed more than `max_snoozes` times spends an attempt each further time, and the
+    /// job's deadline still holds.
+    pub fn snooze(message: impl Into<String>, delay: std::time::Duration) -> Self {
+        Self { snoozed: true, retry_after: Some(delay), ..Self::retryable(message) }
+    }
+
+    /// The next attempt waits at least `delay` (the backoff, if longer, wins); cut to the
+    /// kind's `max_retry_after`.
     #[must_use]
     pub fn retry_after(mut self, delay: std::time::Duration) -> Self {
         self.retry_after = Some(delay);
@@ -111,6 +126,7 @@ impl HandlerError {
             message: message.into(),
             retry_after: None,
             throttled: false,
+            snoozed: false,
         }
     }
 }

@@ -18,7 +18,8 @@
 //!   [`offsets`] tracks what may be committed, [`buffer`] bounds what a partition holds;
 //!   [`store`] holds the transactions and the operator's (replay, cancel);
 //!   [`reaper`] dispatches expired leases and stalled jobs again, [`retention`] deletes
-//!   what ended long ago.
+//!   what ended long ago; [`supervise`] keeps these background tasks to the worker's life
+//!   (one that ends stops the process).
 //! - The `jobfold` command line is the `jobfold-cli` crate; it reads through [`status`] and
 //!   [`store`] as the HTTP API does.
 //! - [`dead_letter`]: poison messages kept with their coordinates and raw bytes.
@@ -52,6 +53,7 @@ pub mod retention;
 pub mod retry;
 pub mod status;
 pub mod store;
+pub mod supervise;
 pub mod worker;
 
 use anyhow::Context;
@@ -147,7 +149,7 @@ impl Processor {
             if let Some(url) = &settings.url
                 && handlers.get(kind).is_none()
             {
-                let remote = remote::Remote::new(url, self.config.kind(kind).max_output_bytes)
+                let remote = remote::Remote::for_kind(url, &self.config.kind(kind))
                     .with_context(|| format!("the handler of kind {kind} at {url}"))?
                     .with_cost_pointer(settings.cost_pointer.clone());
                 handlers = handlers.with(kind.clone(), remote);

@@ -58,6 +58,9 @@ pub struct Quotas {
     waiting: Mutex<HashMap<String, i64>>,
     retry_base: HashMap<String, Duration>,
     default_retry_base: Duration,
+    /// The longest pause a kind takes (`max_retry_after`), whatever the table says.
+    max_pause: HashMap<String, Duration>,
+    default_max_pause: Duration,
 }
 
 impl std::fmt::Debug for Quotas {
@@ -75,6 +78,13 @@ pub struct Admitted {
 impl Quotas {
     /// The limits of `config`'s kinds; polls the shared pauses until `shutdown`.
     pub fn start(config: &Config, pool: PgPool, shutdown: CancellationToken) -> Arc<Self> {
+        let quotas = Self::new(config, pool);
+        tokio::spawn(Arc::clone(&quotas).poll(shutdown));
+        quotas
+    }
+
+    /// The limits of `config`'s kinds; [`Quotas::poll`] keeps the shared pauses current.
+    pub fn new(config: &Config, pool: PgPool) -> Arc<Self> {
         let mut limits = HashMap::new();
         for kind in config.kinds.keys() {
             let k = config.kind(kind);
@@ -97,7 +107,7 @@ impl Quotas {
                 },
             );
         }
-        let quotas = Arc::new(Self {
+        Arc::new(Self {
             pool,
             gates: limits.keys().map(|k| (k.clone(), Arc::default())).collect(),
             limits,
@@ -109,9 +119,13 @@ impl Quotas {
                 .map(|k| (k.clone(), config.kind(k).retry_base))
                 .collect(),
             default_retry_base: config.processor.retry_base,
-        });
-        tokio::spawn(Arc::clone(&quotas).poll(shutdown));
-        quotas
+            max_pause: config
+                .kinds
+                .keys()
+                .map(|k| (k.clone(), config.kind(k).max_retry_after))
+                .collect(),
+            default_max_pause: config.processor.max_retry_after,
+        })
     }
 
     /// Whether jobs of `kind` have a cost to compute before their admission.
@@ -175,7 +189,7 @@ impl Quotas {
                 }
                 break;
             }
-            tokio::time::sleep(Duration::from_secs_f64(wait).min(LONGEST_NAP)).await;
+            tokio::time::sleep(seconds(wait).min(LONGEST_NAP)).await;
         }
         Ok(Admitted { _gate: gate })
     }
@@ -189,10 +203,12 @@ impl Quotas {
         label: &str,
         retry_after: Option<Duration>,
     ) -> Duration {
-        let pause = retry_after.unwrap_or_else(|| {
-            self.retry_base.get(kind).copied().unwrap_or(self.default_retry_base)
-        });
-        self.pause(kind, Instant::now() + pause);
+        let pause = retry_after
+            .unwrap_or_else(|| {
+                self.retry_base.get(kind).copied().unwrap_or(self.default_retry_base)
+            })
+            .min(self.max_pause(kind));
+        self.pause(kind, pause);
         let factor = sqlx::query_scalar!(
             r#"SELECT throttle_kind($1, $2, $3) AS "factor!""#,
             kind,
@@ -211,14 +227,30 @@ impl Quotas {
         pause
     }
 
-    fn pause(&self, kind: &str, until: Instant) {
+    /// The longest pause of `kind`: its `max_retry_after`.
+    fn max_pause(&self, kind: &str) -> Duration {
+        self.max_pause.get(kind).copied().unwrap_or(self.default_max_pause)
+    }
+
+    /// Pauses `kind` here for `pause` from now, cut to its `max_retry_after` (a pause
+    /// already longer stays).
+    fn pause(&self, kind: &str, pause: Duration) {
+        let pause = pause.min(self.max_pause(kind));
+        let now = Instant::now();
+        // Saturating: a century stands for "longer than anything can wait".
+        let Some(until) = now
+            .checked_add(pause)
+            .or_else(|| now.checked_add(Duration::from_secs(100 * 365 * 86_400)))
+        else {
+            return;
+        };
         let mut paused = self.paused.lock().expect("paused");
         let at = paused.entry(kind.to_owned()).or_insert(until);
         *at = (*at).max(until);
     }
 
     /// Reads the pauses and factors in force, once a [`POLL`], until `shutdown`.
-    async fn poll(self: Arc<Self>, shutdown: CancellationToken) {
+    pub async fn poll(self: Arc<Self>, shutdown: CancellationToken) {
         loop {
             tokio::select! {
                 _ = shutdown.cancelled() => return,
@@ -243,11 +275,14 @@ impl Quotas {
             };
             let now = Instant::now();
             for row in rows {
-                let (kind, pause, factor) = (row.kind, row.paused_for, row.factor);
-                if pause > 0.0 {
-                    self.pause(&kind, now + Duration::from_secs_f64(pause));
+                let (kind, pause, factor) = (row.kind, seconds(row.paused_for), row.factor);
+                if !pause.is_zero() {
+                    self.pause(&kind, pause);
                 }
                 if self.retry_base.contains_key(&kind) || self.limits.contains_key(&kind) {
+                    let paused = pause.min(self.max_pause(&kind));
+                    metrics::gauge!(pm::QUOTA_PAUSED_SECONDS, "kind" => kind.clone())
+                        .set(paused.as_secs_f64());
                     metrics::gauge!(pm::QUOTA_RATE_FACTOR, "kind" => kind).set(factor);
                 }
             }
@@ -280,5 +315,27 @@ impl<'a> Waiting<'a> {
 impl Drop for Waiting<'_> {
     fn drop(&mut self) {
         self.add(-1);
+    }
+}
+
+/// `secs` (from Postgres) as a duration: negative, NaN or none is zero, too large the largest.
+fn seconds(secs: f64) -> Duration {
+    if secs.is_nan() || secs <= 0.0 {
+        return Duration::ZERO;
+    }
+    Duration::try_from_secs_f64(secs).unwrap_or(Duration::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn seconds_from_the_table_never_panic() {
+        assert_eq!(seconds(f64::NAN), Duration::ZERO);
+        assert_eq!(seconds(-3.0), Duration::ZERO);
+        assert_eq!(seconds(1.5), Duration::from_millis(1500));
+        assert_eq!(seconds(1e300), Duration::MAX);
+        assert_eq!(seconds(f64::INFINITY), Duration::MAX);
     }
 }

@@ -9,11 +9,15 @@
 //! | 2xx with a JSON body | succeeds; the body is the result |
 //! | 422 | invalid input: quarantined, never retried |
 //! | 429 | throttled: retried without spending an attempt; the kind backs off (`Retry-After`) |
+//! | 503 with `Retry-After` | snoozed: this job alone runs again then, without spending an attempt (up to `max_snoozes`) |
 //! | 408, 5xx, a time-out, a refused or broken connection | retryable, not before `Retry-After` |
+//! | 3xx | permanent: redirects are not followed, the reason names the `Location` |
 //! | any other 4xx, or a 2xx whose body is not JSON | permanent: quarantined |
 //!
-//! The processor's heartbeats go on while the call runs; a lost lease or shutdown drops the
-//! call (its connection is closed). The answer is read up to the kind's `max_output_bytes`.
+//! Every `Retry-After` is cut to the kind's `max_retry_after`. The processor's heartbeats go
+//! on while the call runs; a lost lease, shutdown or the kind's `request_timeout` (else its
+//! `run_timeout`) drops the call (its connection is closed). The answer is read up to the
+//! kind's `max_output_bytes`; only the configured URL ever answers for a job.
 
 use std::time::Duration;
 
@@ -33,6 +37,21 @@ pub struct Remote {
     max_output_bytes: usize,
     /// Where a job's cost is in its input (a JSON pointer), for `cost_per_minute`.
     cost_pointer: Option<String>,
+    /// One call's whole time, from connecting to the answer's last byte.
+    request_timeout: Option<Duration>,
+}
+
+/// How long a connection may take to open, unless the kind says (`connect_timeout`).
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+fn client(connect_timeout: Duration) -> reqwest::Result<reqwest::Client> {
+    reqwest::Client::builder()
+        .connect_timeout(connect_timeout)
+        // A redirect would have another URL answer for the job (with its body and its
+        // Idempotency-Key sent there): never followed, a 3xx is the attempt's answer.
+        .redirect(reqwest::redirect::Policy::none())
+        .user_agent(concat!("jobfold-processor/", env!("CARGO_PKG_VERSION")))
+        .build()
 }
 
 impl Remote {
@@ -41,11 +60,29 @@ impl Remote {
     /// # Errors
     /// `url` does not parse, or the HTTP client cannot be built.
     pub fn new(url: &str, max_output_bytes: usize) -> anyhow::Result<Self> {
-        let client = reqwest::Client::builder()
-            .connect_timeout(Duration::from_secs(10))
-            .user_agent(concat!("jobfold-processor/", env!("CARGO_PKG_VERSION")))
-            .build()?;
-        Ok(Self { url: url.parse()?, client, max_output_bytes, cost_pointer: None })
+        Ok(Self {
+            url: url.parse()?,
+            client: client(CONNECT_TIMEOUT)?,
+            max_output_bytes,
+            cost_pointer: None,
+            request_timeout: None,
+        })
+    }
+
+    /// A handler calling `url` with `kind`'s limits: its `max_output_bytes`,
+    /// `connect_timeout` and `request_timeout` (else its `run_timeout`).
+    ///
+    /// # Errors
+    /// `url` does not parse, or the HTTP client cannot be built.
+    pub fn for_kind(
+        url: &str,
+        kind: &jobfold_common::config::KindSettings,
+    ) -> anyhow::Result<Self> {
+        Ok(Self {
+            client: client(kind.connect_timeout)?,
+            request_timeout: kind.request_timeout,
+            ..Self::new(url, kind.max_output_bytes)?
+        })
     }
 
     /// A job's cost is the unsigned integer at `pointer` in its input (`/usage/tokens`), or 1
@@ -76,6 +113,9 @@ impl Remote {
             .post(self.url.clone())
             .header("Idempotency-Key", job.idempotency_key())
             .json(&Self::body(job));
+        if let Some(limit) = self.request_timeout {
+            request = request.timeout(limit);
+        }
         if let Some(trace) = &job.trace {
             request = request.header("traceparent", &trace.traceparent);
             if let Some(state) = &trace.tracestate {
@@ -87,6 +127,18 @@ impl Remote {
         })?;
         let status = response.status();
         let retry_after = retry_after(response.headers());
+        if status.is_redirection() {
+            let location = response
+                .headers()
+                .get(reqwest::header::LOCATION)
+                .map(|l| String::from_utf8_lossy(l.as_bytes()).chars().take(512).collect())
+                .unwrap_or_else(|| "nowhere".to_owned());
+            return Err(HandlerError::permanent(format!(
+                "{} answered {status}, a redirect to {location:?}: redirects are not followed, \
+                 the result must come from the configured URL",
+                self.url
+            )));
+        }
         let limit = if status.is_success() { self.max_output_bytes } else { ERROR_BODY_BYTES };
         let mut body = Vec::new();
         let mut cut = false;
@@ -125,8 +177,8 @@ impl Remote {
 }
 
 /// The attempt's failure for an answer that is not a success, by the protocol's table:
-/// 422 invalid input; 429 throttled; 408 and 5xx retryable (not before `retry_after`); any other
-/// status permanent. `body` is kept in the message, trimmed. For handlers that call HTTP
+/// 422 invalid input; 429 throttled; 503 with a `retry_after` snoozed; 408 and 5xx retryable
+/// (not before `retry_after`); any other status (3xx included) permanent. `body` is kept in the message, trimmed. For handlers that call HTTP
 /// services themselves, too.
 pub fn failure(
     url: &reqwest::Url,
@@ -145,6 +197,9 @@ pub fn failure(
     let message = format!("{url} answered {status}: {cut}");
     match status.as_u16() {
         422 => HandlerError::invalid_input(message),
+        503 if retry_after.is_some() => {
+            HandlerError::snooze(message, retry_after.unwrap_or_default())
+        }
         408 | 429 | 500..=599 => {
             let error = if status.as_u16() == 429 {
                 HandlerError::throttled(message)
@@ -182,11 +237,12 @@ impl Handler for Remote {
     }
 }
 
-/// `Retry-After` as a delay: seconds, or an HTTP date.
+/// `Retry-After` as a delay: seconds, or an HTTP date. Any value is taken (a number too large
+/// for a `u64` as the largest): the processor cuts it to the kind's `max_retry_after`.
 pub fn retry_after(headers: &reqwest::header::HeaderMap) -> Option<Duration> {
     let value = headers.get(reqwest::header::RETRY_AFTER)?.to_str().ok()?.trim();
-    if let Ok(seconds) = value.parse::<u64>() {
-        return Some(Duration::from_secs(seconds));
+    if !value.is_empty() && value.bytes().all(|b| b.is_ascii_digit()) {
+        return Some(Duration::from_secs(value.parse::<u64>().unwrap_or(u64::MAX)));
     }
     let at = chrono::DateTime::parse_from_rfc2822(value).ok()?;
     (at.with_timezone(&chrono::Utc) - chrono::Utc::now()).to_std().ok()
@@ -219,5 +275,24 @@ mod tests {
         assert!(delay > Duration::from_secs(80) && delay <= Duration::from_secs(90), "{delay:?}");
         headers.insert(reqwest::header::RETRY_AFTER, "soon".parse().unwrap());
         assert_eq!(retry_after(&headers), None);
+        headers.insert(reqwest::header::RETRY_AFTER, "99999999999999999999999".parse().unwrap());
+        assert_eq!(retry_after(&headers), Some(Duration::from_secs(u64::MAX)));
+    }
+
+    #[test]
+    fn a_redirect_is_permanent_and_a_503_with_retry_after_snoozes() {
+        let url: reqwest::Url = "http://127.0.0.1:1/run".parse().unwrap();
+        let snooze = failure(
+            &url,
+            reqwest::StatusCode::SERVICE_UNAVAILABLE,
+            Some(Duration::from_secs(3)),
+            "",
+        );
+        assert!(snooze.snoozed && !snooze.throttled, "{snooze:?}");
+        assert_eq!(snooze.retry_after, Some(Duration::from_secs(3)));
+        let plain = failure(&url, reqwest::StatusCode::SERVICE_UNAVAILABLE, None, "");
+        assert!(!plain.snoozed && plain.class == crate::handler::ErrorClass::Retryable);
+        let moved = failure(&url, reqwest::StatusCode::FOUND, None, "");
+        assert_eq!(moved.class, crate::handler::ErrorClass::Permanent);
     }
 }

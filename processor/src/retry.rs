@@ -25,5 +25,7 @@ pub fn backoff(config: &Config, kind: &str, attempt: i32) -> Duration {
 pub fn throttled_delay(config: &Config, kind: &str, retry_after: Option<Duration>) -> Duration {
     let base = config.kind(kind).retry_base;
     let millis = u64::try_from(base.as_millis()).unwrap_or(u64::MAX);
-    retry_after.unwrap_or(base) + Duration::from_millis(rand::rng().random_range(0..=millis))
+    retry_after
+        .unwrap_or(base)
+        .saturating_add(Duration::from_millis(rand::rng().random_range(0..=millis)))
 }
