@@ -115,6 +115,19 @@ impl Batch<'_> {
             Ok(mut done) => return Ok(done.remove(0)),
             Err(e) => e,
         };
+        if let Some(panicked) = e.downcast_ref::<CommitPanicked>() {
+            // The handler's business write panicked: this job's failure, naming it (the
+            // transaction it ran in is gone, and the rest of its batch was completed alone).
+            tracing::warn!(job_id = %attempt.job.job_id, panic = %panicked.0, "The business write panicked; the attempt fails.");
+            let failed = Arc::new(Attempt {
+                result: Err(HandlerError::retryable(format!(
+                    "the handler's commit panicked: {}",
+                    panicked.0
+                ))),
+                ..Attempt::clone(attempt)
+            });
+            return self.complete(std::slice::from_ref(&failed)).await.map(|mut d| d.remove(0));
+        }
         let Some((code, message)) = jobfold_common::db::data_error_in(&e) else { return Err(e) };
         if attempt.result.as_ref().is_err_and(|e| e.class == ErrorClass::Permanent) {
             // Already a permanent failure, and still refused: not the result's fault.
@@ -135,7 +148,7 @@ impl Batch<'_> {
         self.complete(std::slice::from_ref(&refused)).await.map(|mut done| done.remove(0))
     }
 
-    /// The business write of `attempt`'s handler.
+    /// The business write of `attempt`'s handler; a panic in it is a [`CommitPanicked`].
     async fn commit(
         &self,
         tx: &mut sqlx::PgConnection,
@@ -147,7 +160,13 @@ impl Batch<'_> {
             .handlers
             .get(kind)
             .ok_or_else(|| anyhow::anyhow!("no handler for kind {kind:?} in this processor"))?;
-        Ok(handler.commit_boxed(tx, &attempt.context, output).await?)
+        use futures::FutureExt;
+        let write =
+            std::panic::AssertUnwindSafe(handler.commit_boxed(tx, &attempt.context, output));
+        match write.catch_unwind().await {
+            Ok(committed) => Ok(committed?),
+            Err(panic) => Err(CommitPanicked(crate::worker::panic_message(panic.as_ref())).into()),
+        }
     }
 
     /// One transaction for `attempts`; what became of each, in their order.
@@ -215,6 +234,7 @@ impl Batch<'_> {
                     class: e.class,
                     message: e.message.clone(),
                     throttled: e.throttled,
+                    snooze: e.snoozed.then(|| self.config.kind(&job.kind).max_snoozes),
                 },
             };
             if let Some(lease) = lease {
@@ -234,12 +254,20 @@ impl Batch<'_> {
                     &job.kind,
                     error.and_then(|e| e.retry_after),
                 )
+            } else if let Some(e) = error.filter(|e| e.snoozed) {
+                // Snoozed: when it asked for, this job alone.
+                e.retry_after.unwrap_or_default()
             } else {
                 // An outside service's Retry-After is a floor under the backoff.
                 crate::retry::backoff(self.config, &job.kind, job.attempt)
                     .max(error.and_then(|e| e.retry_after).unwrap_or_default())
             };
-            let retry_at = Utc::now() + chrono::Duration::from_std(backoff)?;
+            // The delay is bounded (max_retry_after, retry_cap); whatever it is, the
+            // arithmetic saturates rather than fail the completion.
+            let retry_at = chrono::Duration::from_std(backoff)
+                .ok()
+                .and_then(|d| Utc::now().checked_add_signed(d))
+                .unwrap_or(chrono::DateTime::<Utc>::MAX_UTC);
             let owner = self.config.quarantine_owner(&job.kind);
             let trace = attempt.trace.clone();
             let what = store::complete(tx, self.events, &mut job, outcome, retry_at, &owner, trace)
@@ -263,10 +291,15 @@ impl Batch<'_> {
     }
 }
 
+/// The handler's `commit` panicked, with this message.
+#[derive(Debug, thiserror::Error)]
+#[error("the handler's commit panicked: {0}")]
+pub struct CommitPanicked(pub String);
+
 /// Counts a committed outcome; an ended job also records its acceptance-to-end time.
 pub(crate) fn count(job: &JobRow, outcome: &'static str, handlers: &Handlers) {
     metrics::counter!(pm::COMPLETED_TOTAL, "outcome" => outcome).increment(1);
-    if outcome != "retry_scheduled" && outcome != "throttled" {
+    if !matches!(outcome, "retry_scheduled" | "throttled" | "snoozed") {
         let took = (Utc::now() - job.accepted_at).to_std().unwrap_or_default();
         let kind = handlers.label(&job.kind);
         metrics::histogram!(pm::ACCEPT_TO_COMPLETE_SECONDS, "kind" => kind, "outcome" => outcome)

@@ -31,6 +31,7 @@ use uuid::Uuid;
 
 use crate::batch::{self, Batcher};
 use crate::complete::{Attempt, Completed};
+use crate::handler::{HandlerError, JobContext};
 use crate::store::{self, Events, JobRow};
 use jobfold_schemas::Payload;
 use tokio::sync::oneshot;
@@ -85,6 +86,10 @@ pub struct InlineRun {
 pub enum Leased {
     /// Leased: run the handler (or, run before the lease committed, complete its attempt).
     Run(Box<JobRow>),
+    /// Leased, and a suspect (it was running when a process died): run it isolated — one
+    /// such run at a time in the process, recorded before it starts, so a crash it causes
+    /// again is counted against it alone.
+    Isolated(Box<JobRow>),
     /// Nothing to run: a duplicate, or the job ended (its `dispatch_version` committed).
     Done,
     /// Another worker holds a live lease: try again at this instant.
@@ -164,11 +169,30 @@ async fn lease_plain(
     }
 }
 
-/// One transaction for the whole batch; the decisions in the batch's order.
+/// One transaction for the whole batch; the decisions in the batch's order. Should it fail
+/// after its inline runs were recorded, the record is deleted (the process lives: nothing
+/// crashed).
 async fn lease_batch(
     settings: &Settings,
     dispatches: &[Dispatch],
+    offers: Vec<Option<Inline>>,
+) -> anyhow::Result<Vec<Leased>> {
+    let mut recorded = None;
+    let decided = lease_batch_recorded(settings, dispatches, offers, &mut recorded).await;
+    if let (Err(_), Some(run_id)) = (&decided, recorded) {
+        if let Err(e) = store::inline_runs_end(&settings.pool, run_id).await {
+            tracing::warn!(error = %e, %run_id, "Deleting the record of a failed lease transaction's runs failed; their next lease counts them as crashed.");
+        }
+    }
+    decided
+}
+
+/// [`lease_batch`], leaving in `recorded` the id of its inline runs' record once written.
+async fn lease_batch_recorded(
+    settings: &Settings,
+    dispatches: &[Dispatch],
     mut offers: Vec<Option<Inline>>,
+    recorded: &mut Option<Uuid>,
 ) -> anyhow::Result<Vec<Leased>> {
     let mut tx = settings.pool.begin().await?;
     let job_ids: Vec<Uuid> = dispatches.iter().map(|d| d.job_id).collect();
@@ -182,6 +206,8 @@ async fn lease_batch(
     let now = Utc::now();
     let mut decided = Vec::with_capacity(dispatches.len());
     let mut to_lease = Vec::new();
+    let mut died = Vec::new();
+    let mut isolated = std::collections::HashSet::new();
     let mut ended = Vec::new();
     let mut seen = std::collections::HashSet::with_capacity(dispatches.len());
     for (i, dispatch) in dispatches.iter().enumerate() {
@@ -243,10 +269,58 @@ async fn lease_batch(
             }
         }
     }
+    // Of the jobs to lease (no live lease holds them: their runs, if any, are dead), those
+    // that were running when a process died: each run found dead counts as an attempt that
+    // failed (so a job that kills its process cannot crash-loop the group), and at the
+    // kind's max_crashes the job is quarantined, saying so. A suspect from before runs
+    // isolated.
+    let leasing: Vec<Uuid> = to_lease.iter().map(|(_, job)| job.job_id).collect();
+    let crashed = store::crashed_runs(&mut tx, &leasing).await?;
+    let to_lease: Vec<(usize, JobRow)> = if crashed.is_empty() {
+        to_lease
+    } else {
+        let mut kept = Vec::with_capacity(to_lease.len());
+        for (i, job) in to_lease {
+            let max = settings.config.kind(&job.kind).max_crashes;
+            match crashed.get(&job.job_id) {
+                Some(crash) if crash.just_found || crash.crashes >= max => {
+                    died.push((i, job, crash.clone()));
+                }
+                // A suspect: its lease commits first and it runs isolated, so that a crash
+                // it causes again is told apart from the jobs that ran beside it.
+                Some(_) => {
+                    isolated.insert(i);
+                    kept.push((i, job));
+                }
+                None => kept.push((i, job)),
+            }
+        }
+        kept
+    };
+    // A crashed run's attempt: leased in memory and completed as failed with the others
+    // completed in this transaction.
+    let died = died
+        .into_iter()
+        .map(|(i, mut job, crash)| {
+            // Its committed lease, expired (an isolated run), is the attempt that died; a
+            // run in a dead lease transaction had none, so it gets one here.
+            let lease = if job.state == jobfold_schemas::fold::Status::Leased {
+                None
+            } else {
+                let ttl = settings.config.kind(&job.kind).lease_ttl;
+                Some(store::lease(&mut job, dispatches[i].event_id, &settings.owner, ttl, now)?)
+            };
+            Ok((
+                i,
+                crashed_attempt(&settings.config, job, &crash, dispatches[i].trace.clone()),
+                lease,
+            ))
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
     // Jobs whose handlers may run in this transaction are leased in memory and sent to
     // run; the others' leases are written now.
     let (inline, plain): (Vec<_>, Vec<_>) =
-        to_lease.into_iter().partition(|(i, _)| offers[*i].is_some());
+        to_lease.into_iter().partition(|(i, _)| offers[*i].is_some() && !isolated.contains(i));
     let mut plain = plain;
     let leases = plain
         .iter_mut()
@@ -254,8 +328,19 @@ async fn lease_batch(
         .collect();
     let ttl = |kind: &str| settings.config.kind(kind).lease_ttl;
     store::take_leases(&mut tx, &settings.events, leases, &settings.owner, ttl).await?;
+    if !inline.is_empty() {
+        // Recorded in a commit of its own before they start: should this process die while
+        // they run, the record outlives this transaction and tells whoever leases them next.
+        let run_id = Uuid::new_v4();
+        let ids: Vec<Uuid> = inline.iter().map(|(_, job)| job.job_id).collect();
+        store::inline_runs_begin(&settings.pool, run_id, &ids, &settings.owner).await?;
+        *recorded = Some(run_id);
+    }
     let (finished, mut pending) =
         run_inline(settings, dispatches, &mut offers, inline, now, &mut decided)?.wait().await;
+    let mut finished: Vec<(usize, Arc<Attempt>, Option<Payload>)> =
+        finished.into_iter().map(|(i, attempt, lease)| (i, attempt, Some(lease))).collect();
+    finished.extend(died);
     let leases = pending
         .iter_mut()
         .map(|(i, job, lease)| (job, lease.clone(), dispatches[*i].trace.clone()))
@@ -271,7 +356,9 @@ async fn lease_batch(
             .map(|(i, attempt, lease)| {
                 indices.push(i);
                 current.insert(attempt.job.job_id, attempt.job.clone());
-                unwritten.insert(attempt.job.job_id, lease);
+                if let Some(lease) = lease {
+                    unwritten.insert(attempt.job.job_id, lease);
+                }
                 attempt
             })
             .collect();
@@ -283,12 +370,19 @@ async fn lease_batch(
         };
         batch.complete_locked(&mut tx, current, &attempts, unwritten).await?
     };
+    if let Some(run_id) = *recorded {
+        store::inline_runs_end(&mut *tx, run_id).await?;
+    }
     tx.commit().await?;
     for (job, outcome) in &ended {
         crate::complete::count(job, outcome, &settings.handlers);
     }
     for (i, job) in plain {
-        decided[i] = Leased::Run(Box::new(job));
+        decided[i] = if isolated.contains(&i) {
+            Leased::Isolated(Box::new(job))
+        } else {
+            Leased::Run(Box::new(job))
+        };
     }
     for (i, _, _) in pending {
         decided[i] = Leased::RunOn;
@@ -297,6 +391,44 @@ async fn lease_batch(
         decided[i] = Leased::Completed(done);
     }
     Ok(decided)
+}
+
+/// The attempt of `job` (leased in memory) whose run died with its process: a retryable
+/// failure naming the crash, or, at its kind's `max_crashes`, a permanent one saying so.
+fn crashed_attempt(
+    config: &Config,
+    job: JobRow,
+    crash: &store::Crashed,
+    trace: Option<TraceContext>,
+) -> Arc<Attempt> {
+    metrics::counter!(pm::CRASHED_RUNS_TOTAL).increment(1);
+    let max = config.kind(&job.kind).max_crashes;
+    let what =
+        format!("the process running it ({}) died before its attempt committed", crash.owner);
+    tracing::warn!(job_id = %job.job_id, crashes = crash.crashes, max_crashes = max, owner = %crash.owner, "A job's run died with its process; counted as an attempt.");
+    let result = if crash.crashes >= max {
+        Err(HandlerError::permanent(format!(
+            "its run killed its processor {} times (max_crashes {max}); last: {what}",
+            crash.crashes
+        )))
+    } else {
+        Err(HandlerError::retryable(format!(
+            "{what} (crash {} of max_crashes {max})",
+            crash.crashes
+        )))
+    };
+    let context = JobContext {
+        job_id: job.job_id,
+        document_id: job.document_id.clone(),
+        kind: job.kind.clone(),
+        input_version: job.input_version,
+        input: serde_json::Value::Null,
+        attempt: job.attempt,
+        generation: job.generation,
+        trace: None,
+        deadline: job.deadline,
+    };
+    Arc::new(Attempt { job, context, result, trace })
 }
 
 /// The jobs of a lease transaction running before it commits.

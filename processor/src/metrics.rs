@@ -47,6 +47,15 @@ pub const QUOTA_WAITING: &str = "jobfold_quota_waiting";
 pub const QUOTA_TAKEN_TOTAL: &str = "jobfold_quota_taken_total";
 /// Gauge, by kind: the share of its rate limits in force, 1 unless 429s cut it.
 pub const QUOTA_RATE_FACTOR: &str = "jobfold_quota_rate_factor";
+/// Gauge, by kind: how long it stays paused by a 429 (its `Retry-After`, cut to the kind's
+/// `max_retry_after`), as last read from the table.
+pub const QUOTA_PAUSED_SECONDS: &str = "jobfold_quota_paused_seconds";
+/// Counter: runs found to have died with their process (a lease transaction's inline runs
+/// whose transaction never committed), each counted as an attempt of its job.
+pub const CRASHED_RUNS_TOTAL: &str = "jobfold_crashed_runs_total";
+/// Counter, by task: background tasks that ended while the processor ran (it then stops,
+/// exiting non-zero, so that it is restarted).
+pub const TASK_FAILURES_TOTAL: &str = "jobfold_task_failures_total";
 /// Counter, by kind: attempts refused for an outside service's quota (429).
 pub const THROTTLED_TOTAL: &str = "jobfold_throttled_total";
 /// Handler runs started (compare with completions: the difference is crashes and fencing).
@@ -144,6 +153,21 @@ pub fn describe() {
         QUOTA_TAKEN_TOTAL,
         Unit::Count,
         "Quota this processor took, by kind and unit."
+    );
+    describe_gauge!(
+        QUOTA_PAUSED_SECONDS,
+        Unit::Seconds,
+        "How long a kind stays paused by its outside service's 429, at most its max_retry_after."
+    );
+    describe_counter!(
+        CRASHED_RUNS_TOTAL,
+        Unit::Count,
+        "Runs that died with their process before anything of them committed; each counts as an attempt."
+    );
+    describe_counter!(
+        TASK_FAILURES_TOTAL,
+        Unit::Count,
+        "Background tasks that ended while the processor ran; the processor then stops."
     );
     describe_gauge!(
         QUOTA_RATE_FACTOR,

@@ -193,6 +193,9 @@ async fn delete_jobs(
     }
     delete_events(tx, &doomed).await?;
     delete_results(tx, &doomed).await?;
+    sqlx::query!("DELETE FROM job_counters WHERE job_id = ANY($1)", &doomed)
+        .execute(&mut *tx)
+        .await?;
     sqlx::query!("DELETE FROM quarantine WHERE job_id = ANY($1)", &doomed)
         .execute(&mut *tx)
         .await?;

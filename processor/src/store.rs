@@ -590,18 +590,22 @@ pub enum Outcome {
         newer: i64,
     },
     /// `throttled`: refused for an outside service's quota (429), so the attempt is given
-    /// back to the job's budget when it is retried.
+    /// back to the job's budget when it is retried. `snooze`: deferred, this job alone
+    /// ([`crate::handler::HandlerError::snooze`]), with the kind's `max_snoozes`: the attempt
+    /// is given back while the job's snoozes are within it.
     Failed {
         class: ErrorClass,
         message: String,
         throttled: bool,
+        snooze: Option<i32>,
     },
 }
 
 /// Completes an attempt whose fence (state `leased`, same generation) was checked by the
 /// caller in this transaction: result row, state, events; a retryable failure with budget
-/// left schedules a `RetryDue` at `retry_at`. A throttled one gives its attempt back first:
-/// its `JobRetryScheduled` carries the attempt count before it, and so does the job.
+/// left schedules a `RetryDue` at `retry_at`. A throttled one, or one snoozed within its
+/// `max_snoozes`, gives its attempt back first: its `JobRetryScheduled` carries the attempt
+/// count before it, and so does the job.
 ///
 /// # Errors
 /// The database failed, or an event did not encode.
@@ -625,7 +629,7 @@ pub async fn complete(
             supersede(tx, events, job, newer, trace).await?;
             Ok("superseded")
         }
-        Outcome::Failed { class, message, throttled } => {
+        Outcome::Failed { class, message, throttled, snooze } => {
             let failed = Payload::JobFailed(JobFailed {
                 generation: job.generation,
                 attempt: job.attempt,
@@ -633,7 +637,13 @@ pub async fn complete(
                 message: message.clone(),
             });
             events.append(tx, job, failed, None, trace.clone()).await?;
-            let refunded = throttled && class == ErrorClass::Retryable;
+            let snoozed = match snooze {
+                Some(max) if class == ErrorClass::Retryable && !throttled => {
+                    take_snooze(tx, job.job_id).await? <= max
+                }
+                _ => false,
+            };
+            let refunded = (throttled || snoozed) && class == ErrorClass::Retryable;
             if refunded {
                 job.attempt -= 1;
             }
@@ -662,7 +672,11 @@ pub async fn complete(
                 )
                 .execute(&mut *tx)
                 .await?;
-                return Ok(if refunded { "throttled" } else { "retry_scheduled" });
+                return Ok(match (throttled, snoozed) {
+                    (true, _) => "throttled",
+                    (false, true) => "snoozed",
+                    (false, false) => "retry_scheduled",
+                });
             }
             let reason = match class {
                 ErrorClass::Retryable if !budget_left => {
@@ -679,4 +693,128 @@ pub async fn complete(
             Ok("quarantined")
         }
     }
+}
+
+/// Counts a snooze of `job_id` (a row of `job_counters` at its first); how many it has had,
+/// this one included.
+///
+/// # Errors
+/// The database failed.
+pub async fn take_snooze(tx: &mut PgConnection, job_id: Uuid) -> Result<i32, sqlx::Error> {
+    sqlx::query_scalar!(
+        "INSERT INTO job_counters (job_id, snoozes) VALUES ($1, 1) \
+         ON CONFLICT ON CONSTRAINT job_counters_pkey \
+         DO UPDATE SET snoozes = job_counters.snoozes + 1 RETURNING snoozes",
+        job_id,
+    )
+    .fetch_one(tx)
+    .await
+}
+
+/// Records, in a commit of its own, that `owner` is about to run `job_ids` before their
+/// leases commit (a lease transaction's inline window); [`inline_runs_end`] in that
+/// transaction deletes the record, which a process that dies first leaves behind.
+///
+/// # Errors
+/// The database failed.
+pub async fn inline_runs_begin(
+    pool: &sqlx::PgPool,
+    run_id: Uuid,
+    job_ids: &[Uuid],
+    owner: &str,
+) -> Result<(), sqlx::Error> {
+    sqlx::query!(
+        "INSERT INTO inline_runs (run_id, job_ids, owner) VALUES ($1, $2, $3)",
+        run_id,
+        job_ids,
+        owner,
+    )
+    .execute(pool)
+    .await?;
+    Ok(())
+}
+
+/// Deletes the record of inline runs `run_id`: in their lease transaction (their leases and
+/// attempts commit with it), or on its own once that transaction failed in a live process.
+///
+/// # Errors
+/// The database failed.
+pub async fn inline_runs_end<'c, E>(executor: E, run_id: Uuid) -> Result<(), sqlx::Error>
+where
+    E: sqlx::PgExecutor<'c>,
+{
+    sqlx::query!("DELETE FROM inline_runs WHERE run_id = $1", run_id).execute(executor).await?;
+    Ok(())
+}
+
+/// A job that was running when a process died.
+#[derive(Debug, Clone)]
+pub struct Crashed {
+    /// Processes that died while it ran, the one just found included.
+    pub crashes: i32,
+    /// The last of them.
+    pub owner: String,
+    /// A run of it that died was found just now (else it is only a suspect, from before).
+    pub just_found: bool,
+}
+
+/// Of `job_ids`, locked by this transaction and about to be leased, those that were running
+/// when a process died: a run recorded as started and never ended (see
+/// [`inline_runs_begin`]) is counted in `job_counters` and taken out of its record, in this
+/// transaction (`just_found`); the others with crashes counted before are suspects. Only
+/// jobs no live lease holds may be asked about: a record of a live lease transaction is
+/// never seen (that one holds the jobs' row locks until it commits, and deletes its record
+/// in the same commit), and an isolated run's (one job, recorded after its lease committed,
+/// deleted once the run returns) is alive while its lease is.
+///
+/// # Errors
+/// The database failed.
+pub async fn crashed_runs(
+    tx: &mut PgConnection,
+    job_ids: &[Uuid],
+) -> Result<std::collections::HashMap<Uuid, Crashed>, sqlx::Error> {
+    let rows = sqlx::query!(
+        r#"
+        WITH stale AS (
+            SELECT r.run_id, r.owner, j.job_id
+            FROM inline_runs r CROSS JOIN LATERAL unnest(r.job_ids) AS j(job_id)
+            WHERE r.job_ids && $1::uuid[] AND j.job_id = ANY($1)
+        ), trimmed AS (
+            UPDATE inline_runs r
+            SET job_ids = ARRAY(SELECT x FROM unnest(r.job_ids) AS x WHERE x <> ALL($1))
+            WHERE r.run_id IN (SELECT run_id FROM stale)
+        )
+        , counted AS (
+            INSERT INTO job_counters AS c (job_id, crashes, last_crash_owner, last_crash_at)
+            SELECT job_id, count(*)::int, max(owner), now() FROM stale GROUP BY job_id
+            ON CONFLICT ON CONSTRAINT job_counters_pkey DO UPDATE
+                SET crashes = c.crashes + EXCLUDED.crashes,
+                    last_crash_owner = EXCLUDED.last_crash_owner,
+                    last_crash_at = EXCLUDED.last_crash_at
+            RETURNING job_id, crashes, last_crash_owner
+        )
+        SELECT job_id AS "job_id!", crashes AS "crashes!", last_crash_owner AS "owner!",
+               true AS "just_found!"
+        FROM counted
+        UNION ALL
+        SELECT job_id, crashes, coalesce(last_crash_owner, ''), false
+        FROM job_counters
+        WHERE job_id = ANY($1) AND crashes > 0 AND job_id NOT IN (SELECT job_id FROM stale)
+        "#,
+        job_ids,
+    )
+    .fetch_all(&mut *tx)
+    .await?;
+    if rows.iter().any(|r| r.just_found) {
+        sqlx::query!("DELETE FROM inline_runs WHERE cardinality(job_ids) = 0")
+            .execute(&mut *tx)
+            .await?;
+    }
+    Ok(rows
+        .into_iter()
+        .map(|r| {
+            let crashed = Crashed { crashes: r.crashes, owner: r.owner, just_found: r.just_found };
+            (r.job_id, crashed)
+        })
+        .collect())
 }

@@ -311,8 +311,10 @@ pub async fn cancel(
     Ok((job, was))
 }
 
-/// Removes the job's quarantine row, if any: it is quarantined no more.
+/// Removes the job's quarantine row, if any: it is quarantined no more, and its snoozes and
+/// crashes are counted afresh.
 async fn unquarantine(tx: &mut PgConnection, job_id: Uuid) -> Result<(), sqlx::Error> {
     sqlx::query!("DELETE FROM quarantine WHERE job_id = $1", job_id).execute(&mut *tx).await?;
+    sqlx::query!("DELETE FROM job_counters WHERE job_id = $1", job_id).execute(&mut *tx).await?;
     Ok(())
 }
