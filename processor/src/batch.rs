@@ -9,6 +9,7 @@ use std::future::Future;
 use std::sync::Arc;
 
 use crate::metrics as pm;
+use futures::FutureExt;
 use tokio::sync::{Mutex, mpsc, oneshot};
 
 type Reply<R> = oneshot::Sender<anyhow::Result<R>>;
@@ -56,7 +57,21 @@ impl<T: Send + 'static, R: Send + 'static> Batcher<T, R> {
                     let (items, replies): (Vec<T>, Vec<Reply<R>>) = batch.drain(..).unzip();
                     metrics::histogram!(pm::TRANSACTION_JOBS, "transaction" => name)
                         .record(items.len() as f64);
-                    let answers = process(items).await;
+                    // A panic while processing (user code is contained where it is called;
+                    // this is the last net) fails this batch's items, each told why, and the
+                    // task goes on with the next batch: no later item meets a stopped task.
+                    let n = items.len();
+                    let answers = match std::panic::AssertUnwindSafe(process(items))
+                        .catch_unwind()
+                        .await
+                    {
+                        Ok(answers) => answers,
+                        Err(panic) => {
+                            let message = crate::worker::panic_message(panic.as_ref());
+                            tracing::error!(batcher = name, panic = %message, "A batch panicked; its items fail and the batcher goes on.");
+                            each_failed(n, &anyhow::anyhow!("the {name} batch panicked: {message}"))
+                        }
+                    };
                     debug_assert_eq!(answers.len(), replies.len());
                     for (reply, answer) in replies.into_iter().zip(answers) {
                         let _ = reply.send(answer);

@@ -77,9 +77,18 @@ impl Drop for Registration {
 impl Heartbeats {
     /// Starts the beat: every `tick`, one statement renews the leases that are due.
     pub fn start(pool: PgPool, tick: Duration) -> Self {
+        let (heartbeats, beat) = Self::new(pool, tick);
+        tokio::spawn(beat);
+        heartbeats
+    }
+
+    /// The leases, and the beat to run (as [`Heartbeats::start`] does, or supervised): every
+    /// `tick`, one statement renews the leases that are due. The beat ends once every clone
+    /// of the leases is dropped.
+    pub fn new(pool: PgPool, tick: Duration) -> (Self, impl std::future::Future<Output = ()>) {
         let leases = Arc::new(Leases::default());
-        tokio::spawn(beat(pool, tick, Arc::downgrade(&leases)));
-        Self { leases }
+        let beat = beat(pool, tick, Arc::downgrade(&leases));
+        (Self { leases }, beat)
     }
 
     /// Keeps the lease of `job_id` at `generation` alive, renewing it by `ttl` every
@@ -107,6 +116,7 @@ async fn beat(pool: PgPool, tick: Duration, leases: Weak<Leases>) {
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         ticker.tick().await;
+        jobfold_common::failpoint::hit(jobfold_common::failpoint::PROCESSOR_HEARTBEAT);
         let Some(leases) = leases.upgrade() else { return };
         let started = Instant::now();
         // Due by the middle of the next tick: each lease is renewed within half a tick of

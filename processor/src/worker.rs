@@ -312,6 +312,10 @@ struct Shared {
     leaser: Leaser,
     /// Commits finished attempts, several to a transaction.
     completer: Completer,
+    /// Suspects (jobs that were running when a process died) run one at a time.
+    suspects: Semaphore,
+    /// This worker's name in leases and run records.
+    owner: String,
     /// Keeps every running attempt's lease alive, one statement a beat.
     heartbeats: Heartbeats,
     /// The kinds' rate limits and 429 pauses, shared with the group's other processors.
@@ -372,7 +376,7 @@ pub async fn run(
         config: config.clone(),
         pool: pool.clone(),
         events: events.clone(),
-        owner,
+        owner: owner.clone(),
         handlers: handlers.clone(),
     });
     tracing::info!(kinds = ?handlers, "Handlers registered.");
@@ -383,8 +387,12 @@ pub async fn run(
         .iter()
         .filter_map(|(kind, k)| Some((kind.clone(), Arc::new(Semaphore::new(k.concurrency?)))))
         .collect();
-    let heartbeats = Heartbeats::start(pool.clone(), config.shortest_heartbeat());
-    let quotas = crate::quota::Quotas::start(&config, pool.clone(), shutdown.clone());
+    // Every background task is supervised: one that ends while the worker runs fails it.
+    let mut tasks = crate::supervise::Tasks::default();
+    let (heartbeats, beat) = Heartbeats::new(pool.clone(), config.shortest_heartbeat());
+    tasks.spawn("heartbeat", beat);
+    let quotas = crate::quota::Quotas::new(&config, pool.clone());
+    tasks.spawn("quota poll", Arc::clone(&quotas).poll(shutdown.clone()));
     let shared = Arc::new(Shared {
         config: config.clone(),
         pool,
@@ -398,6 +406,8 @@ pub async fn run(
         buffer,
         leaser,
         completer,
+        suspects: Semaphore::new(1),
+        owner,
         heartbeats,
         quotas,
         tracker,
@@ -405,22 +415,41 @@ pub async fn run(
         ready: tokio::sync::Notify::new(),
         shutdown: shutdown.clone(),
     });
-    let reaper = tokio::spawn(crate::reaper::run(
-        shared.config.clone(),
-        shared.pool.clone(),
-        shared.events.clone(),
-        shutdown.clone(),
-    ));
-    let retention = tokio::spawn(crate::retention::run(
-        shared.config.clone(),
-        shared.pool.clone(),
-        shutdown.clone(),
-    ));
-    let dispatcher = tokio::spawn(dispatch(Arc::clone(&shared)));
+    tasks.spawn(
+        "reaper",
+        crate::reaper::run(
+            shared.config.clone(),
+            shared.pool.clone(),
+            shared.events.clone(),
+            shutdown.clone(),
+        ),
+    );
+    // Off (the default), retention has nothing to run.
+    if !shared.config.retention.sweeps().is_empty() {
+        tasks.spawn(
+            "retention",
+            crate::retention::run(shared.config.clone(), shared.pool.clone(), shutdown.clone()),
+        );
+    }
+    let dispatcher_stopped = shutdown.child_token();
+    let (stop_dispatcher, dispatching) = (dispatcher_stopped.clone(), Arc::clone(&shared));
+    tasks.spawn("dispatcher", async move {
+        tokio::select! {
+            _ = stop_dispatcher.cancelled() => {}
+            () = dispatch(dispatching) => {}
+        }
+    });
+    let mut failed = None;
     loop {
         let message = tokio::select! {
             biased;
             _ = shutdown.cancelled() => break,
+            ended = tasks.ended() => {
+                tracing::error!(error = %ended, "A background task of the worker ended; the processor stops.");
+                failed = Some(ended);
+                shutdown.cancel();
+                break;
+            }
             message = shared.consumer.recv() => message,
         };
         let message = match message {
@@ -465,7 +494,7 @@ pub async fn run(
             shared.ready.notify_one();
         }
     }
-    dispatcher.abort();
+    dispatcher_stopped.cancel();
     // Soft stop: running jobs finish, bounded.
     let all = shared.config.processor.max_in_flight as u32;
     let drained = tokio::time::timeout(
@@ -479,9 +508,8 @@ pub async fn run(
     if let Err(e) = jobfold_common::kafka::commit_stored(&*shared.consumer) {
         tracing::warn!(error = %e, "Committing offsets on shutdown failed.");
     }
-    let _ = reaper.await;
-    let _ = retention.await;
-    Ok(())
+    tasks.stop().await;
+    failed.map_or(Ok(()), Err)
 }
 
 /// Pauses (or resumes) fetching `partition`, and counts it. Called with the buffer locked,
@@ -589,9 +617,17 @@ async fn run_next(shared: Arc<Shared>, key: Arc<str>, permit: OwnedSemaphorePerm
     // After shutdown or revoke, queued messages are left for redelivery.
     let current = !shared.shutdown.is_cancelled()
         && shared.tracker.lock().expect("tracker").is_current(&ticket);
-    // Boxed: allocated while a message is handled, not for as long as its queue lives.
-    let finished =
-        current && Box::pin(handle(&shared, &queued.message, &ticket, Some(permit))).await;
+    // Boxed: allocated while a message is handled, not for as long as its queue lives. A
+    // panic on the way (user code is contained where it is called; this is the last net) is
+    // this message's alone: it is set aside as a dead letter naming it, and its document's
+    // and partition's bookkeeping below goes on as for any message.
+    let finished = current && {
+        let handled = Box::pin(handle(&shared, &queued.message, &ticket, Some(permit)));
+        match std::panic::AssertUnwindSafe(handled).catch_unwind().await {
+            Ok(finished) => finished,
+            Err(panic) => Box::pin(set_aside_panic(&shared, &queued.message, panic)).await,
+        }
+    };
     let store = {
         let mut tracker = shared.tracker.lock().expect("tracker");
         if finished {
@@ -777,10 +813,18 @@ async fn try_handle(
     // A slot (the kind's, then the process's) from here to the completion; a revoke or the
     // shutdown while waiting leaves the message for redelivery.
     let revoked = shared.tracker.lock().expect("tracker").revoked(ticket);
-    let cost = if shared.quotas.costs(&event.job_kind) {
-        Box::pin(cost_of(shared, event.job_id, handler.as_ref())).await?
+    let (cost, handler) = if shared.quotas.costs(&event.job_kind) {
+        match Box::pin(cost_of(shared, event.job_id, handler.as_ref())).await? {
+            Ok(cost) => (cost, handler),
+            // The handler's `cost` panicked on this input: the job's failure, not the
+            // document's or the partition's. It is leased and its attempt fails, naming the
+            // panic, without running (its quota is not taken).
+            Err(panic) => {
+                (0, Arc::new(Fails(format!("the handler's cost panicked: {panic}"))) as _)
+            }
+        }
     } else {
-        1
+        (1, handler)
     };
     let held = permit.take();
     let Some(_slot) =
@@ -792,6 +836,24 @@ async fn try_handle(
     // task waiting for a slot or behind another job stays small, so what the buffer holds
     // costs little memory each.
     Box::pin(attempt(shared, event, handler)).await
+}
+
+/// After a panic handling `message`: it is stored as a dead letter naming the panic (true),
+/// or, if that fails too, left for redelivery (false).
+async fn set_aside_panic(
+    shared: &Shared,
+    message: &Held,
+    panic: Box<dyn std::any::Any + Send>,
+) -> bool {
+    let reason = format!("handling it panicked: {}", panic_message(panic.as_ref()));
+    tracing::error!(partition = message.partition, offset = message.offset, %reason, "A message's handling panicked; it is set aside.");
+    match set_aside(shared, message, &reason).await {
+        Ok(()) => true,
+        Err(e) => {
+            tracing::warn!(error = %e, "Storing the dead letter failed; the message is left for redelivery.");
+            false
+        }
+    }
 }
 
 /// Stores `message` in `dead_letters` with `reason`. Boxed: a rare path whose future would
@@ -806,14 +868,31 @@ async fn set_aside(shared: &Shared, message: &Held, reason: &str) -> anyhow::Res
     .await?)
 }
 
-/// A job's cost against its kind's `cost_per_minute`, from its input.
+/// A job's cost against its kind's `cost_per_minute`, from its input; `Err` with the panic's
+/// message if the handler's `cost` panicked.
 async fn cost_of(
     shared: &Shared,
     job_id: uuid::Uuid,
     handler: &dyn crate::handler::ErasedHandler,
-) -> anyhow::Result<u64> {
+) -> anyhow::Result<Result<u64, String>> {
     let input = crate::status::input(&shared.pool, job_id).await?;
-    Ok(input.map_or(1, |input| handler.cost_of(&input)))
+    let Some(input) = input else { return Ok(Ok(1)) };
+    Ok(std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| handler.cost_of(&input)))
+        .map_err(|panic| panic_message(panic.as_ref())))
+}
+
+/// Stands in for a handler that cannot be run on this job: every attempt fails retryably
+/// with the reason, so the job ends by its budget, quarantined with it.
+struct Fails(String);
+
+impl crate::handler::Handler for Fails {
+    async fn run(
+        &self,
+        _job: &JobContext,
+        _cancel: CancellationToken,
+    ) -> Result<serde_json::Value, HandlerError> {
+        Err(HandlerError::retryable(self.0.clone()))
+    }
 }
 
 /// Leases, runs and completes the dispatch `event` (its slot held by the caller).
@@ -892,18 +971,24 @@ async fn attempt(
         }
         Leased::Done => return Ok(Step::Done),
         Leased::WaitUntil(until) => return Ok(Step::WaitUntil(until)),
-        Leased::Run(job) => Some(*job),
+        Leased::Run(job) => Some((*job, false)),
+        Leased::Isolated(job) => Some((*job, true)),
         Leased::RunOn => None,
     };
     // The lease committed alone. An attempt already run under it completes; otherwise
     // (no run yet, or one under another generation) the handler runs now.
     let attempt = match (ran, job) {
         (Some(attempt), None) => attempt,
-        (Some(attempt), Some(job)) if attempt.job.generation == job.generation => attempt,
+        (Some(attempt), Some((job, _))) if attempt.job.generation == job.generation => attempt,
         (_, None) => anyhow::bail!("a lease committed for a run this task did not make"),
-        (_, Some(job)) => {
+        (_, Some((job, isolated))) => {
             failpoint::hit(failpoint::PROCESSOR_AFTER_LEASE_COMMIT);
-            match Box::pin(run_handler(shared, &event, &handler, job)).await? {
+            let ran = if isolated {
+                Box::pin(run_isolated(shared, &event, &handler, job)).await?
+            } else {
+                Box::pin(run_handler(shared, &event, &handler, job)).await?
+            };
+            match ran {
                 Some(attempt) => Arc::new(attempt),
                 None => return Ok(Step::Interrupted),
             }
@@ -932,6 +1017,36 @@ async fn attempt(
         }
     };
     Ok(completed(shared, job_id, generation, done))
+}
+
+/// Runs a suspect `job` (it was running when a process died), its lease committed: one such
+/// run at a time in this process, recorded as started in a commit of its own and the record
+/// deleted once the run returns. Should this run kill the process too, the record it leaves
+/// names this job alone, whatever else ran beside it ([`crate::store::crashed_runs`]).
+async fn run_isolated(
+    shared: &Shared,
+    event: &JobEvent,
+    handler: &std::sync::Arc<dyn crate::handler::ErasedHandler>,
+    job: JobRow,
+) -> anyhow::Result<Option<Attempt>> {
+    let _alone = tokio::select! {
+        _ = shared.shutdown.cancelled() => return Ok(None),
+        permit = shared.suspects.acquire() => permit?,
+    };
+    let run_id = uuid::Uuid::new_v4();
+    crate::store::inline_runs_begin(&shared.pool, run_id, &[job.job_id], &shared.owner).await?;
+    let ran = run_handler(shared, event, handler, job).await;
+    // The run returned (whatever it made of the job): it did not take the process down.
+    let mut backoff = RETRY_MIN;
+    while let Err(e) = crate::store::inline_runs_end(&shared.pool, run_id).await {
+        tracing::warn!(error = %e, "Deleting an isolated run's record failed; trying again.");
+        tokio::select! {
+            _ = shared.shutdown.cancelled() => break,
+            _ = tokio::time::sleep(backoff) => {}
+        }
+        backoff = (backoff * 2).min(RETRY_MAX);
+    }
+    ran
 }
 
 /// Counts what became of an attempt; its offset may be stored.
@@ -1034,6 +1149,11 @@ async fn run_handler(
     metrics::counter!(pm::HANDLER_RUNS_TOTAL).increment(1);
     failpoint::hit(failpoint::PROCESSOR_IN_HANDLER);
     drop(lease);
+    // Fit to commit, and no wait an outside answer asks for past the kind's max_retry_after.
+    let result = bounded(result, kind.max_output_bytes).map_err(|mut e| {
+        e.retry_after = e.retry_after.map(|d| d.min(kind.max_retry_after));
+        e
+    });
     if let Err(e) = &result
         && e.throttled
     {
@@ -1047,13 +1167,12 @@ async fn run_handler(
         tracing::info!(job_id = %job.job_id, "Shutdown cancelled the handler; the job runs again later.");
         return Ok(None);
     }
-    let result = bounded(result, kind.max_output_bytes);
 
     Ok(Some(Attempt { job, context, result, trace: event.trace.clone() }))
 }
 
 /// The text of a panic's payload.
-fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
     payload
         .downcast_ref::<&str>()
         .map(|s| (*s).to_owned())
