@@ -7,7 +7,11 @@
 //! take that long (ended early by the cancellation token), `{"hang_ms": 60000}` takes that
 //! long ignoring the token, `{"panic": true}` panics, `{"output_bytes": 20000}` returns a
 //! result of about that size, `{"permanent_until_replayed": true}` fails permanently until an
-//! operator replays the job (its generation then runs ahead of its attempt).
+//! operator replays the job (its generation then runs ahead of its attempt),
+//! `{"abort": true}` aborts the whole process (a native library's crash, an OOM kill),
+//! `{"commit_panic": true}` panics in the business write, `{"retry_after_secs": N}` asks
+//! for an N-second wait with each failing attempt (`fail_attempts`), and
+//! `{"snooze_until_ms": T}` snoozes the job for 200 ms at a time until T (Unix ms).
 
 use std::time::Duration;
 
@@ -77,6 +81,18 @@ impl Handler for Simulated {
         if simulate.get("panic").and_then(Value::as_bool) == Some(true) {
             panic!("simulated panic on attempt {}", job.attempt);
         }
+        if simulate.get("abort").and_then(Value::as_bool) == Some(true) {
+            eprintln!("simulated crash: job {} aborts its process", job.job_id);
+            std::process::abort();
+        }
+        if let Some(until) = simulate.get("snooze_until_ms").and_then(Value::as_i64)
+            && chrono::Utc::now().timestamp_millis() < until
+        {
+            return Err(HandlerError::snooze(
+                "simulated: not ready yet",
+                Duration::from_millis(200),
+            ));
+        }
         if let Some(ms) = simulate.get("sleep_ms").and_then(Value::as_u64) {
             tokio::select! {
                 _ = cancel.cancelled() => return Err(HandlerError::retryable("cancelled: the lease was lost")),
@@ -94,10 +110,14 @@ impl Handler for Simulated {
         }
         let fail_attempts = simulate.get("fail_attempts").and_then(Value::as_i64).unwrap_or(0);
         if i64::from(job.attempt) <= fail_attempts {
-            return Err(HandlerError::retryable(format!(
+            let error = HandlerError::retryable(format!(
                 "simulated transient failure (attempt {} of {fail_attempts} failing)",
                 job.attempt
-            )));
+            ));
+            return Err(match simulate.get("retry_after_secs").and_then(Value::as_u64) {
+                Some(secs) => error.retry_after(Duration::from_secs(secs)),
+                None => error,
+            });
         }
         let mut output = IndexDocument.run(job, cancel).await?;
         if let Some(bytes) = simulate.get("output_bytes").and_then(Value::as_u64) {
@@ -112,6 +132,10 @@ impl Handler for Simulated {
         job: &JobContext,
         output: &Value,
     ) -> Result<Committed, sqlx::Error> {
+        let simulate = job.input.get("simulate");
+        if simulate.and_then(|s| s.get("commit_panic")).and_then(Value::as_bool) == Some(true) {
+            panic!("simulated panic in the business write of attempt {}", job.attempt);
+        }
         let committed = IndexDocument.commit(tx, job, output).await?;
         if committed == Committed::Applied {
             record_write(tx, job).await?;

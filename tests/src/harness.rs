@@ -65,6 +65,20 @@ impl Installation {
         Self { config, pool, database }
     }
 
+    /// Test timings in `config`: short leases and retries, quick reaper rounds, a consumer
+    /// group of its own (as [`Installation::fast_env`] gives binaries).
+    pub fn fast(&mut self) {
+        let p = &mut self.config.processor;
+        p.lease_ttl = Duration::from_secs(3);
+        p.heartbeat = Duration::from_secs(1);
+        p.retry_base = Duration::from_millis(50);
+        p.retry_cap = Duration::from_millis(200);
+        p.reaper_interval = Duration::from_millis(500);
+        p.reaper_grace = Duration::from_secs(2);
+        p.revoke_timeout = Duration::from_secs(5);
+        p.group = unique_name("processors");
+    }
+
     /// Creates this installation's topics.
     pub async fn create_topics(&self) {
         jobfold_common::kafka::ensure_topics(

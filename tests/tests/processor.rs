@@ -17,15 +17,7 @@ use uuid::Uuid;
 
 /// Test timings: short leases and retries.
 fn fast(it: &mut Installation) {
-    let p = &mut it.config.processor;
-    p.lease_ttl = Duration::from_secs(3);
-    p.heartbeat = Duration::from_secs(1);
-    p.retry_base = Duration::from_millis(50);
-    p.retry_cap = Duration::from_millis(200);
-    p.reaper_interval = Duration::from_millis(500);
-    p.reaper_grace = Duration::from_secs(2);
-    p.revoke_timeout = Duration::from_secs(5);
-    p.group = jobfold_tests::kafka::unique_name("processors");
+    it.fast();
 }
 
 /// An installation with [`fast`] timings, its topics and an acceptor.

@@ -1,0 +1,512 @@
+//! The boundary to user code, against real Postgres, Kafka and the registry: nothing a
+//! handler says or does costs more than its own job.
+//!
+//! - remote handlers (the shipped processor, a server on 127.0.0.1 as the handlers): a
+//!   `Retry-After` of 99999999999 s pauses its kind no longer than `max_retry_after`; a 503
+//!   with `Retry-After` snoozes its job without spending an attempt; a 302 or 307 is a
+//!   permanent failure naming the `Location`, whose URL is never called; a call that never
+//!   answers ends at the kind's `request_timeout`; other kinds' jobs run meanwhile;
+//! - Rust handlers: a panic in `commit` or in `cost` is that job's failure, naming it; a
+//!   `retry_after` of 3,000 years waits `max_retry_after`; snoozes stop at `max_snoozes`;
+//! - a background task that dies stops the processor (exit non-zero), not just itself;
+//! - a job that aborts its process is counted as an attempt and a crash each time, and is
+//!   quarantined at `max_crashes`, saying so, while the other documents' jobs flow.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::http::StatusCode;
+use axum::response::IntoResponse;
+use jobfold_common::accept::{Acceptor, NewJob};
+use jobfold_processor::handler::{Committed, Handler, HandlerError, JobContext};
+use jobfold_tests::harness::{
+    Installation, Service, eventually, fold_mismatches, index_job, metric_value,
+};
+use serde_json::{Value, json};
+use tokio_util::sync::CancellationToken;
+use uuid::Uuid;
+
+/// Calls each route of the stand-in handlers got.
+type Calls = Arc<Mutex<HashMap<&'static str, usize>>>;
+
+fn called(calls: &Calls, route: &'static str) -> usize {
+    let mut calls = calls.lock().unwrap();
+    let n = calls.entry(route).or_default();
+    *n += 1;
+    *n
+}
+
+/// The remote handlers, on 127.0.0.1: `/huge` answers its first call 429 with a
+/// `Retry-After` of 99999999999 s, `/snooze` its first two 503 with `Retry-After: 1`,
+/// `/found` and `/temporary` 302 and 307 to `/elsewhere`, `/hangs` never; every other answer
+/// (and `/plain`, and `/elsewhere`) is 200 with JSON.
+async fn handlers() -> (String, Calls) {
+    let calls = Calls::default();
+    let ok = |route: &'static str| json!({ "from": route });
+    let app = axum::Router::new()
+        .route(
+            "/huge",
+            axum::routing::post({
+                let calls = Arc::clone(&calls);
+                move || async move {
+                    if called(&calls, "huge") == 1 {
+                        let header = [("retry-after", "99999999999")];
+                        return (StatusCode::TOO_MANY_REQUESTS, header, "later").into_response();
+                    }
+                    axum::Json(ok("huge")).into_response()
+                }
+            }),
+        )
+        .route(
+            "/snooze",
+            axum::routing::post({
+                let calls = Arc::clone(&calls);
+                move || async move {
+                    if called(&calls, "snooze") <= 2 {
+                        let header = [("retry-after", "1")];
+                        return (StatusCode::SERVICE_UNAVAILABLE, header, "warming up")
+                            .into_response();
+                    }
+                    axum::Json(ok("snooze")).into_response()
+                }
+            }),
+        )
+        .route(
+            "/found",
+            axum::routing::post(|| async { (StatusCode::FOUND, [("location", "/elsewhere")]) }),
+        )
+        .route(
+            "/temporary",
+            axum::routing::post(|| async {
+                (StatusCode::TEMPORARY_REDIRECT, [("location", "/elsewhere")])
+            }),
+        )
+        .route(
+            "/elsewhere",
+            axum::routing::any({
+                let calls = Arc::clone(&calls);
+                move || async move {
+                    called(&calls, "elsewhere");
+                    axum::Json(ok("elsewhere"))
+                }
+            }),
+        )
+        .route(
+            "/hangs",
+            axum::routing::post({
+                let calls = Arc::clone(&calls);
+                move || async move {
+                    called(&calls, "hangs");
+                    tokio::time::sleep(Duration::from_secs(3600)).await;
+                    axum::Json(ok("hangs"))
+                }
+            }),
+        )
+        .route(
+            "/plain",
+            axum::routing::post({
+                let calls = Arc::clone(&calls);
+                move || async move {
+                    called(&calls, "plain");
+                    axum::Json(ok("plain"))
+                }
+            }),
+        );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    (url, calls)
+}
+
+fn job_of(kind: &str, document: &str, input: Value) -> NewJob {
+    NewJob { kind: kind.into(), ..index_job(document, 1, input) }
+}
+
+async fn state_of(it: &Installation, kind: &str) -> Vec<(String, i32, Option<String>)> {
+    sqlx::query_as(
+        "SELECT state::text, attempt, last_error FROM jobs WHERE kind = $1 ORDER BY document_id",
+    )
+    .bind(kind)
+    .fetch_all(&it.pool)
+    .await
+    .unwrap()
+}
+
+async fn ended(it: &Installation, kind: &str) -> bool {
+    let states = state_of(it, kind).await;
+    !states.is_empty()
+        && states.iter().all(|(s, _, _)| ["succeeded", "quarantined"].contains(&s.as_str()))
+}
+
+async fn quarantine_reason(it: &Installation, kind: &str) -> String {
+    sqlx::query_scalar(
+        "SELECT q.reason FROM quarantine q JOIN jobs j USING (job_id) WHERE j.kind = $1",
+    )
+    .bind(kind)
+    .fetch_one(&it.pool)
+    .await
+    .unwrap()
+}
+
+/// What remote handlers answer costs only their own job, and never waits past its bound.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn what_a_remote_handler_answers_costs_only_its_own_job() {
+    let mut it = Installation::new("boundary-remote").await;
+    // The budgets are the acceptor's to give.
+    for (kind, attempts) in [("snooze", 1), ("hangs", 2)] {
+        let budget =
+            jobfold_common::config::Kind { max_attempts: Some(attempts), ..Default::default() };
+        it.config.kinds.insert(kind.into(), budget);
+    }
+    it.create_topics().await;
+    let (url, calls) = handlers().await;
+    let kinds = format!(
+        r#"
+[kinds.huge]
+url = "{url}/huge"
+max_retry_after = "2s"
+[kinds.snooze]
+url = "{url}/snooze"
+max_attempts = 1
+[kinds.found]
+url = "{url}/found"
+[kinds.temporary]
+url = "{url}/temporary"
+[kinds.hangs]
+url = "{url}/hangs"
+request_timeout = "1s"
+max_attempts = 2
+[kinds.plain]
+url = "{url}/plain"
+"#
+    );
+    let file =
+        std::env::temp_dir().join(format!("jobfold-boundary-{}.toml", Uuid::new_v4().simple()));
+    std::fs::write(&file, kinds).unwrap();
+    let mut env = it.fast_env(&jobfold_tests::kafka::unique_name("boundary"));
+    env.insert("JOBFOLD_CONFIG".into(), file.display().to_string());
+    let _relay = Service::start("jobfold-relay", &env);
+    let processor = Service::start("jobfold-processor", &env);
+    eventually(Duration::from_secs(90), "the processor to hold partitions", || async {
+        processor.metric("jobfold_assigned_partitions").await.unwrap_or(0.0) > 0.0
+    })
+    .await;
+    let acceptor = it.acceptor().await;
+    let mut jobs: Vec<NewJob> = ["huge", "snooze", "found", "temporary", "hangs"]
+        .into_iter()
+        .map(|kind| job_of(kind, &format!("doc-{kind}"), json!({})))
+        .collect();
+    jobs.extend((0..20).map(|n| job_of("plain", &format!("doc-plain-{n}"), json!({ "n": n }))));
+    for job in &jobs {
+        acceptor.accept(&it.pool, job).await.unwrap();
+    }
+    for kind in ["huge", "snooze", "found", "temporary", "hangs", "plain"] {
+        eventually(Duration::from_secs(90), &format!("the {kind} jobs to end"), || {
+            ended(&it, kind)
+        })
+        .await;
+    }
+
+    // The 429's Retry-After paused the kind for max_retry_after at most, here and in the
+    // table the group shares, and the gauge says what the table does.
+    assert_eq!(state_of(&it, "huge").await[0].0, "succeeded");
+    let paused_for: f64 = sqlx::query_scalar(
+        "SELECT extract(epoch FROM paused_until - throttled_at)::float8 FROM kind_quotas \
+         WHERE kind = 'huge'",
+    )
+    .fetch_one(&it.pool)
+    .await
+    .unwrap();
+    assert!(paused_for <= 2.5, "paused for {paused_for} s, past max_retry_after (2 s)");
+    let scraped = processor.scrape().await.unwrap();
+    let gauge = metric_value(&scraped, "jobfold_quota_paused_seconds", &[("kind", "huge")]);
+    assert!(gauge.is_some_and(|g| g <= 2.0), "{gauge:?}");
+
+    // Snoozed twice without spending its only attempt, then done.
+    let snooze = state_of(&it, "snooze").await;
+    assert_eq!((snooze[0].0.as_str(), snooze[0].1), ("succeeded", 1), "{snooze:?}");
+    let snoozes: i32 = sqlx::query_scalar(
+        "SELECT snoozes FROM job_counters JOIN jobs USING (job_id) WHERE kind = 'snooze'",
+    )
+    .fetch_one(&it.pool)
+    .await
+    .unwrap();
+    assert_eq!(snoozes, 2);
+
+    // A redirect is its job's permanent failure, naming where it pointed; that URL was never
+    // called, so nothing of its answer is anyone's result.
+    for kind in ["found", "temporary"] {
+        assert_eq!(state_of(&it, kind).await[0].0, "quarantined");
+        let reason = quarantine_reason(&it, kind).await;
+        assert!(reason.contains("redirect") && reason.contains("/elsewhere"), "{reason}");
+    }
+    assert_eq!(calls.lock().unwrap().get("elsewhere"), None, "a redirect was followed");
+
+    // The call that never answers ended at request_timeout, each attempt.
+    let hangs = state_of(&it, "hangs").await;
+    assert_eq!((hangs[0].0.as_str(), hangs[0].1), ("quarantined", 2), "{hangs:?}");
+    assert_eq!(calls.lock().unwrap()["hangs"], 2);
+
+    assert!(state_of(&it, "plain").await.iter().all(|(s, _, _)| s == "succeeded"));
+    assert_eq!(fold_mismatches(&it).await, Vec::<String>::new());
+    let _ = std::fs::remove_file(file);
+    it.cleanup().await;
+}
+
+/// `commit` panics for an input with `"commit_panic"`, `cost` for one with `"cost_panic"`;
+/// otherwise it succeeds, writing nothing of its own.
+#[derive(Debug, Clone, Copy)]
+struct Fragile;
+
+impl Handler for Fragile {
+    async fn run(&self, job: &JobContext, _: CancellationToken) -> Result<Value, HandlerError> {
+        Ok(json!({ "document": job.document_id }))
+    }
+
+    fn cost(&self, input: &Value) -> u64 {
+        assert!(input.get("cost_panic").is_none(), "a cost that cannot be computed");
+        1
+    }
+
+    async fn commit(
+        &self,
+        tx: &mut sqlx::PgConnection,
+        job: &JobContext,
+        _output: &Value,
+    ) -> Result<Committed, sqlx::Error> {
+        assert!(job.input.get("commit_panic").is_none(), "a business write that panics");
+        let _ = tx;
+        Ok(Committed::Applied)
+    }
+}
+
+/// A relay and an embedded processor running `processor`, in this process.
+struct Pipeline {
+    shutdown: CancellationToken,
+    tasks: Vec<tokio::task::JoinHandle<anyhow::Result<()>>>,
+}
+
+impl Pipeline {
+    async fn start(it: &Installation, processor: jobfold_processor::Processor) -> Self {
+        processor.register_kinds(&it.pool).await.unwrap();
+        let shutdown = CancellationToken::new();
+        let tasks = vec![
+            tokio::spawn(jobfold_relay::run(it.config.clone(), shutdown.clone())),
+            tokio::spawn(processor.run(shutdown.clone())),
+        ];
+        Self { shutdown, tasks }
+    }
+
+    async fn stop(self) {
+        self.shutdown.cancel();
+        for task in self.tasks {
+            task.await.unwrap().unwrap();
+        }
+    }
+}
+
+async fn accept_all(acceptor: &Acceptor, it: &Installation, jobs: &[NewJob]) {
+    for job in jobs {
+        acceptor.accept(&it.pool, job).await.unwrap();
+    }
+}
+
+/// A panic in a handler's `commit` or `cost` is its job's failure, naming the panic: the
+/// job ends by its budget, and every other job — of other documents meanwhile, of its own
+/// document afterwards — runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_panic_in_commit_or_cost_costs_only_its_job() {
+    let mut it = Installation::new("boundary-panics").await;
+    it.fast();
+    let kind = jobfold_common::config::Kind {
+        max_attempts: Some(2),
+        cost_per_minute: Some(1_000_000.0),
+        ..Default::default()
+    };
+    it.config.kinds.insert("fragile".into(), kind);
+    it.create_topics().await;
+    let acceptor = it.acceptor().await;
+    let processor =
+        jobfold_processor::Processor::builder(it.config.clone()).handler("fragile", Fragile);
+    let pipeline = Pipeline::start(&it, processor).await;
+    let mut jobs = vec![
+        job_of("fragile", "doc-commit", json!({ "commit_panic": true })),
+        job_of("fragile", "doc-cost", json!({ "cost_panic": true })),
+    ];
+    jobs.extend((0..20).map(|n| job_of("fragile", &format!("doc-{n}"), json!({ "n": n }))));
+    accept_all(&acceptor, &it, &jobs).await;
+    eventually(Duration::from_secs(90), "every job to end", || ended(&it, "fragile")).await;
+    let states = state_of(&it, "fragile").await;
+    let quarantined: Vec<_> = states.iter().filter(|(s, _, _)| s == "quarantined").collect();
+    assert_eq!(quarantined.len(), 2, "{states:?}");
+    let reasons: Vec<String> = sqlx::query_scalar(
+        "SELECT q.reason FROM quarantine q JOIN jobs j USING (job_id) ORDER BY j.document_id",
+    )
+    .fetch_all(&it.pool)
+    .await
+    .unwrap();
+    assert!(reasons[0].contains("commit panicked: a business write that panics"), "{reasons:?}");
+    assert!(reasons[1].contains("cost panicked: a cost that cannot be computed"), "{reasons:?}");
+    assert!(reasons.iter().all(|r| r.contains("attempt budget spent (2 attempts)")), "{reasons:?}");
+
+    // Their documents were not left behind: a next version of each runs.
+    let next: Vec<NewJob> = ["doc-commit", "doc-cost"]
+        .into_iter()
+        .map(|d| NewJob { input_version: 2, ..job_of("fragile", d, json!({})) })
+        .collect();
+    accept_all(&acceptor, &it, &next).await;
+    eventually(Duration::from_secs(60), "the next versions to succeed", || async {
+        let n: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM jobs WHERE input_version = 2 AND state = 'succeeded'",
+        )
+        .fetch_one(&it.pool)
+        .await
+        .unwrap();
+        n == 2
+    })
+    .await;
+    pipeline.stop().await;
+    assert_eq!(fold_mismatches(&it).await, Vec::<String>::new());
+    it.cleanup().await;
+}
+
+/// A Rust handler's waits are bounded as a remote one's are: a `retry_after` of 3,000 years
+/// waits `max_retry_after`; a job snoozing for a moment is not charged an attempt, one that
+/// snoozes on and on spends attempts past `max_snoozes` and ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_rust_handlers_waits_are_bounded() {
+    let mut it = Installation::new("boundary-waits").await;
+    it.fast();
+    let kind = jobfold_common::config::Kind {
+        max_attempts: Some(2),
+        max_retry_after: Some(Duration::from_secs(1)),
+        max_snoozes: Some(3),
+        ..Default::default()
+    };
+    it.config.kinds.insert(jobfold_tests::handlers::KIND.into(), kind);
+    it.create_topics().await;
+    let acceptor = it.acceptor().await;
+    let processor = jobfold_processor::Processor::builder(it.config.clone())
+        .handlers(jobfold_tests::handlers::handlers());
+    let pipeline = Pipeline::start(&it, processor).await;
+    let now = chrono::Utc::now().timestamp_millis();
+    let simulate = |doc: &str, simulate: Value| {
+        index_job(doc, 1, json!({ "text": doc, "simulate": simulate }))
+    };
+    let jobs = [
+        simulate("doc-later", json!({ "fail_attempts": 1, "retry_after_secs": 99_999_999_999u64 })),
+        simulate("doc-moment", json!({ "snooze_until_ms": now + 300 })),
+        simulate("doc-never", json!({ "snooze_until_ms": now + 3_600_000 })),
+        simulate("doc-plain", json!({})),
+    ];
+    accept_all(&acceptor, &it, &jobs).await;
+    let kind = jobfold_tests::handlers::KIND;
+    eventually(Duration::from_secs(60), "every job to end", || ended(&it, kind)).await;
+    pipeline.stop().await;
+    let states = state_of(&it, kind).await;
+    let by_doc: Vec<(&str, i32)> = states.iter().map(|(s, a, _)| (s.as_str(), *a)).collect();
+    // In document order: later, moment, never, plain.
+    assert_eq!(
+        by_doc,
+        [("succeeded", 2), ("succeeded", 1), ("quarantined", 2), ("succeeded", 1)],
+        "{states:?}"
+    );
+    let snoozes: Vec<i32> = sqlx::query_scalar(
+        "SELECT coalesce(c.snoozes, 0) FROM jobs j LEFT JOIN job_counters c USING (job_id) \
+         ORDER BY j.document_id",
+    )
+    .fetch_all(&it.pool)
+    .await
+    .unwrap();
+    // The moment's snoozes were free; the never-ready job's first three were, then two more
+    // spent its two attempts.
+    assert!(snoozes[1] <= 3 && snoozes[2] == 3 + 2, "{snoozes:?}");
+    assert_eq!(fold_mismatches(&it).await, Vec::<String>::new());
+    it.cleanup().await;
+}
+
+/// A background task of the worker that dies (here the heartbeat, panicking at a
+/// failpoint) stops the processor with a non-zero exit naming it: it never runs on with
+/// leases nothing renews.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_background_task_that_dies_stops_the_processor() {
+    let it = Installation::new("boundary-task").await;
+    it.create_topics().await;
+    let mut env = it.fast_env(&jobfold_tests::kafka::unique_name("boundary-task"));
+    env.insert(
+        "JOBFOLD_FAILPOINT".into(),
+        format!("{}@3:panic", jobfold_common::failpoint::PROCESSOR_HEARTBEAT),
+    );
+    let mut processor = Service::start("jobfold-test-processor", &env);
+    let status =
+        processor.wait_exit(Duration::from_secs(60)).expect("the processor stops on its own");
+    let log = processor.log_text();
+    assert!(!status.success(), "{log}");
+    assert!(log.contains("the heartbeat task panicked"), "{log}");
+    it.cleanup().await;
+}
+
+/// A job whose run aborts its process (a native library's crash, an OOM kill) inside the
+/// lease transaction's inline window spends an attempt and counts a crash each time; at
+/// `max_crashes` it is quarantined with a reason that says so, and the other documents'
+/// jobs — several sharing its lease transactions when it crashed — all succeed, each
+/// business write once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_that_kills_its_processor_ends_quarantined_and_the_rest_flow() {
+    let it = Installation::new("boundary-crash").await;
+    it.create_topics().await;
+    let mut env = it.fast_env(&jobfold_tests::kafka::unique_name("boundary-crash"));
+    env.insert("JOBFOLD_PROCESSOR__MAX_CRASHES".into(), "2".into());
+    env.insert("JOBFOLD_ACCEPT__DEFAULT_MAX_ATTEMPTS".into(), "10".into());
+    let _relay = Service::start("jobfold-relay", &env);
+    let acceptor = it.acceptor().await;
+    let mut jobs =
+        vec![index_job("doc-poison", 1, json!({ "text": "x", "simulate": { "abort": true } }))];
+    jobs.extend(
+        (0..30).map(|n| index_job(&format!("doc-{n}"), 1, json!({ "text": format!("text {n}") }))),
+    );
+    accept_all(&acceptor, &it, &jobs).await;
+
+    let quarantined = || async {
+        let n: i64 = sqlx::query_scalar("SELECT count(*) FROM quarantine")
+            .fetch_one(&it.pool)
+            .await
+            .unwrap();
+        n == 1
+    };
+    let mut processor = Service::start("jobfold-test-processor", &env);
+    let mut crashes = 0;
+    let deadline = std::time::Instant::now() + Duration::from_secs(240);
+    while !quarantined().await {
+        assert!(std::time::Instant::now() < deadline, "the poison job is still not quarantined");
+        if let Some(status) = processor.wait_exit(Duration::from_millis(200)) {
+            assert!(processor.log_text().contains("simulated crash"), "{status}");
+            crashes += 1;
+            assert!(crashes <= 2, "the job crashed its processor {crashes} times and still runs");
+            processor = Service::start("jobfold-test-processor", &env);
+        }
+    }
+    eventually(Duration::from_secs(90), "the other jobs to succeed", || async {
+        let n: i64 = sqlx::query_scalar("SELECT count(*) FROM jobs WHERE state = 'succeeded'")
+            .fetch_one(&it.pool)
+            .await
+            .unwrap();
+        n == 30
+    })
+    .await;
+    assert_eq!(crashes, 2, "it crashed its processor max_crashes times");
+    let reason = quarantine_reason(&it, jobfold_tests::handlers::KIND).await;
+    assert!(reason.contains("killed its processor 2 times (max_crashes 2)"), "{reason}");
+    let duplicated: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM (SELECT 1 FROM index_writes GROUP BY job_id, input_version \
+         HAVING count(*) > 1) d",
+    )
+    .fetch_one(&it.pool)
+    .await
+    .unwrap();
+    assert_eq!(duplicated, 0, "a business write was committed twice");
+    assert_eq!(fold_mismatches(&it).await, Vec::<String>::new());
+    drop(processor);
+    it.cleanup().await;
+}
