@@ -179,10 +179,10 @@ async fn lease_batch(
 ) -> anyhow::Result<Vec<Leased>> {
     let mut recorded = None;
     let decided = lease_batch_recorded(settings, dispatches, offers, &mut recorded).await;
-    if let (Err(_), Some(run_id)) = (&decided, recorded) {
-        if let Err(e) = store::inline_runs_end(&settings.pool, run_id).await {
-            tracing::warn!(error = %e, %run_id, "Deleting the record of a failed lease transaction's runs failed; their next lease counts them as crashed.");
-        }
+    if let (Err(_), Some(run_id)) = (&decided, recorded)
+        && let Err(e) = store::inline_runs_end(&settings.pool, run_id).await
+    {
+        tracing::warn!(error = %e, %run_id, "Deleting the record of a failed lease transaction's runs failed; their next lease counts them as crashed.");
     }
     decided
 }
