@@ -67,7 +67,7 @@ impl<T: Send + 'static, R: Send + 'static> Batcher<T, R> {
                     {
                         Ok(answers) => answers,
                         Err(panic) => {
-                            let message = crate::worker::panic_message(panic.as_ref());
+                            let message = crate::handler::panic_message(panic.as_ref());
                             tracing::error!(batcher = name, panic = %message, "A batch panicked; its items fail and the batcher goes on.");
                             each_failed(n, &anyhow::anyhow!("the {name} batch panicked: {message}"))
                         }

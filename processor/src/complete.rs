@@ -165,7 +165,7 @@ impl Batch<'_> {
             std::panic::AssertUnwindSafe(handler.commit_boxed(tx, &attempt.context, output));
         match write.catch_unwind().await {
             Ok(committed) => Ok(committed?),
-            Err(panic) => Err(CommitPanicked(crate::worker::panic_message(panic.as_ref())).into()),
+            Err(panic) => Err(CommitPanicked(crate::handler::panic_message(panic.as_ref())).into()),
         }
     }
 

@@ -131,6 +131,15 @@ impl HandlerError {
     }
 }
 
+/// The text of a panic's payload.
+pub fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_owned())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic without a message".into())
+}
+
 /// What the business write did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Committed {

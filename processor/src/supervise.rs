@@ -31,7 +31,7 @@ impl Tasks {
     pub fn spawn(&mut self, name: &'static str, task: impl Future<Output = ()> + Send + 'static) {
         self.set.spawn(async move {
             let ended = std::panic::AssertUnwindSafe(task).catch_unwind().await;
-            (name, ended.map_err(|panic| crate::worker::panic_message(panic.as_ref())))
+            (name, ended.map_err(|panic| crate::handler::panic_message(panic.as_ref())))
         });
     }
 

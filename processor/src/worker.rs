@@ -58,7 +58,7 @@ use tracing::Instrument;
 use crate::buffer::{Bounds, Buffer};
 use crate::complete::{Attempt, Completed, Completer};
 use crate::dead_letter::Raw;
-use crate::handler::{HandlerError, Handlers, JobContext};
+use crate::handler::{HandlerError, Handlers, JobContext, panic_message};
 use crate::heartbeat::Heartbeats;
 use crate::internal_events::{
     At, CompletionFenced, MessageError, MessageRetried, PartitionPaused, PartitionsMoved,
@@ -445,6 +445,10 @@ pub async fn run(
             biased;
             _ = shutdown.cancelled() => break,
             ended = tasks.ended() => {
+                // Stopping already (the cancel came while this select was being polled).
+                if shutdown.is_cancelled() {
+                    break;
+                }
                 tracing::error!(error = %ended, "A background task of the worker ended; the processor stops.");
                 failed = Some(ended);
                 shutdown.cancel();
@@ -1169,15 +1173,6 @@ async fn run_handler(
     }
 
     Ok(Some(Attempt { job, context, result, trace: event.trace.clone() }))
-}
-
-/// The text of a panic's payload.
-pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
-    payload
-        .downcast_ref::<&str>()
-        .map(|s| (*s).to_owned())
-        .or_else(|| payload.downcast_ref::<String>().cloned())
-        .unwrap_or_else(|| "a panic without a message".into())
 }
 
 /// What a handler returned, made fit to commit and publish: a result larger than

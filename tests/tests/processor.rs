@@ -452,22 +452,32 @@ async fn killed_in_the_handler_nothing_of_the_attempt_is_committed() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn killed_in_a_handler_run_within_its_lease_transaction_neither_lease_nor_result_is_kept() {
+async fn killed_in_a_handler_run_within_its_lease_transaction_nothing_is_kept_and_the_run_counts() {
     // Handlers finish within the window: each lease commits with its attempt's outcome, so
-    // the process dying in a handler leaves no lease behind to wait out or take over — the
-    // survivor leases the interrupted jobs as their first generation.
+    // the process dying in a handler leaves no lease behind to wait out or take over. The
+    // runs its dead lease transaction had started (recorded before they ran) count: each
+    // such job's crashed attempt is completed as a failure by the survivor (generation 1,
+    // a crash counted), and its next attempt succeeds (generation 2); nothing of the dead
+    // attempts was kept.
     let (it, _) = crash_at("proc-crash-inline", failpoint::PROCESSOR_IN_HANDLER, 20, "1s").await;
-    assert_eq!(count_where(&it, "SELECT count(*) FROM jobs WHERE generation > 1").await, 0);
+    let crashed = count_where(&it, "SELECT count(*) FROM job_counters WHERE crashes = 1").await;
+    assert!(crashed >= 1, "the run that died was not counted");
+    assert_eq!(count_where(&it, "SELECT count(*) FROM jobs WHERE generation > 1").await, crashed);
+    assert_eq!(
+        count_where(&it, "SELECT count(*) FROM job_events WHERE kind = 'JobFailed'").await,
+        crashed
+    );
     assert_eq!(
         count_where(&it, "SELECT count(*) FROM job_events WHERE kind = 'JobLeased'").await,
-        20,
-        "one lease a job"
+        20 + crashed,
+        "one lease a job, and one more for each crashed run"
     );
-    // Every lease was committed by its success's transaction.
+    // Every other lease was committed by its success's transaction.
     let apart = count_where(
         &it,
         "SELECT count(*) FROM job_events l JOIN job_events s USING (job_id) \
-         WHERE l.kind = 'JobLeased' AND s.kind = 'JobSucceeded' AND l.xid <> s.xid",
+         WHERE l.kind = 'JobLeased' AND s.kind = 'JobSucceeded' AND l.xid <> s.xid \
+           AND job_id NOT IN (SELECT job_id FROM job_counters)",
     )
     .await;
     assert_eq!(apart, 0);

@@ -253,6 +253,8 @@ async fn migrations_apply_and_constraints_hold() {
         tables,
         [
             "dead_letters",
+            "inline_runs",
+            "job_counters",
             "job_events",
             "job_kinds",
             "job_results",
