@@ -384,7 +384,45 @@ pub async fn ensure_topics(config: &Config, topics: &[TopicSpec<'_>]) -> anyhow:
             Err((name, code)) => anyhow::bail!("creating topic {name}: {code}"),
         }
     }
-    Ok(())
+    wait_for_leaders(config, missing).await
+}
+
+/// How long a topic just created may take to reach every broker's metadata.
+const TOPIC_PROPAGATION: Duration = Duration::from_secs(30);
+
+/// Waits until every one of `topics` is in the metadata with a leader for each partition:
+/// the controller accepts a CreateTopics before the brokers know of the topic, and a
+/// describe or produce in that window finds no topic.
+async fn wait_for_leaders(config: &Config, topics: Vec<String>) -> anyhow::Result<()> {
+    let client = config.kafka_client();
+    tokio::task::spawn_blocking(move || {
+        let consumer: BaseConsumer = client.create()?;
+        let started = std::time::Instant::now();
+        loop {
+            let metadata = consumer.fetch_metadata(None, METADATA_ATTEMPT)?;
+            let waiting: Vec<&String> = topics
+                .iter()
+                .filter(|name| {
+                    !metadata.topics().iter().any(|t| {
+                        t.name() == name.as_str()
+                            && t.error().is_none()
+                            && !t.partitions().is_empty()
+                            && t.partitions().iter().all(|p| p.error().is_none() && p.leader() >= 0)
+                    })
+                })
+                .collect();
+            if waiting.is_empty() {
+                return Ok(());
+            }
+            anyhow::ensure!(
+                started.elapsed() < TOPIC_PROPAGATION,
+                "topics {waiting:?} were created but have no leaders after {}s",
+                TOPIC_PROPAGATION.as_secs()
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    })
+    .await?
 }
 
 #[cfg(test)]
