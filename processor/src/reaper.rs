@@ -7,6 +7,9 @@
 //! look, re-checked under the lock) keep them from dispatching the same job twice in one round. A second dispatch would
 //! be harmless anyway: the lease transaction skips what is already running or done.
 //!
+//! Each round also deletes the records of inline runs that died with their process and whose
+//! jobs have all ended since ([`crate::store::sweep_inline_runs`]).
+//!
 //! A job the reaper dispatched is not looked at again for `processor.stall_after`: its
 //! dispatch waits its turn in its partition (behind a backlog, or until the group moves a
 //! frozen member's partitions). Looking sooner only adds events to that backlog — under load
@@ -39,6 +42,14 @@ pub async fn run(config: Config, pool: PgPool, events: Events, shutdown: Cancell
             Ok(0) => {}
             Ok(n) => tracing::info!(dispatched = n, "Reaper dispatched jobs again."),
             Err(e) => tracing::warn!(error = %format!("{e:#}"), "Reaper round failed."),
+        }
+        match crate::store::sweep_inline_runs(&pool).await {
+            Ok(0) => {}
+            Ok(n) => tracing::info!(
+                deleted = n,
+                "Records of runs that died with their process, whose jobs have ended since, deleted."
+            ),
+            Err(e) => tracing::warn!(error = %e, "Sweeping records of inline runs failed."),
         }
     }
 }

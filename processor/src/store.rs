@@ -747,6 +747,24 @@ where
     Ok(())
 }
 
+/// Deletes the records of inline runs whose jobs have all ended (or are gone) since: a
+/// process that died left them, and no lease of those jobs will ever take them out. A live
+/// lease transaction's record is never among them (its jobs are locked, not ended). Returns
+/// how many were deleted.
+///
+/// # Errors
+/// The database failed.
+pub async fn sweep_inline_runs(pool: &sqlx::PgPool) -> Result<u64, sqlx::Error> {
+    let done = sqlx::query!(
+        "DELETE FROM inline_runs r WHERE started_at < now() - interval '1 minute' \
+         AND NOT EXISTS (SELECT 1 FROM jobs j \
+                         WHERE j.job_id = ANY(r.job_ids) AND j.finished_at IS NULL)"
+    )
+    .execute(pool)
+    .await?;
+    Ok(done.rows_affected())
+}
+
 /// A job that was running when a process died.
 #[derive(Debug, Clone)]
 pub struct Crashed {

@@ -21,7 +21,7 @@ use axum::response::IntoResponse;
 use jobfold_common::accept::{Acceptor, NewJob};
 use jobfold_processor::handler::{Committed, Handler, HandlerError, JobContext};
 use jobfold_tests::harness::{
-    Installation, Service, eventually, fold_mismatches, index_job, metric_value,
+    Installation, Pipeline, Service, eventually, fold_mismatches, index_job, metric_value,
 };
 use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
@@ -281,31 +281,6 @@ impl Handler for Fragile {
     }
 }
 
-/// A relay and an embedded processor running `processor`, in this process.
-struct Pipeline {
-    shutdown: CancellationToken,
-    tasks: Vec<tokio::task::JoinHandle<anyhow::Result<()>>>,
-}
-
-impl Pipeline {
-    async fn start(it: &Installation, processor: jobfold_processor::Processor) -> Self {
-        processor.register_kinds(&it.pool).await.unwrap();
-        let shutdown = CancellationToken::new();
-        let tasks = vec![
-            tokio::spawn(jobfold_relay::run(it.config.clone(), shutdown.clone())),
-            tokio::spawn(processor.run(shutdown.clone())),
-        ];
-        Self { shutdown, tasks }
-    }
-
-    async fn stop(self) {
-        self.shutdown.cancel();
-        for task in self.tasks {
-            task.await.unwrap().unwrap();
-        }
-    }
-}
-
 async fn accept_all(acceptor: &Acceptor, it: &Installation, jobs: &[NewJob]) {
     for job in jobs {
         acceptor.accept(&it.pool, job).await.unwrap();
@@ -329,7 +304,7 @@ async fn a_panic_in_commit_or_cost_costs_only_its_job() {
     let acceptor = it.acceptor().await;
     let processor =
         jobfold_processor::Processor::builder(it.config.clone()).handler("fragile", Fragile);
-    let pipeline = Pipeline::start(&it, processor).await;
+    let pipeline = Pipeline::with_processor(&it, processor).await;
     let mut jobs = vec![
         job_of("fragile", "doc-commit", json!({ "commit_panic": true })),
         job_of("fragile", "doc-cost", json!({ "cost_panic": true })),
@@ -389,7 +364,7 @@ async fn a_rust_handlers_waits_are_bounded() {
     let acceptor = it.acceptor().await;
     let processor = jobfold_processor::Processor::builder(it.config.clone())
         .handlers(jobfold_tests::handlers::handlers());
-    let pipeline = Pipeline::start(&it, processor).await;
+    let pipeline = Pipeline::with_processor(&it, processor).await;
     let now = chrono::Utc::now().timestamp_millis();
     let simulate = |doc: &str, simulate: Value| {
         index_job(doc, 1, json!({ "text": doc, "simulate": simulate }))
@@ -508,5 +483,54 @@ async fn a_job_that_kills_its_processor_ends_quarantined_and_the_rest_flow() {
     assert_eq!(duplicated, 0, "a business write was committed twice");
     assert_eq!(fold_mismatches(&it).await, Vec::<String>::new());
     drop(processor);
+    it.cleanup().await;
+}
+
+/// A run record left by a process that died stays only while one of its jobs may still be
+/// leased: once they all ended (or are gone), the reaper's sweep deletes it; a young record
+/// (a live lease transaction's window) and one naming a job still open are kept.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn records_of_runs_that_died_go_once_their_jobs_end() {
+    let it = Installation::new("boundary-sweep").await;
+    let acceptor = it.acceptor().await;
+    let open = acceptor
+        .accept(&it.pool, &index_job("doc-open", 1, json!({ "text": "x" })))
+        .await
+        .unwrap()
+        .job_id;
+    let ended = acceptor
+        .accept(&it.pool, &index_job("doc-ended", 1, json!({ "text": "x" })))
+        .await
+        .unwrap()
+        .job_id;
+    sqlx::query("UPDATE jobs SET state = 'cancelled', finished_at = now() WHERE job_id = $1")
+        .bind(ended)
+        .execute(&it.pool)
+        .await
+        .unwrap();
+    let (gone, young) = (Uuid::now_v7(), Uuid::now_v7());
+    for (run_ids, age) in [
+        (vec![ended, gone], "2 minutes"),
+        (vec![open, ended], "2 minutes"),
+        (vec![young], "1 second"),
+    ] {
+        sqlx::query(
+            "INSERT INTO inline_runs (run_id, job_ids, owner, started_at) \
+             VALUES ($1, $2, 'a process that died', now() - $3::interval)",
+        )
+        .bind(Uuid::now_v7())
+        .bind(&run_ids)
+        .bind(age)
+        .execute(&it.pool)
+        .await
+        .unwrap();
+    }
+    assert_eq!(jobfold_processor::store::sweep_inline_runs(&it.pool).await.unwrap(), 1);
+    let left: Vec<Vec<Uuid>> =
+        sqlx::query_scalar("SELECT job_ids FROM inline_runs ORDER BY started_at")
+            .fetch_all(&it.pool)
+            .await
+            .unwrap();
+    assert_eq!(left, vec![vec![open, ended], vec![young]]);
     it.cleanup().await;
 }
