@@ -591,3 +591,70 @@ pub async fn fold_mismatches(installation: &Installation) -> Vec<String> {
     }
     problems
 }
+
+/// A relay and a processor of an [`Installation`], in this process; [`Pipeline::stop`] ends
+/// them and asserts they ended cleanly.
+#[derive(Debug)]
+pub struct Pipeline {
+    shutdown: tokio_util::sync::CancellationToken,
+    tasks: Vec<tokio::task::JoinHandle<anyhow::Result<()>>>,
+}
+
+impl Pipeline {
+    /// The relay, and if `processor`, the test processor ([`crate::handlers::run`]).
+    pub fn start(it: &Installation, processor: bool) -> Self {
+        let shutdown = tokio_util::sync::CancellationToken::new();
+        let mut tasks = vec![tokio::spawn(jobfold_relay::run(it.config.clone(), shutdown.clone()))];
+        if processor {
+            tasks.push(tokio::spawn(crate::handlers::run(it.config.clone(), shutdown.clone())));
+        }
+        Self { shutdown, tasks }
+    }
+
+    /// The relay and `processor` (with handlers of a test's own); its kinds are registered
+    /// before it returns, so jobs of them are accepted at once.
+    ///
+    /// # Panics
+    /// The kinds could not be registered.
+    pub async fn with_processor(
+        it: &Installation,
+        processor: jobfold_processor::Processor,
+    ) -> Self {
+        processor.register_kinds(&it.pool).await.unwrap();
+        let shutdown = tokio_util::sync::CancellationToken::new();
+        let tasks = vec![
+            tokio::spawn(jobfold_relay::run(it.config.clone(), shutdown.clone())),
+            tokio::spawn(processor.run(shutdown.clone())),
+        ];
+        Self { shutdown, tasks }
+    }
+
+    /// The relay and the worker alone (no processor services) running `handlers`.
+    pub async fn with_handlers(
+        it: &Installation,
+        handlers: jobfold_processor::handler::Handlers,
+    ) -> Self {
+        let shutdown = tokio_util::sync::CancellationToken::new();
+        let relay = tokio::spawn(jobfold_relay::run(it.config.clone(), shutdown.clone()));
+        let worker = tokio::spawn(jobfold_processor::worker::run(
+            it.config.clone(),
+            it.pool.clone(),
+            Decoder::new(it.registry()),
+            it.events().await,
+            handlers,
+            shutdown.clone(),
+        ));
+        Self { shutdown, tasks: vec![relay, worker] }
+    }
+
+    /// Shuts both down and waits for them.
+    ///
+    /// # Panics
+    /// One failed or panicked.
+    pub async fn stop(self) {
+        self.shutdown.cancel();
+        for task in self.tasks {
+            task.await.unwrap().unwrap();
+        }
+    }
+}

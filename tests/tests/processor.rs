@@ -9,7 +9,7 @@ use jobfold_common::accept::{Acceptor, NewJob};
 use jobfold_common::failpoint;
 use jobfold_processor::handler::{Handlers, JobContext};
 use jobfold_tests::harness::{
-    Installation, Service, eventually, fold_mismatches, index_job as job,
+    Installation, Pipeline, Service, eventually, fold_mismatches, index_job as job,
 };
 use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
@@ -31,48 +31,6 @@ async fn fast_installation(name: &str) -> (Installation, Acceptor) {
 
 fn fast_env(it: &Installation) -> std::collections::HashMap<String, String> {
     it.fast_env(&it.config.processor.group)
-}
-
-/// A relay and a processor in this process.
-struct Pipeline {
-    shutdown: CancellationToken,
-    tasks: Vec<tokio::task::JoinHandle<anyhow::Result<()>>>,
-}
-
-impl Pipeline {
-    fn start(it: &Installation, processor: bool) -> Self {
-        let shutdown = CancellationToken::new();
-        let mut tasks = vec![tokio::spawn(jobfold_relay::run(it.config.clone(), shutdown.clone()))];
-        if processor {
-            tasks.push(tokio::spawn(jobfold_tests::handlers::run(
-                it.config.clone(),
-                shutdown.clone(),
-            )));
-        }
-        Self { shutdown, tasks }
-    }
-
-    /// A relay and a processor running `handlers` (the worker alone, no processor services).
-    async fn with_handlers(it: &Installation, handlers: Handlers) -> Self {
-        let shutdown = CancellationToken::new();
-        let relay = tokio::spawn(jobfold_relay::run(it.config.clone(), shutdown.clone()));
-        let worker = tokio::spawn(jobfold_processor::worker::run(
-            it.config.clone(),
-            it.pool.clone(),
-            jobfold_schemas::Decoder::new(it.registry()),
-            it.events().await,
-            handlers,
-            shutdown.clone(),
-        ));
-        Self { shutdown, tasks: vec![relay, worker] }
-    }
-
-    async fn stop(self) {
-        self.shutdown.cancel();
-        for task in self.tasks {
-            task.await.unwrap().unwrap();
-        }
-    }
 }
 
 async fn states(it: &Installation) -> Vec<(String, i64)> {
@@ -1292,18 +1250,6 @@ async fn a_dispatch_postgres_refuses_to_lease_is_dead_lettered_and_the_partition
     it.cleanup().await;
 }
 
-/// A relay and `processor` (with handlers of a test's own), in this process; its kinds are
-/// registered before it returns, so jobs of them are accepted at once.
-async fn start_processor(it: &Installation, processor: jobfold_processor::Processor) -> Pipeline {
-    processor.register_kinds(&it.pool).await.unwrap();
-    let shutdown = CancellationToken::new();
-    let tasks = vec![
-        tokio::spawn(jobfold_relay::run(it.config.clone(), shutdown.clone())),
-        tokio::spawn(processor.run(shutdown.clone())),
-    ];
-    Pipeline { shutdown, tasks }
-}
-
 /// A processor for `it` with one handler.
 fn with_handler(
     it: &Installation,
@@ -1335,7 +1281,8 @@ impl jobfold_processor::handler::Handler for PanicsOnce {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_panicking_handler_is_retried_and_succeeds() {
     let (it, acceptor) = fast_installation("proc-panic").await;
-    let pipeline = start_processor(&it, with_handler(&it, "panics-once", PanicsOnce)).await;
+    let pipeline =
+        Pipeline::with_processor(&it, with_handler(&it, "panics-once", PanicsOnce)).await;
     let jobs: Vec<NewJob> = (1..=2)
         .map(|v| NewJob { kind: "panics-once".into(), ..job("doc-p", v, json!({})) })
         .collect();
@@ -1396,7 +1343,7 @@ async fn shutdown_cancels_a_long_handler() {
     let acceptor = it.acceptor().await;
     let handler = WaitsForCancel::default();
     let (cancelled, started) = (Arc::clone(&handler.cancelled), Arc::clone(&handler.started));
-    let pipeline = start_processor(&it, with_handler(&it, "long", handler)).await;
+    let pipeline = Pipeline::with_processor(&it, with_handler(&it, "long", handler)).await;
     let long = NewJob { kind: "long".into(), ..job("doc-l", 1, json!({})) };
     let id = accept_all(&acceptor, &it, &[long]).await[0];
     tokio::time::timeout(Duration::from_secs(60), started.notified()).await.expect("it runs");
@@ -1452,7 +1399,7 @@ async fn a_failed_completion_does_not_run_the_handler_again() {
     let (it, acceptor) = fast_installation("proc-commitretry").await;
     let handler = CommitFailsOnce::default();
     let (runs, commits) = (Arc::clone(&handler.runs), Arc::clone(&handler.commits));
-    let pipeline = start_processor(&it, with_handler(&it, "flaky-commit", handler)).await;
+    let pipeline = Pipeline::with_processor(&it, with_handler(&it, "flaky-commit", handler)).await;
     let flaky = NewJob { kind: "flaky-commit".into(), ..job("doc-c", 1, json!({})) };
     accept_all(&acceptor, &it, &[flaky]).await;
     eventually(Duration::from_secs(60), "the job to succeed", || all_finished(&it, 1)).await;
@@ -1472,7 +1419,7 @@ async fn a_failed_completion_does_not_run_the_handler_again() {
 async fn a_kind_without_a_handler_waits_for_a_processor_that_has_it() {
     let (it, acceptor) = fast_installation("proc-newkind").await;
     let index = with_handler(&it, "index-document", jobfold_tests::handlers::Simulated);
-    let old = start_processor(&it, index).await;
+    let old = Pipeline::with_processor(&it, index).await;
     // The new version has started somewhere and registered its kind, so the kind's jobs are
     // accepted; here only the old version runs.
     with_handler(&it, "panics-once", PanicsOnce).register_kinds(&it.pool).await.unwrap();
@@ -1490,7 +1437,7 @@ async fn a_kind_without_a_handler_waits_for_a_processor_that_has_it() {
     old.stop().await;
 
     // The new version has the handler.
-    let new = start_processor(&it, with_handler(&it, "panics-once", PanicsOnce)).await;
+    let new = Pipeline::with_processor(&it, with_handler(&it, "panics-once", PanicsOnce)).await;
     eventually(Duration::from_secs(60), "the new kind's job to succeed", || all_finished(&it, 2))
         .await;
     new.stop().await;
@@ -1576,7 +1523,7 @@ async fn each_kind_runs_within_its_own_settings() {
     for (name, _) in &kinds {
         processor = processor.handler(*name, handler.clone());
     }
-    let pipeline = start_processor(&it, processor).await;
+    let pipeline = Pipeline::with_processor(&it, processor).await;
     let mut jobs = vec![
         NewJob { kind: "hangs".into(), ..job("doc-hang", 1, json!({})) },
         NewJob { kind: "chatty".into(), ..job("doc-chat", 1, json!({})) },
