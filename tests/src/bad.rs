@@ -50,11 +50,28 @@ pub enum BadKind {
     CancelledRunning,
     /// A job scheduled a few seconds ahead.
     Scheduled,
+    /// An HTTP handler answering `429` with `Retry-After: 99999999999` (3,000 years), once.
+    ThrottledForAges,
+    /// A Rust handler asking for a wait of 3,000 years after its first attempt.
+    RetryAfterForAges,
+    /// An HTTP handler answering `503` with `Retry-After: 1` more times than the job has
+    /// attempts.
+    Snoozes,
+    /// An HTTP handler answering `302` to another URL.
+    Redirects,
+    /// A handler whose business write (`commit`) panics.
+    CommitPanics,
+    /// A handler whose `cost` panics on this input.
+    CostPanics,
+    /// A handler that aborts its whole process on this input.
+    Aborts,
+    /// An HTTP handler that never answers.
+    NeverAnswers,
 }
 
 impl BadKind {
     /// Every kind the producer draws from (the hot document comes once, on its own).
-    pub const DRAWN: [BadKind; 17] = [
+    pub const DRAWN: [BadKind; 25] = [
         Self::OversizedResult,
         Self::NulHttp,
         Self::NulApi,
@@ -72,6 +89,14 @@ impl BadKind {
         Self::UnknownKindIntake,
         Self::CancelledRunning,
         Self::Scheduled,
+        Self::ThrottledForAges,
+        Self::RetryAfterForAges,
+        Self::Snoozes,
+        Self::Redirects,
+        Self::CommitPanics,
+        Self::CostPanics,
+        Self::Aborts,
+        Self::NeverAnswers,
     ];
 
     pub fn name(self) -> &'static str {
@@ -94,6 +119,14 @@ impl BadKind {
             Self::HotDocument => "one document, hundreds of versions at once",
             Self::CancelledRunning => "cancelled by an operator while it runs",
             Self::Scheduled => "scheduled a few seconds ahead",
+            Self::ThrottledForAges => "429 with Retry-After of 3,000 years, HTTP",
+            Self::RetryAfterForAges => "Retry-After of 3,000 years, Rust API",
+            Self::Snoozes => "503 with Retry-After, more than its attempts",
+            Self::Redirects => "HTTP handler redirects elsewhere",
+            Self::CommitPanics => "handler's commit panics",
+            Self::CostPanics => "handler's cost panics",
+            Self::Aborts => "handler aborts its process",
+            Self::NeverAnswers => "HTTP handler never answers",
         }
     }
 }
@@ -120,6 +153,9 @@ pub enum Expect {
     EndedBeforeCancel,
     /// Succeeded, and no lease of it began before this time.
     RanAt(chrono::DateTime<chrono::Utc>),
+    /// Succeeded (a wait it asked for was cut to `max_retry_after`, or its snoozes spent no
+    /// attempt).
+    Succeeded,
 }
 
 /// One bad job, as submitted.
@@ -141,6 +177,8 @@ pub struct Ledger {
     /// Bad jobs that got only "try again later" for [`GIVE_UP_AFTER`]: what should be the
     /// request's own fault, taken for an outage.
     pub unanswered: Vec<String>,
+    /// Calls [`RemoteBad`]'s `/elsewhere` got: redirects followed.
+    pub redirects_followed: u64,
 }
 
 /// How long a bad job is submitted again while the answer is an outage (a 5xx, a database
@@ -182,6 +220,82 @@ impl std::fmt::Debug for Producer {
 }
 
 const SIMULATED: &str = "index-document";
+
+/// The kind the campaign runs over HTTP, answered by [`RemoteBad`].
+pub const REMOTE: &str = "remote-bad";
+
+/// How many `503`s a [`BadKind::Snoozes`] job gets: more than its attempts (5), so that only
+/// snoozes that spend none let it succeed.
+const BUSY_ANSWERS: u32 = 6;
+
+/// The HTTP handler of [`REMOTE`], in the campaign's own process (which no fault strikes):
+/// by the input's `"answer"` it throttles the kind with a `Retry-After` of 3,000 years once,
+/// answers `503` with `Retry-After: 1` [`BUSY_ANSWERS`] times, redirects to `/elsewhere`, or
+/// never answers; else it answers `200`. `/elsewhere` counts each call it gets: any is a
+/// redirect followed.
+#[derive(Debug, Clone)]
+pub struct RemoteBad {
+    pub url: String,
+    calls: Arc<Mutex<std::collections::HashMap<String, u32>>>,
+    pub followed: Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl RemoteBad {
+    /// Serves on a free port of 127.0.0.1 until the process ends.
+    ///
+    /// # Errors
+    /// No port could be bound.
+    pub async fn start() -> anyhow::Result<Self> {
+        use axum::http::{StatusCode, header};
+        use axum::response::IntoResponse;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let url = format!("http://{}", listener.local_addr()?);
+        let this = Self { url: url.clone(), calls: Arc::default(), followed: Arc::default() };
+        let calls = Arc::clone(&this.calls);
+        let followed = Arc::clone(&this.followed);
+        let elsewhere = format!("{url}/elsewhere");
+        let answer = move |axum::Json(job): axum::Json<Value>| {
+            let calls = Arc::clone(&calls);
+            let elsewhere = elsewhere.clone();
+            async move {
+                let document = job["document_id"].as_str().unwrap_or_default().to_owned();
+                let n = {
+                    let mut calls = calls.lock().expect("calls");
+                    let n = calls.entry(document).or_default();
+                    *n += 1;
+                    *n
+                };
+                match job["input"]["answer"].as_str() {
+                    Some("throttle") if n == 1 => {
+                        let header = [(header::RETRY_AFTER, "99999999999")];
+                        (StatusCode::TOO_MANY_REQUESTS, header, "slow down").into_response()
+                    }
+                    Some("busy") if n <= BUSY_ANSWERS => {
+                        let header = [(header::RETRY_AFTER, "1")];
+                        (StatusCode::SERVICE_UNAVAILABLE, header, "busy").into_response()
+                    }
+                    Some("redirect") => {
+                        (StatusCode::FOUND, [(header::LOCATION, elsewhere)]).into_response()
+                    }
+                    Some("silent") => std::future::pending().await,
+                    _ => axum::Json(json!({ "answered": n })).into_response(),
+                }
+            }
+        };
+        let elsewhere = move || {
+            let followed = Arc::clone(&followed);
+            async move {
+                followed.fetch_add(1, Ordering::SeqCst);
+                axum::Json(json!({ "from": "elsewhere" }))
+            }
+        };
+        let app = axum::Router::new()
+            .route("/", axum::routing::post(answer))
+            .route("/elsewhere", axum::routing::any(elsewhere));
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        Ok(this)
+    }
+}
 
 impl Producer {
     /// Submits bad jobs at random times until `stop`; the hot document once, early.
@@ -339,12 +453,39 @@ impl Producer {
                 Expect::CancelUnanswered,
             ),
             BadKind::Scheduled => (json!({ "text": text }), Expect::Refused),
+            BadKind::ThrottledForAges => (json!({ "answer": "throttle" }), Expect::Succeeded),
+            BadKind::RetryAfterForAges => (
+                json!({ "text": text,
+                        "simulate": { "fail_attempts": 1, "retry_after_secs": 99_999_999_999u64 } }),
+                Expect::Succeeded,
+            ),
+            BadKind::Snoozes => (json!({ "answer": "busy" }), Expect::Succeeded),
+            BadKind::Redirects => {
+                quarantined(json!({ "answer": "redirect" }), "redirects are not followed")
+            }
+            BadKind::CommitPanics => quarantined(
+                json!({ "text": text, "simulate": { "commit_panic": true } }),
+                "commit panicked",
+            ),
+            BadKind::CostPanics => quarantined(
+                json!({ "text": text, "simulate": { "cost_panic": true } }),
+                "cost panicked",
+            ),
+            BadKind::Aborts => quarantined(
+                json!({ "text": text, "simulate": { "abort": true } }),
+                "killed its processor",
+            ),
+            BadKind::NeverAnswers => quarantined(json!({ "answer": "silent" }), "timed out"),
             BadKind::HotDocument => unreachable!("sent by hot_document"),
         };
         let job_kind = match kind {
             BadKind::UnknownKindHttp | BadKind::UnknownKindApi | BadKind::UnknownKindIntake => {
                 "no-such-kind"
             }
+            BadKind::ThrottledForAges
+            | BadKind::Snoozes
+            | BadKind::Redirects
+            | BadKind::NeverAnswers => REMOTE,
             _ => SIMULATED,
         };
         match kind {

@@ -21,9 +21,11 @@
 //!
 //! A fourth producer mixes in bad jobs ([`crate::bad`]) at random times: results over the
 //! size limit, inputs holding U+0000 on every path, malformed and unknown-schema intake
-//! frames, handlers that panic, hang or ignore their token, errors of every class,
-//! unregistered kinds, one document with hundreds of versions at once, and operator
-//! replays. Meanwhile it watches the relay's cursor.
+//! frames, handlers that panic (in `run`, `commit` or `cost`), hang, ignore their token or
+//! abort their process, errors of every class, unregistered kinds, one document with
+//! hundreds of versions at once, operator replays, and over HTTP (`remote-bad`) a
+//! `Retry-After` of 3,000 years, `503` snoozes, a redirect and a handler that never
+//! answers. Meanwhile it watches the relay's cursor.
 //!
 //! Then it lets the system drain, checks the history and stops everything it started.
 
@@ -423,6 +425,10 @@ impl Fleet {
                     Some(armed) => {
                         format!("failpoint {}", armed.split('@').next().unwrap_or(armed))
                     }
+                    // A bad job's handler aborting its process: a fault of its own making.
+                    None if std::os::unix::process::ExitStatusExt::signal(&status) == Some(6) => {
+                        format!("{binary} aborted by a bad job's handler")
+                    }
                     None => format!("{binary} exited by itself ({status})"),
                 };
                 self.count(kind);
@@ -515,8 +521,15 @@ pub async fn run(plan: &Plan) -> anyhow::Result<Outcome> {
     config.schema_registry_url = format!("http://127.0.0.1:{}/apis/ccompat/v7", services.port(5));
     let pool = jobfold_common::db::connect(&config, 8).await?;
     crate::handlers::migrate(&pool).await?;
-    // Producers may start before the first processor registers its kind.
-    crate::handlers::handlers().register(&pool, "campaign").await?;
+    // Producers may start before the first processor registers its kinds.
+    let remote = crate::bad::RemoteBad::start().await?;
+    crate::handlers::handlers()
+        .with(
+            crate::bad::REMOTE,
+            jobfold_processor::remote::Remote::new(&remote.url, config.processor.max_output_bytes)?,
+        )
+        .register(&pool, "campaign")
+        .await?;
     // The events topic takes 64 KiB, so that a result over the limit is also one Kafka would
     // refuse: were it not quarantined, it would hold its document's events back.
     let mut topics: Vec<_> = jobfold_common::kafka::jobfold_topics(&config).into_iter().collect();
@@ -561,6 +574,16 @@ pub async fn run(plan: &Plan) -> anyhow::Result<Outcome> {
         // Fewer slots than the busy document has versions.
         ("JOBFOLD_PROCESSOR__MAX_IN_FLIGHT", "64".into()),
         ("JOBFOLD_KINDS__INDEX-DOCUMENT__RUN_TIMEOUT", "6s".into()),
+        // A limit no load reaches, so that `cost` is asked (and may panic).
+        ("JOBFOLD_KINDS__INDEX-DOCUMENT__COST_PER_MINUTE", "1000000000".into()),
+        // The bad jobs' HTTP handler, in this process; a call past 2 s is dropped.
+        ("JOBFOLD_KINDS__REMOTE-BAD__URL", format!("{}/", remote.url)),
+        ("JOBFOLD_KINDS__REMOTE-BAD__REQUEST_TIMEOUT", "2s".into()),
+        // Any wait a handler asks for is cut to 3 s (10 min by default), so that one asking
+        // for 3,000 years still ends within the run.
+        ("JOBFOLD_PROCESSOR__MAX_RETRY_AFTER", "3s".into()),
+        // A job that aborts its process ends after killing two (three by default).
+        ("JOBFOLD_PROCESSOR__MAX_CRASHES", "2".into()),
         ("JOBFOLD_RELAY__STANDBY_RETRY", "200ms".into()),
         ("JOBFOLD_RELAY__POLL_INTERVAL", "200ms".into()),
         ("JOBFOLD_KAFKA__SESSION_TIMEOUT_MS", "6000".into()),
@@ -742,7 +765,8 @@ pub async fn run(plan: &Plan) -> anyhow::Result<Outcome> {
 
     watching.store(false, Ordering::SeqCst);
     let relay_stalls = watch.await?;
-    let ledger = ledger.lock().expect("ledger").clone();
+    let mut ledger = ledger.lock().expect("ledger").clone();
+    ledger.redirects_followed = remote.followed.load(Ordering::SeqCst);
     // A delivered event is produced again only by a relay crash between producing and
     // marking (or its connection to Postgres or Kafka lost there): each can add one copy.
     let relay_crashes: u64 = fleet

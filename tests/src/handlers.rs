@@ -9,7 +9,8 @@
 //! result of about that size, `{"permanent_until_replayed": true}` fails permanently until an
 //! operator replays the job (its generation then runs ahead of its attempt),
 //! `{"abort": true}` aborts the whole process (a native library's crash, an OOM kill),
-//! `{"commit_panic": true}` panics in the business write, `{"retry_after_secs": N}` asks
+//! `{"commit_panic": true}` panics in the business write, `{"cost_panic": true}` panics in
+//! `cost` (asked for only where the kind has a `cost_per_minute`), `{"retry_after_secs": N}` asks
 //! for an N-second wait with each failing attempt (`fail_attempts`), and
 //! `{"snooze_until_ms": T}` snoozes the job for 200 ms at a time until T (Unix ms).
 
@@ -124,6 +125,14 @@ impl Handler for Simulated {
             output["padding"] = Value::String("x".repeat(bytes as usize));
         }
         Ok(output)
+    }
+
+    fn cost(&self, input: &Value) -> u64 {
+        let simulate = input.get("simulate");
+        if simulate.and_then(|s| s.get("cost_panic")).and_then(Value::as_bool) == Some(true) {
+            panic!("simulated panic in the cost of an input");
+        }
+        1
     }
 
     async fn commit(

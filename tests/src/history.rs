@@ -4,10 +4,11 @@
 //! - every acknowledged job exists (HTTP and Rust API: by job id; intake: by request id);
 //! - every job ended succeeded, quarantined (with a reason), superseded or cancelled: none is
 //!   stuck;
-//! - exactly one business write per succeeded (job, input_version), and none for a job that
-//!   did not succeed at that version — counted in `index_writes`, which has no unique
-//!   constraint, so a duplicate effect would show;
-//! - `document_index` holds the highest succeeded input version of every document;
+//! - exactly one business write per succeeded `index-document` (job, input_version), and none
+//!   for a job that did not succeed at that version — counted in `index_writes`, which has no
+//!   unique constraint, so a duplicate effect would show; a succeeded job of another kind has
+//!   its result stored;
+//! - `document_index` holds the highest succeeded input version of every indexed document;
 //! - accepted = succeeded + quarantined + superseded + cancelled;
 //! - the event log, folded by the schemas crate's fold, from Postgres and from Kafka, gives
 //!   exactly the `jobs` projection;
@@ -289,13 +290,26 @@ pub async fn check(
     );
     let missing = ids(
         pool,
-        "SELECT j.job_id::text FROM jobs j WHERE j.state = 'succeeded' AND NOT EXISTS \
+        "SELECT j.job_id::text FROM jobs j WHERE j.state = 'succeeded' AND j.kind = 'index-document' \
+         AND NOT EXISTS \
          (SELECT 1 FROM index_writes w WHERE w.job_id = j.job_id AND w.input_version = j.input_version)",
     )
     .await;
     finding(
         missing.is_empty(),
         format!("{} succeeded jobs have no business write: {}", missing.len(), shown(&missing)),
+    );
+    // A kind that writes nothing of its own (the HTTP one) has its result stored.
+    let no_result = ids(
+        pool,
+        "SELECT j.job_id::text FROM jobs j WHERE j.state = 'succeeded' AND j.kind <> 'index-document' \
+         AND NOT EXISTS (SELECT 1 FROM job_results r \
+         WHERE r.job_id = j.job_id AND r.input_version = j.input_version)",
+    )
+    .await;
+    finding(
+        no_result.is_empty(),
+        format!("{} succeeded jobs have no result: {}", no_result.len(), shown(&no_result)),
     );
     let stray = ids(
         pool,
@@ -311,7 +325,7 @@ pub async fn check(
     // The index holds each document's highest succeeded version.
     let wrong_index = ids(
         pool,
-        "WITH best AS (SELECT document_id, max(input_version) AS v FROM jobs WHERE state = 'succeeded' GROUP BY 1) \
+        "WITH best AS (SELECT document_id, max(input_version) AS v FROM jobs WHERE state = 'succeeded' AND kind = 'index-document' GROUP BY 1) \
          SELECT b.document_id || ': indexed ' || coalesce(d.version::text, 'nothing') || ', best ' || b.v \
          FROM best b LEFT JOIN document_index d USING (document_id) WHERE d.version IS DISTINCT FROM b.v",
     )
@@ -378,6 +392,12 @@ async fn check_bad(
     ledger: &Ledger,
 ) -> anyhow::Result<(Vec<String>, BTreeMap<String, (u64, u64)>)> {
     let mut findings = ledger.unanswered.clone();
+    if ledger.redirects_followed > 0 {
+        findings.push(format!(
+            "a redirect was followed: the URL it named was called {} times",
+            ledger.redirects_followed
+        ));
+    }
     let mut tally: BTreeMap<String, (u64, u64)> = BTreeMap::new();
     for bad in &ledger.bad {
         // language=PostgreSQL
@@ -441,6 +461,9 @@ async fn check_bad(
                 .await?;
                 matches!(jobs.as_slice(), [(state, 1, None)] if state == "succeeded")
                     && first_lease.is_some_and(|t| t >= *run_at)
+            }
+            Expect::Succeeded => {
+                matches!(jobs.as_slice(), [(state, 1, None)] if state == "succeeded")
             }
             Expect::AllEnded { versions } => {
                 // language=PostgreSQL
