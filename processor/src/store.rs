@@ -747,6 +747,32 @@ where
     Ok(())
 }
 
+/// Deletes the record of the isolated run `run_id` of suspect `job_id`, which returned: its
+/// process survived the job's run, so its count of crashes starts again. A job is
+/// quarantined for crashes only after killing its processor `max_crashes` times in a row,
+/// and a job that was merely running beside another's crash (or an outside kill) once or
+/// twice runs as any other again.
+///
+/// # Errors
+/// The database failed.
+pub async fn isolated_run_survived(
+    pool: &sqlx::PgPool,
+    run_id: Uuid,
+    job_id: Uuid,
+) -> Result<(), sqlx::Error> {
+    sqlx::query!(
+        r#"
+        WITH ended AS (DELETE FROM inline_runs WHERE run_id = $1)
+        UPDATE job_counters SET crashes = 0 WHERE job_id = $2 AND crashes > 0
+        "#,
+        run_id,
+        job_id,
+    )
+    .execute(pool)
+    .await?;
+    Ok(())
+}
+
 /// Deletes the records of inline runs whose jobs have all ended (or are gone) since: a
 /// process that died left them, and no lease of those jobs will ever take them out. A live
 /// lease transaction's record is never among them (its jobs are locked, not ended). Returns

@@ -1037,12 +1037,13 @@ async fn run_isolated(
         _ = shared.shutdown.cancelled() => return Ok(None),
         permit = shared.suspects.acquire() => permit?,
     };
-    let run_id = uuid::Uuid::new_v4();
-    crate::store::inline_runs_begin(&shared.pool, run_id, &[job.job_id], &shared.owner).await?;
+    let (run_id, job_id) = (uuid::Uuid::new_v4(), job.job_id);
+    crate::store::inline_runs_begin(&shared.pool, run_id, &[job_id], &shared.owner).await?;
     let ran = run_handler(shared, event, handler, job).await;
-    // The run returned (whatever it made of the job): it did not take the process down.
+    // The run returned (whatever it made of the job): it did not take the process down, so
+    // its crashes so far are not counted against it any more.
     let mut backoff = RETRY_MIN;
-    while let Err(e) = crate::store::inline_runs_end(&shared.pool, run_id).await {
+    while let Err(e) = crate::store::isolated_run_survived(&shared.pool, run_id, job_id).await {
         tracing::warn!(error = %e, "Deleting an isolated run's record failed; trying again.");
         tokio::select! {
             _ = shared.shutdown.cancelled() => break,

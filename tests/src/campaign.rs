@@ -324,9 +324,23 @@ struct Fleet {
     /// See [`Outcome::under_min_isr`].
     under_min_isr: Vec<(f64, i64)>,
     ports: Arc<Mutex<Vec<u16>>>,
+    /// Processors that died under the campaign (killed, a fail point, a bad job's abort),
+    /// by pid: a job running alone in one when it died is charged a crash it may not have
+    /// caused ([`history::Observed::deaths`]).
+    deaths: std::collections::HashSet<u32>,
 }
 
 impl Fleet {
+    /// Kills slot `i`'s process with SIGKILL (counted among the deaths if a processor's).
+    fn kill9(&mut self, i: usize) {
+        if let Some(mut s) = self.slots[i].service.take() {
+            if self.slots[i].binary == "jobfold-test-processor" {
+                self.deaths.insert(s.pid());
+            }
+            s.kill9();
+        }
+    }
+
     fn start(&mut self, binary: &'static str, armed: Option<String>) -> usize {
         let http = free_port();
         let mut env = self.env.clone();
@@ -420,6 +434,7 @@ impl Fleet {
             }
             let service = self.slots[i].service.as_mut().expect("present");
             if let Some(status) = service.wait_exit(Duration::ZERO) {
+                let pid = service.pid();
                 let binary = self.slots[i].binary;
                 let kind = match &self.slots[i].armed {
                     Some(armed) => {
@@ -433,6 +448,9 @@ impl Fleet {
                 };
                 self.count(kind);
                 self.bank(i);
+                if binary == "jobfold-test-processor" {
+                    self.deaths.insert(pid);
+                }
                 self.slots[i].service = None;
                 let armed = if arm { self.arm(rng, binary) } else { None };
                 self.replace(i, armed);
@@ -582,8 +600,8 @@ pub async fn run(plan: &Plan) -> anyhow::Result<Outcome> {
         // Any wait a handler asks for is cut to 3 s (10 min by default), so that one asking
         // for 3,000 years still ends within the run.
         ("JOBFOLD_PROCESSOR__MAX_RETRY_AFTER", "3s".into()),
-        // A job that aborts its process ends after killing two (three by default).
-        ("JOBFOLD_PROCESSOR__MAX_CRASHES", "2".into()),
+        // A job that aborts its process ends after killing three in a row (the default).
+        ("JOBFOLD_PROCESSOR__MAX_CRASHES", "3".into()),
         ("JOBFOLD_RELAY__STANDBY_RETRY", "200ms".into()),
         ("JOBFOLD_RELAY__POLL_INTERVAL", "200ms".into()),
         ("JOBFOLD_KAFKA__SESSION_TIMEOUT_MS", "6000".into()),
@@ -602,6 +620,7 @@ pub async fn run(plan: &Plan) -> anyhow::Result<Outcome> {
         landing: None,
         under_min_isr: Vec::new(),
         ports: Arc::clone(&ports),
+        deaths: std::collections::HashSet::new(),
     };
     for binary in
         ["jobfold-relay", "jobfold-relay", "jobfold-test-processor", "jobfold-test-processor"]
@@ -731,9 +750,7 @@ pub async fn run(plan: &Plan) -> anyhow::Result<Outcome> {
     for i in 0..fleet.slots.len() {
         if fleet.slots[i].armed.is_some() {
             fleet.bank(i);
-            if let Some(mut s) = fleet.slots[i].service.take() {
-                s.kill9();
-            }
+            fleet.kill9(i);
             fleet.replace(i, None);
         }
     }
@@ -778,6 +795,7 @@ pub async fn run(plan: &Plan) -> anyhow::Result<Outcome> {
         .map(|(_, n)| n)
         .sum();
     let observed = history::Observed {
+        deaths: fleet.deaths.clone(),
         relay_stalls,
         faults: fleet.timeline.clone(),
         fault_window: plan.fault_window,
@@ -912,9 +930,7 @@ async fn inject(
         0..=29 if !processors.is_empty() => {
             let i = processors[rng.random_range(0..processors.len())];
             fleet.bank(i);
-            if let Some(mut s) = fleet.slots[i].service.take() {
-                s.kill9();
-            }
+            fleet.kill9(i);
             let armed = fleet.arm(rng, "jobfold-test-processor");
             fleet.replace(i, armed);
             fleet.count("kill -9 processor");

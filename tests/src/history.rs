@@ -53,6 +53,10 @@ impl Acknowledged {
 /// What the campaign saw while it ran, for the checker.
 #[derive(Debug, Clone, Default)]
 pub struct Observed {
+    /// Processors that died under the campaign (SIGKILL, a fail point, a bad job's abort),
+    /// by pid: a slow bad job running alone in one of them is charged the crash, as
+    /// documented (docs/processor.md, "Processes that die").
+    pub deaths: std::collections::HashSet<u32>,
     /// When the relay's cursor stood still while events waited.
     pub relay_stalls: Vec<(Utc, Utc)>,
     /// How often one event may be on the topic: 1 + the relay's crash windows hit.
@@ -216,7 +220,7 @@ pub async fn check(
     observed: &Observed,
 ) -> anyhow::Result<History> {
     let mut h = History::default();
-    let (bad_findings, bad) = check_bad(config, pool, ledger).await?;
+    let (bad_findings, bad) = check_bad(config, pool, ledger, &observed.deaths).await?;
     h.findings.extend(bad_findings);
     h.bad = bad;
     check_delays(config, pool, acknowledged, observed, &mut h).await?;
@@ -385,11 +389,23 @@ pub async fn check(
     Ok(h)
 }
 
+/// The tally's line for bad jobs (of kinds that do not crash) ended by processes that died
+/// under them.
+pub const BYSTANDERS: &str = "(counted above) ended by processes killed under them";
+
+/// The pid of the process a crash reason names: "the process running it (host/pid) died".
+fn crash_pid(reason: &str) -> Option<u32> {
+    let (_, rest) = reason.split_once("the process running it (")?;
+    let (owner, _) = rest.split_once(')')?;
+    owner.rsplit('/').next()?.parse().ok()
+}
+
 /// Each bad job ended as documented; per kind, how many were submitted and ended so.
 async fn check_bad(
     config: &Config,
     pool: &PgPool,
     ledger: &Ledger,
+    deaths: &std::collections::HashSet<u32>,
 ) -> anyhow::Result<(Vec<String>, BTreeMap<String, (u64, u64)>)> {
     let mut findings = ledger.unanswered.clone();
     if ledger.redirects_followed > 0 {
@@ -416,7 +432,25 @@ async fn check_bad(
         .bind(bad.document.as_bytes())
         .fetch_one(pool)
         .await?;
-        let ended = match &bad.expect {
+        // A job ended by the deaths of the processes it ran in, each one the campaign's doing
+        // (so `max_crashes` of them in a row while it ran alone, or its attempts spent with
+        // the last one lost with its process): documented for any job, not only the one
+        // that aborts its process.
+        let died_under_it = match jobs.as_slice() {
+            [(state, 1, Some(reason))] if state == "quarantined" => {
+                (reason.contains("killed its processor")
+                    || (reason.starts_with("attempt budget spent")
+                        && reason.contains("died before its attempt committed")))
+                    && crash_pid(reason).is_some_and(|pid| deaths.contains(&pid))
+            }
+            _ => false,
+        };
+        if died_under_it && bad.kind != crate::bad::BadKind::Aborts {
+            let entry = tally.entry(BYSTANDERS.to_owned()).or_default();
+            entry.0 += 1;
+            entry.1 += 1;
+        }
+        let ended = died_under_it || match &bad.expect {
             Expect::Refused => jobs.is_empty() && bad.job_id.is_none(),
             Expect::DeadLettered => jobs.is_empty() && dead_letters >= 1,
             Expect::Quarantined(why) => match jobs.as_slice() {

@@ -486,6 +486,48 @@ async fn a_job_that_kills_its_processor_ends_quarantined_and_the_rest_flow() {
     it.cleanup().await;
 }
 
+/// A suspect whose isolated run returns (here, failing as handlers do) survived its run: its
+/// count of crashes starts again, so deaths it only happened to be running beside (another
+/// job's abort, a kill from outside) do not add up to its quarantine over its retries.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_suspect_whose_run_returns_is_charged_no_more() {
+    let mut it = Installation::new("boundary-survived").await;
+    it.fast();
+    it.create_topics().await;
+    let acceptor = it.acceptor().await;
+    let job = acceptor
+        .accept(
+            &it.pool,
+            &index_job("doc-bystander", 1, json!({ "text": "x", "simulate": { "fail_attempts": 1 } })),
+        )
+        .await
+        .unwrap()
+        .job_id;
+    // It was running when a process died once: a suspect, run isolated.
+    sqlx::query(
+        "INSERT INTO job_counters (job_id, crashes, last_crash_owner, last_crash_at) \
+         VALUES ($1, 1, 'a process that died', now())",
+    )
+    .bind(job)
+    .execute(&it.pool)
+    .await
+    .unwrap();
+    let pipeline = Pipeline::start(&it, true);
+    eventually(Duration::from_secs(60), "the bystander to succeed", || async {
+        it.state_and_attempt(job).await.0 == "succeeded"
+    })
+    .await;
+    let crashes: i32 = sqlx::query_scalar("SELECT crashes FROM job_counters WHERE job_id = $1")
+        .bind(job)
+        .fetch_one(&it.pool)
+        .await
+        .unwrap();
+    assert_eq!(crashes, 0, "its isolated runs returned: no crash is held against it");
+    assert_eq!(it.state_and_attempt(job).await.1, 2, "one failed attempt, then success");
+    pipeline.stop().await;
+    it.cleanup().await;
+}
+
 /// A run record left by a process that died stays only while one of its jobs may still be
 /// leased: once they all ended (or are gone), the reaper's sweep deletes it; a young record
 /// (a live lease transaction's window) and one naming a job still open are kept.
