@@ -215,7 +215,7 @@ impl Acceptor {
         }
         if let Some(run_at) = job.run_at {
             let now = Utc::now();
-            let span = |d: std::time::Duration| humantime::format_duration(d).to_string();
+            let span = crate::config::span;
             let late = (now - run_at).to_std().unwrap_or_default();
             if late > self.policy.schedule_tolerance {
                 return invalid(

@@ -564,12 +564,34 @@ fn describe(error: &figment::Error) -> String {
         .into_iter()
         .map(|e| {
             let key = e.path.join(".").to_ascii_lowercase();
-            let source =
-                e.metadata.as_ref().map(|m| format!(" (from {})", m.name)).unwrap_or_default();
-            if key.is_empty() {
-                format!("{}{source}", e.kind)
-            } else {
-                format!("key `{key}`{source}: {}", e.kind)
+            let source = e
+                .metadata
+                .as_ref()
+                .map(|m| match &m.source {
+                    Some(source) => format!(" (from {} {source})", m.name),
+                    None => format!(" (from {})", m.name),
+                })
+                .unwrap_or_default();
+            match &e.kind {
+                // A misspelt key: named with the nearest one the section has.
+                figment::error::Kind::UnknownField(field, expected) => {
+                    let section = e.path.iter().rev().skip(1).rev().cloned().collect::<Vec<_>>();
+                    let full = |name: &str| {
+                        section.iter().map(String::as_str).chain([name]).collect::<Vec<_>>().join(".")
+                    };
+                    let nearest = expected
+                        .iter()
+                        .min_by_key(|k| strsim::levenshtein(k, &field.to_ascii_lowercase()))
+                        .map(|k| {
+                            let var = format!("JOBFOLD_{}", full(k).replace('.', "__"))
+                                .to_ascii_uppercase();
+                            format!("; did you mean {} ({var})?", full(k))
+                        })
+                        .unwrap_or_default();
+                    format!("key `{}`{source} names no configuration key{nearest}", full(field))
+                }
+                _ if key.is_empty() => format!("{}{source}", e.kind),
+                _ => format!("key `{key}`{source}: {}", e.kind),
             }
         })
         .collect::<Vec<_>>()
@@ -630,6 +652,17 @@ impl Config {
                 return Err(ConfigError::Invalid {
                     key: "--config",
                     problem: format!("file {} does not exist", path.display()),
+                });
+            }
+            // Parsed alone first, so that a syntax error names the file.
+            let text = std::fs::read_to_string(path).map_err(|e| ConfigError::Named {
+                key: format!("file {}", path.display()),
+                problem: format!("cannot be read: {e}"),
+            })?;
+            if let Err(e) = Figment::from(Toml::string(&text)).extract::<figment::value::Dict>() {
+                return Err(ConfigError::Named {
+                    key: format!("file {}", path.display()),
+                    problem: format!("is not valid TOML: {}", e.kind),
                 });
             }
             figment = figment.merge(Toml::file_exact(path));
@@ -806,7 +839,8 @@ impl Config {
         for name in self.kinds.keys() {
             self.validate_kind(name)?;
         }
-        self.validate_kafka_options()
+        self.validate_kafka_options()?;
+        self.validate_kafka_combination()
     }
 
     /// The rules of the global settings, for one kind's settings with the defaults filled in.
@@ -902,9 +936,97 @@ impl Config {
         Ok(())
     }
 
+    /// The `[kafka]` options may not change what the guarantee rests on
+    /// ([`FIXED_KAFKA_OPTIONS`]: a value other than jobfold's is refused, naming why), and
+    /// together must make clients librdkafka creates: its rules across options
+    /// (`fetch.max.bytes` ≥ `message.max.bytes`, …) are checked here, at start, before
+    /// anything listens, instead of failing the first consumer or producer later.
+    fn validate_kafka_combination(&self) -> Result<(), ConfigError> {
+        for fixed in FIXED_KAFKA_OPTIONS {
+            if let Some(value) = self.kafka.0.get(fixed.key)
+                && !fixed.takes(value)
+            {
+                return Err(ConfigError::Named {
+                    key: format!("key `kafka.{}` (JOBFOLD_KAFKA__{})", fixed.key, env_name(fixed.key)),
+                    problem: format!(
+                        "is fixed at {:?}, not {value:?}: {}; remove the setting",
+                        fixed.value, fixed.why
+                    ),
+                });
+            }
+        }
+        for role in [KafkaRole::Consumer, KafkaRole::Producer] {
+            let mut client = rdkafka::ClientConfig::new();
+            for fixed in FIXED_KAFKA_OPTIONS.iter().filter(|f| f.role == role) {
+                client.set(fixed.key, fixed.value);
+            }
+            if role == KafkaRole::Consumer {
+                client.set("group.id", &self.processor.group);
+            }
+            for (key, value) in &self.kafka.0 {
+                client.set(key, value);
+            }
+            let created = match role {
+                KafkaRole::Consumer => client
+                    .create_with_context::<_, rdkafka::consumer::BaseConsumer<Quiet>>(Quiet)
+                    .map(drop),
+                KafkaRole::Producer => client
+                    .create_with_context::<_, rdkafka::producer::BaseProducer<Quiet>>(Quiet)
+                    .map(drop),
+            };
+            if let Err(e) = created {
+                let problem = match e {
+                    rdkafka::error::KafkaError::ClientCreation(message) => message,
+                    other => other.to_string(),
+                };
+                let named: Vec<&str> = problem
+                    .split('`')
+                    .skip(1)
+                    .step_by(2)
+                    .map(|name| name.split('=').next().unwrap_or(name))
+                    .collect();
+                let key = if named.is_empty() {
+                    "the `[kafka]` options together".to_owned()
+                } else {
+                    let keys: Vec<String> = named.iter().map(|k| format!("`kafka.{k}`")).collect();
+                    let vars: Vec<String> =
+                        named.iter().map(|k| format!("JOBFOLD_KAFKA__{}", env_name(k))).collect();
+                    format!("keys {} ({})", keys.join(" and "), vars.join(", "))
+                };
+                return Err(ConfigError::Named {
+                    key,
+                    problem: format!("librdkafka refuses them together for a {role}: {problem}"),
+                });
+            }
+        }
+        Ok(())
+    }
+
     /// librdkafka settings for a client: the brokers, then every `[kafka]` option.
     pub fn kafka_client(&self) -> rdkafka::ClientConfig {
         self.kafka_client_with(&[])
+    }
+
+    /// librdkafka settings for one of jobfold's consumers or producers: the brokers, the
+    /// role's [`FIXED_KAFKA_OPTIONS`], the component's `defaults`, then every `[kafka]` option
+    /// (which [`Config::validate`] holds to the fixed values).
+    pub fn kafka_client_for(
+        &self,
+        role: KafkaRole,
+        defaults: &[(&str, &str)],
+    ) -> rdkafka::ClientConfig {
+        let mut client = rdkafka::ClientConfig::new();
+        client.set("bootstrap.servers", &self.kafka_brokers);
+        for fixed in FIXED_KAFKA_OPTIONS.iter().filter(|f| f.role == role) {
+            client.set(fixed.key, fixed.value);
+        }
+        for (key, value) in defaults {
+            client.set(*key, *value);
+        }
+        for (key, value) in &self.kafka.0 {
+            client.set(key, value);
+        }
+        client
     }
 
     /// librdkafka settings: the brokers, then a component's `defaults`, then every `[kafka]`
@@ -920,6 +1042,141 @@ impl Config {
         }
         client
     }
+}
+
+/// `d` as people write it, in days, hours, minutes, seconds and milliseconds, zero parts
+/// left out: "365d", "1d 2h", "1m 30s", "250ms". Not in months or years, which have no
+/// fixed length (365 days is not "11months 30days 3h 50m 24s").
+pub fn span(d: Duration) -> String {
+    let secs = d.as_secs();
+    let parts = [
+        (secs / 86_400, "d"),
+        (secs / 3_600 % 24, "h"),
+        (secs / 60 % 60, "m"),
+        (secs % 60, "s"),
+        (u64::from(d.subsec_millis()), "ms"),
+    ];
+    let shown: Vec<String> =
+        parts.iter().filter(|(n, _)| *n > 0).map(|(n, unit)| format!("{n}{unit}")).collect();
+    if shown.is_empty() { "0s".to_owned() } else { shown.join(" ") }
+}
+
+/// Which client a librdkafka option is for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KafkaRole {
+    /// The processors' and the intake's (and replay's) consumers.
+    Consumer,
+    /// The relay's and the dead-letter producer.
+    Producer,
+}
+
+impl fmt::Display for KafkaRole {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::Consumer => "consumer",
+            Self::Producer => "producer",
+        })
+    }
+}
+
+/// A librdkafka option the guarantee rests on: `[kafka]` may repeat its value, never change it.
+#[derive(Debug)]
+pub struct FixedOption {
+    pub key: &'static str,
+    pub value: &'static str,
+    /// Other spellings librdkafka takes for the same value (`acks=-1` is `all`).
+    pub also: &'static [&'static str],
+    pub role: KafkaRole,
+    pub why: &'static str,
+}
+
+impl FixedOption {
+    /// Whether `value` is this option's value, however spelt.
+    pub fn takes(&self, value: &str) -> bool {
+        let value = value.trim();
+        value.eq_ignore_ascii_case(self.value)
+            || self.also.iter().any(|also| value.eq_ignore_ascii_case(also))
+    }
+}
+
+/// The librdkafka options jobfold sets and a `[kafka]` section may not change
+/// (docs/kafka.md): each consumer and producer is built with these values.
+pub const FIXED_KAFKA_OPTIONS: &[FixedOption] = &[
+    FixedOption {
+        key: "enable.auto.offset.store",
+        value: "false",
+        also: &[],
+        role: KafkaRole::Consumer,
+        why: "an offset is stored only once the job's outcome is committed in Postgres; \
+              stored on receipt, a crash would skip the jobs not yet done",
+    },
+    FixedOption {
+        key: "enable.auto.commit",
+        value: "true",
+        also: &[],
+        role: KafkaRole::Consumer,
+        why: "the offsets jobfold stored are committed by the client in the background; \
+              without it they are committed only on a rebalance",
+    },
+    FixedOption {
+        key: "auto.offset.reset",
+        value: "earliest",
+        also: &["smallest", "beginning"],
+        role: KafkaRole::Consumer,
+        why: "a new group, or one whose offsets expired, must start at the oldest event or \
+              request, or accepted jobs are never run",
+    },
+    FixedOption {
+        key: "isolation.level",
+        value: "read_committed",
+        also: &[],
+        role: KafkaRole::Consumer,
+        why: "a request an upstream producer's transaction aborted must not become a job",
+    },
+    FixedOption {
+        key: "enable.idempotence",
+        value: "true",
+        also: &[],
+        role: KafkaRole::Producer,
+        why: "a retry across a leader change must not write an event twice or out of order",
+    },
+    FixedOption {
+        key: "acks",
+        value: "all",
+        also: &["-1"],
+        role: KafkaRole::Producer,
+        why: "an event counts as published only once every in-sync replica has it",
+    },
+    FixedOption {
+        key: "enable.gapless.guarantee",
+        value: "true",
+        also: &[],
+        role: KafkaRole::Producer,
+        why: "an event that fails must stop its partition, never be skipped by later events \
+              of its document",
+    },
+    FixedOption {
+        key: "message.timeout.ms",
+        value: "0",
+        also: &[],
+        role: KafkaRole::Producer,
+        why: "an event given up on after a time-out would leave a gap the next one skips over",
+    },
+];
+
+/// A client context that drops librdkafka's log lines: the clients built only to check a
+/// configuration ([`Config::validate`]) have nothing to say.
+struct Quiet;
+
+impl rdkafka::ClientContext for Quiet {
+    fn log(&self, _: rdkafka::config::RDKafkaLogLevel, _: &str, _: &str) {}
+}
+
+impl rdkafka::consumer::ConsumerContext for Quiet {}
+
+impl rdkafka::producer::ProducerContext for Quiet {
+    type DeliveryOpaque = ();
+    fn delivery(&self, _: &rdkafka::producer::DeliveryResult<'_>, (): ()) {}
 }
 
 /// The environment variable's spelling of a librdkafka option: `linger.ms` is `LINGER_MS`.
@@ -996,6 +1253,92 @@ mod tests {
             "PATH",
         ];
         assert!(check_env_names(fine.iter().map(|s| (*s).to_owned())).is_ok());
+    }
+
+    #[test]
+    fn a_misspelt_key_inside_a_section_names_the_nearest_one() {
+        let extracted = Figment::from(Toml::string(DEFAULTS))
+            .merge(Toml::string("[processor]\nleasettl = \"5s\""))
+            .extract::<Config>()
+            .expect_err("refused");
+        let refused = ConfigError::Load(Box::new(extracted)).to_string();
+        assert!(refused.contains("processor.leasettl"), "{refused}");
+        assert!(
+            refused.contains("did you mean processor.lease_ttl (JOBFOLD_PROCESSOR__LEASE_TTL)?"),
+            "{refused}"
+        );
+        assert!(!refused.contains("``"), "{refused}");
+    }
+
+    #[test]
+    fn a_toml_syntax_error_names_the_file() {
+        let path = std::env::temp_dir().join(format!("jobfold-{}.toml", std::process::id()));
+        std::fs::write(&path, "[relay\nbatch_size = 5\n").unwrap();
+        let refused = Config::load(Some(&path)).expect_err("refused").to_string();
+        std::fs::remove_file(&path).unwrap();
+        assert!(refused.contains(&path.display().to_string()), "{refused}");
+        assert!(refused.contains("not valid TOML"), "{refused}");
+    }
+
+    #[test]
+    fn spans_are_shown_in_days_never_months() {
+        assert_eq!(span(Duration::from_secs(365 * 86_400)), "365d");
+        assert_eq!(span(Duration::from_secs(86_400 + 2 * 3_600 + 5)), "1d 2h 5s");
+        assert_eq!(span(Duration::from_millis(1_250)), "1s 250ms");
+        assert_eq!(span(Duration::ZERO), "0s");
+    }
+
+    #[test]
+    fn the_guarantees_librdkafka_options_cannot_be_changed() {
+        for (key, value) in [
+            ("enable.auto.offset.store", "true"),
+            ("enable.auto.commit", "false"),
+            ("auto.offset.reset", "latest"),
+            ("isolation.level", "read_uncommitted"),
+            ("enable.idempotence", "false"),
+            ("acks", "1"),
+            ("enable.gapless.guarantee", "false"),
+            ("message.timeout.ms", "30000"),
+        ] {
+            let mut config = defaults();
+            config.kafka.0.insert(key.into(), value.into());
+            let refused = problem(config.validate());
+            assert!(
+                refused.contains(&format!("kafka.{key}")) && refused.contains("is fixed at"),
+                "{key}: {refused}"
+            );
+        }
+        // Repeating jobfold's value, however spelt, is no change.
+        let mut config = defaults();
+        config.kafka.0.insert("acks".into(), "-1".into());
+        config.kafka.0.insert("enable.idempotence".into(), "true".into());
+        assert!(config.validate().is_ok());
+        // Every fixed option is one librdkafka takes for its role.
+        for fixed in FIXED_KAFKA_OPTIONS {
+            assert!(fixed.takes(fixed.value));
+        }
+    }
+
+    #[test]
+    fn options_librdkafka_refuses_together_are_named_both() {
+        let mut config = defaults();
+        config.kafka.0.insert("message.max.bytes".into(), "4000000".into());
+        config.kafka.0.insert("fetch.max.bytes".into(), "1048576".into());
+        let refused = problem(config.validate());
+        assert!(
+            refused.contains("`kafka.fetch.max.bytes`")
+                && refused.contains("`kafka.message.max.bytes`")
+                && refused.contains("JOBFOLD_KAFKA__FETCH_MAX_BYTES"),
+            "{refused}"
+        );
+        let mut config = defaults();
+        config.kafka.0.insert("max.in.flight".into(), "10".into());
+        let refused = problem(config.validate());
+        assert!(refused.contains("kafka.max.in.flight") && refused.contains("producer"), "{refused}");
+        // Raised alone, message.max.bytes is fine: librdkafka raises its fetch size with it.
+        let mut config = defaults();
+        config.kafka.0.insert("message.max.bytes".into(), "4000000".into());
+        assert!(config.validate().is_ok());
     }
 
     #[test]

@@ -14,17 +14,12 @@ use anyhow::Context;
 
 use crate::config::{Config, ConfigError};
 
-/// Defaults of jobfold's consumers (intake, processors); `[kafka]` options override them.
-///
-/// Offsets are stored by the application after its Postgres commit
-/// (`enable.auto.offset.store=false`) and committed by the client in the background.
-pub const CONSUMER_DEFAULTS: &[(&str, &str)] = &[
-    ("enable.auto.commit", "true"),
-    ("auto.commit.interval.ms", "1000"),
-    ("enable.auto.offset.store", "false"),
-    ("auto.offset.reset", "earliest"),
-    ("partition.assignment.strategy", "cooperative-sticky"),
-];
+/// Defaults of jobfold's consumers (intake, processors) besides the fixed options
+/// ([`crate::config::FIXED_KAFKA_OPTIONS`]: offsets are stored by the application after its
+/// Postgres commit and committed by the client in the background); `[kafka]` options
+/// override these.
+pub const CONSUMER_DEFAULTS: &[(&str, &str)] =
+    &[("auto.commit.interval.ms", "1000"), ("partition.assignment.strategy", "cooperative-sticky")];
 
 /// Commits the stored offsets now; nothing stored since the last commit is not an error.
 ///
@@ -175,7 +170,9 @@ pub fn check_durability(
         return Err(ConfigError::Named {
             key: "key `topics.replication_factor`".into(),
             problem: format!(
-                "topic {topic} has {} replica(s) of a partition, fewer than the {wanted}                  configured: losing one broker could lose published events; add replicas                  (kafka-reassign-partitions) or lower topics.replication_factor",
+                "topic {topic} has {} replica(s) of a partition, fewer than the {wanted} configured: \
+                 losing one broker could lose published events; add replicas \
+                 (kafka-reassign-partitions) or lower topics.replication_factor",
                 settings.replicas
             ),
         });
@@ -190,7 +187,9 @@ pub fn check_durability(
             return Err(ConfigError::Named {
                 key: "key `topics.min_insync_replicas`".into(),
                 problem: format!(
-                    "topic {topic} has min.insync.replicas={isr}, below the {wanted}                      configured: an event acknowledged by fewer replicas is lost with them;                      set the topic's min.insync.replicas to {wanted} (kafka-configs --alter)"
+                    "topic {topic} has min.insync.replicas={isr}, below the {wanted} configured: an \
+                     event acknowledged by fewer replicas is lost with them; set the topic's \
+                     min.insync.replicas to {wanted} (kafka-configs --alter)"
                 ),
             });
         }
@@ -208,7 +207,8 @@ pub fn check_durability(
     if settings.config.get("unclean.leader.election.enable").is_some_and(|v| v == "true") {
         return Err(ConfigError::Named {
             key: format!("topic {topic}'s unclean.leader.election.enable"),
-            problem: "is true: a replica that fell behind could become leader and drop events                       the others acknowledged; set it false"
+            problem: "is true: a replica that fell behind could become leader and drop events the \
+                      others acknowledged; set it false"
                 .into(),
         });
     }
@@ -237,12 +237,7 @@ pub fn event_limit(config: &Config, topic_limit: usize) -> usize {
 /// [`ConfigError::Named`], naming both settings; binaries exit with status 2.
 pub fn check_event_limits(config: &Config, topic_limit: usize) -> Result<(), ConfigError> {
     let topic = &config.topics.events;
-    let limit = event_limit(config, topic_limit);
-    let limit_name = if limit < topic_limit {
-        format!("kafka.message.max.bytes ({limit})")
-    } else {
-        format!("the max.message.bytes of topic {topic} ({topic_limit})")
-    };
+    let producer_limit = event_limit(config, usize::MAX);
     let kinds = config.kinds.iter().filter_map(|(kind, k)| {
         Some((format!("kinds.{kind}.max_output_bytes"), k.max_output_bytes?))
     });
@@ -251,13 +246,30 @@ pub fn check_event_limits(config: &Config, topic_limit: usize) -> Result<(), Con
         ("processor.max_output_bytes".to_owned(), config.processor.max_output_bytes),
     ];
     for (key, value) in limits.into_iter().chain(kinds) {
-        if value + EVENT_ENVELOPE_BYTES > limit {
+        let needed = value.saturating_add(EVENT_ENVELOPE_BYTES);
+        // Each limit the event would pass, named with the setting that raises it.
+        let mut binding = Vec::new();
+        let mut raise = Vec::new();
+        if needed > producer_limit {
+            binding.push(format!("kafka.message.max.bytes ({producer_limit})"));
+            raise.push(format!(
+                "raise kafka.message.max.bytes (JOBFOLD_KAFKA__MESSAGE_MAX_BYTES) to {needed} or more"
+            ));
+        }
+        if needed > topic_limit {
+            binding.push(format!("the max.message.bytes of topic {topic} ({topic_limit})"));
+            raise.push(format!(
+                "raise topic {topic}'s max.message.bytes to {needed} or more (kafka-configs --alter)"
+            ));
+        }
+        if !binding.is_empty() {
             return Err(ConfigError::Named {
                 key: format!("key `{key}`"),
                 problem: format!(
-                    "{value} bytes plus {EVENT_ENVELOPE_BYTES} of event envelope do not fit \
-                     {limit_name}: an event could be refused by Kafka; lower {key} or raise \
-                     the topic's max.message.bytes"
+                    "{value} bytes plus {EVENT_ENVELOPE_BYTES} of event envelope do not fit {}: an \
+                     event could be refused by Kafka; lower {key}, or {}",
+                    binding.join(" nor "),
+                    raise.join(" and ")
                 ),
             });
         }
@@ -286,6 +298,25 @@ pub async fn check_topics(config: &Config) -> anyhow::Result<usize> {
         None => usize::MAX,
     };
     check_event_limits(config, topic_limit)?;
+    Ok(event_limit(config, topic_limit))
+}
+
+/// The largest event the relay may produce now ([`event_limit`] with the events topic's
+/// `max.message.bytes` as the brokers describe it at this moment): read again after the
+/// broker refused an event for its size, and before parked events are released, so that a
+/// limit lowered or raised while running is followed without a restart.
+///
+/// # Errors
+/// The brokers did not answer, or the topic's setting is not a number.
+pub async fn current_event_limit(config: &Config) -> anyhow::Result<usize> {
+    let topic = config.topics.events.as_str();
+    let described = describe_topics(config, &[topic]).await?;
+    let topic_limit = match described[topic].config.get("max.message.bytes") {
+        Some(value) => {
+            value.parse().with_context(|| format!("topic {topic}: max.message.bytes {value:?}"))?
+        }
+        None => usize::MAX,
+    };
     Ok(event_limit(config, topic_limit))
 }
 

@@ -73,7 +73,10 @@ impl Intake {
         pool: PgPool,
     ) -> anyhow::Result<Self> {
         let consumer: StreamConsumer = config
-            .kafka_client_with(jobfold_common::kafka::CONSUMER_DEFAULTS)
+            .kafka_client_for(
+            jobfold_common::config::KafkaRole::Consumer,
+            jobfold_common::kafka::CONSUMER_DEFAULTS,
+        )
             .set("group.id", &config.intake.group)
             .create()?;
         consumer.subscribe(&[&config.topics.requests])?;

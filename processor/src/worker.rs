@@ -354,7 +354,10 @@ pub async fn run(
         topic: config.topics.events.clone(),
         lag_reported: Mutex::default(),
     };
-    let mut client = config.kafka_client_with(jobfold_common::kafka::CONSUMER_DEFAULTS);
+    let mut client = config.kafka_client_for(
+            jobfold_common::config::KafkaRole::Consumer,
+            jobfold_common::kafka::CONSUMER_DEFAULTS,
+        );
     client.set("group.id", &config.processor.group);
     // What librdkafka fetches ahead is bounded as the buffer is: by default it holds up to
     // 100,000 messages a partition or 64 MiB, which a burst fills (two in three of them
@@ -363,6 +366,15 @@ pub async fn run(
         if !config.kafka.0.contains_key(*key) {
             client.set(*key, *value);
         }
+    }
+    // librdkafka wants a fetch to hold the largest message (`fetch.max.bytes` ≥
+    // `message.max.bytes`): raising the latter, as the event limit check advises, raises
+    // the read-ahead with it.
+    if !config.kafka.0.contains_key("fetch.max.bytes")
+        && let Some(largest) = config.kafka.0.get("message.max.bytes")
+        && largest.parse::<u64>().is_ok_and(|largest| largest > 1_048_576)
+    {
+        client.set("fetch.max.bytes", largest);
     }
     if !config.kafka.0.contains_key("statistics.interval.ms") {
         let interval = config.processor.gauge_interval.as_millis().to_string();

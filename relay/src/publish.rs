@@ -14,25 +14,22 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use jobfold_common::config::Config;
+use jobfold_common::config::{Config, KafkaRole};
 use jobfold_schemas::event::{EVENT_KIND, TRACEPARENT, TRACESTATE};
 use rdkafka::ClientContext;
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{Header, OwnedHeaders};
-use rdkafka::producer::{BaseRecord, DeliveryResult, Producer, ProducerContext, ThreadedProducer};
+use rdkafka::producer::{
+    BaseRecord, DeliveryResult, Producer, ProducerContext, PurgeConfig, ThreadedProducer,
+};
 use rdkafka::util::Timeout;
-use tokio::sync::oneshot;
+use tokio::sync::{oneshot, watch};
 
-/// The relay's producer defaults; every one can be overridden under `[kafka]`.
-pub const PRODUCER_DEFAULTS: &[(&str, &str)] = &[
-    ("enable.idempotence", "true"),
-    ("acks", "all"),
-    ("enable.gapless.guarantee", "true"),
-    ("linger.ms", "5"),
-    ("compression.type", "lz4"),
-    // Infinite: a timed-out message could leave a gap that a later message skips over.
-    ("message.timeout.ms", "0"),
-];
+/// The relay's producer defaults besides the fixed options
+/// ([`jobfold_common::config::FIXED_KAFKA_OPTIONS`]: idempotent, `acks=all`, gapless, no
+/// message time-out — a timed-out message could leave a gap that a later one skips over);
+/// these can be overridden under `[kafka]`.
+pub const PRODUCER_DEFAULTS: &[(&str, &str)] = &[("linger.ms", "5"), ("compression.type", "lz4")];
 
 /// The relay's producer: delivery reports are counted per batch by [`Reports`], with no
 /// allocation or channel per message.
@@ -43,7 +40,7 @@ pub type EventProducer = ThreadedProducer<Reports>;
 /// # Errors
 /// librdkafka refused the configuration.
 pub fn producer(config: &Config) -> Result<EventProducer, KafkaError> {
-    config.kafka_client_with(PRODUCER_DEFAULTS).create_with_context(Reports::default())
+    config.kafka_client_for(KafkaRole::Producer, PRODUCER_DEFAULTS).create_with_context(Reports::default())
 }
 
 /// The relay's producer for a topic that takes record batches of up to `max_bytes`: unless
@@ -53,7 +50,7 @@ pub fn producer(config: &Config) -> Result<EventProducer, KafkaError> {
 /// # Errors
 /// librdkafka refused the configuration.
 pub fn producer_for(config: &Config, max_bytes: usize) -> Result<EventProducer, KafkaError> {
-    let mut client = config.kafka_client_with(PRODUCER_DEFAULTS);
+    let mut client = config.kafka_client_for(KafkaRole::Producer, PRODUCER_DEFAULTS);
     for option in ["message.max.bytes", "batch.size"] {
         if !config.kafka.0.contains_key(option) {
             client.set(option, max_bytes.min(1_000_000).to_string());

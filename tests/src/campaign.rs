@@ -675,7 +675,10 @@ pub async fn run(plan: &Plan) -> anyhow::Result<Outcome> {
         )
         .await?,
         kafka: config
-            .kafka_client_with(jobfold_relay::publish::PRODUCER_DEFAULTS)
+            .kafka_client_for(
+            jobfold_common::config::KafkaRole::Producer,
+            jobfold_relay::publish::PRODUCER_DEFAULTS,
+        )
             .set("message.timeout.ms", "10000")
             .create()?,
         requests_topic: config.topics.requests.clone(),
@@ -1213,7 +1216,10 @@ async fn intake_producer(
     )
     .await?;
     let producer: FutureProducer = config
-        .kafka_client_with(jobfold_relay::publish::PRODUCER_DEFAULTS)
+        .kafka_client_for(
+            jobfold_common::config::KafkaRole::Producer,
+            jobfold_relay::publish::PRODUCER_DEFAULTS,
+        )
         .set("message.timeout.ms", "120000")
         .create()?;
     let mut deliveries = Vec::new();

@@ -669,7 +669,10 @@ fn most_copies(config: &Config) -> anyhow::Result<u64> {
     use rdkafka::Message as _;
     use rdkafka::consumer::{BaseConsumer, Consumer as _};
     let consumer: BaseConsumer = config
-        .kafka_client_with(jobfold_common::kafka::CONSUMER_DEFAULTS)
+        .kafka_client_for(
+            jobfold_common::config::KafkaRole::Consumer,
+            jobfold_common::kafka::CONSUMER_DEFAULTS,
+        )
         .set("group.id", format!("campaign-copies-{}", Uuid::new_v4()))
         .set("enable.auto.commit", "false")
         .create()?;

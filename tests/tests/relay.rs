@@ -347,6 +347,81 @@ async fn invalid_configuration_exits_2_naming_the_key() {
     it.cleanup().await;
 }
 
+/// The librdkafka options the guarantee rests on cannot be switched off, and options
+/// librdkafka refuses together are named both: each exits 2 at start, before anything
+/// listens, naming the key and why.
+#[tokio::test]
+async fn the_guarantees_kafka_settings_are_fixed_and_checked_together() {
+    let it = Installation::new("relayfixed").await;
+    let env = it.env();
+    for (binary, option, value, named) in [
+        ("jobfold-processor", "JOBFOLD_KAFKA__ENABLE_AUTO_OFFSET_STORE", "true", "enable.auto.offset.store"),
+        ("jobfold-processor", "JOBFOLD_KAFKA__ENABLE_AUTO_COMMIT", "false", "enable.auto.commit"),
+        ("jobfold-processor", "JOBFOLD_KAFKA__ISOLATION_LEVEL", "read_uncommitted", "isolation.level"),
+        ("jobfold-relay", "JOBFOLD_KAFKA__ENABLE_IDEMPOTENCE", "false", "enable.idempotence"),
+        ("jobfold-relay", "JOBFOLD_KAFKA__ACKS", "1", "acks"),
+        ("jobfold-relay", "JOBFOLD_KAFKA__ENABLE_GAPLESS_GUARANTEE", "false", "enable.gapless.guarantee"),
+    ] {
+        let mut bad = env.clone();
+        bad.insert(option.into(), value.into());
+        let mut service = Service::start(binary, &bad);
+        assert_eq!(service.wait_exit(Duration::from_secs(30)).unwrap().code(), Some(2), "{option}");
+        let log = service.log_text();
+        assert!(
+            log.contains(&format!("kafka.{named}")) && log.contains(option) && log.contains("is fixed at"),
+            "{binary} {option}: {log}"
+        );
+    }
+    // librdkafka's rules across options: both keys named, nothing started.
+    let mut bad = env.clone();
+    bad.insert("JOBFOLD_KAFKA__MESSAGE_MAX_BYTES".into(), "4000000".into());
+    bad.insert("JOBFOLD_KAFKA__FETCH_MAX_BYTES".into(), "1048576".into());
+    let mut processor = Service::start("jobfold-processor", &bad);
+    assert_eq!(processor.wait_exit(Duration::from_secs(30)).unwrap().code(), Some(2));
+    let log = processor.log_text();
+    assert!(
+        log.contains("JOBFOLD_KAFKA__FETCH_MAX_BYTES")
+            && log.contains("JOBFOLD_KAFKA__MESSAGE_MAX_BYTES")
+            && !log.contains("Starting the processor"),
+        "{log}"
+    );
+    it.cleanup().await;
+}
+
+/// The event limit check names the setting that binds, and following its advice works: with
+/// the events topic at 4 MiB, a 1.5 MB output limit is refused naming the producer's
+/// `message.max.bytes`; raising that as the message says, the processor and the relay run.
+#[tokio::test]
+async fn the_event_limit_advice_works_when_followed() {
+    let it = Installation::new("relayadvice").await;
+    let mut topics = jobfold_common::kafka::jobfold_topics(&it.config);
+    topics[0].config.push(("max.message.bytes", (4 * 1024 * 1024).to_string()));
+    jobfold_common::kafka::ensure_topics(&it.config, &topics).await.unwrap();
+    let mut env = it.fast_env(&jobfold_tests::kafka::unique_name("advice"));
+    env.insert("JOBFOLD_PROCESSOR__MAX_OUTPUT_BYTES".into(), "1500000".into());
+    let mut processor = Service::start("jobfold-processor", &env);
+    assert_eq!(processor.wait_exit(Duration::from_secs(60)).unwrap().code(), Some(2));
+    let log = processor.log_text();
+    assert!(
+        log.contains("kafka.message.max.bytes (1000000)")
+            && log.contains("raise kafka.message.max.bytes (JOBFOLD_KAFKA__MESSAGE_MAX_BYTES)")
+            && !log.contains("raise topic"),
+        "{log}"
+    );
+    env.insert("JOBFOLD_KAFKA__MESSAGE_MAX_BYTES".into(), "4000000".into());
+    let mut processor = Service::start("jobfold-processor", &env);
+    let mut relay = Service::start("jobfold-relay", &env);
+    eventually(Duration::from_secs(60), "the processor running jobs and the relay relaying", || async {
+        processor.log_text().contains("Running jobs.") && relay.log_text().contains("Starting the relay")
+    })
+    .await;
+    assert!(processor.wait_exit(Duration::ZERO).is_none(), "{}", processor.log_text());
+    assert!(relay.wait_exit(Duration::ZERO).is_none(), "{}", relay.log_text());
+    processor.kill9();
+    relay.kill9();
+    it.cleanup().await;
+}
+
 /// An unreachable database or broker is reported with its address, the broker's within
 /// seconds (the binary goes on trying for a while, as for a broker still starting).
 #[tokio::test]
