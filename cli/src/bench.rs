@@ -1489,7 +1489,7 @@ async fn raw_producer(
     let warm_up = [event(0, topic, &keys, &[0u8])];
     let outcome = publish::send(&producer, &warm_up, &mut publish::Blocked::default(), usize::MAX)
         .await
-        .delivered()
+        .delivered(&producer)
         .await;
     if let Some((_, e)) = outcome.failed.into_iter().next() {
         return Err(e.into());
@@ -1499,7 +1499,7 @@ async fn raw_producer(
     let (started, cpu) = (Instant::now(), CpuTime::now(&[std::process::id()]));
     let outcome = publish::send(&producer, &events, &mut publish::Blocked::default(), usize::MAX)
         .await
-        .delivered()
+        .delivered(&producer)
         .await;
     if let Some((_, e)) = outcome.failed.into_iter().next() {
         return Err(e.into());

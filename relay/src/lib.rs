@@ -152,7 +152,15 @@ async fn relay(
     let mut horizon_at = Instant::now() - GAUGE_INTERVAL;
     let mut prune_at = Instant::now();
     let mut horizon = horizon::Watch::default();
-    let mut active = Active { config, conn, producer, shutdown, max_bytes };
+    let mut active = Active {
+        config,
+        conn,
+        producer,
+        shutdown,
+        max_bytes,
+        recheck_limit: false,
+        refused_once: std::collections::HashSet::new(),
+    };
     // Whether this connection holds SLEEP_LOCK (writers notify), the busy poll interval, and
     // where the cursor stood after the last pass.
     let mut asleep = false;
@@ -164,6 +172,9 @@ async fn relay(
         // behind it; one whose event could not be enqueued holds back its later events for
         // the rest of the pass.
         let mut blocked = publish::Blocked::default();
+        if active.recheck_limit {
+            active.refresh_limit().await;
+        }
         let stop = active.release(&mut blocked).await?
             || active.drain_log(&mut blocked).await?
             || active.drain(&mut blocked).await?;
@@ -276,9 +287,73 @@ struct Active<'a> {
     producer: &'a mut publish::EventProducer,
     shutdown: &'a CancellationToken,
     max_bytes: usize,
+    /// The broker refused an event the relay's limit let through: read the topic's limit
+    /// again before the next pass.
+    recheck_limit: bool,
+    /// Events the broker refused once, to be parked if it refuses them again.
+    refused_once: std::collections::HashSet<i64>,
 }
 
+/// How long reading the events topic's limit while running may take before the relay goes
+/// on with the limit it has.
+const LIMIT_CHECK: Duration = Duration::from_secs(10);
+
 impl Active<'_> {
+    /// Waits for a sent batch's reports ([`delivered`]) and judges what the broker refused
+    /// for what it is: an event refused for the first time is sent again after the topic's
+    /// limit is read anew (the relay's own check then parks it unsent if it is over the
+    /// limit, and events refused only because they were batched with it go through); one
+    /// refused again is parked.
+    async fn delivered(&mut self, sent: publish::Sent) -> Option<publish::Outcome> {
+        let mut outcome = delivered(self.config, self.shutdown, self.producer, sent).await?;
+        for (seq, error) in std::mem::take(&mut outcome.refused_by_broker) {
+            self.recheck_limit = true;
+            if self.refused_once.insert(seq) {
+                tracing::warn!(seq, error = %error,
+                    "The broker refused an event; it is sent again once the topic's limit is read anew.");
+                outcome.failed.push((seq, error));
+            } else {
+                tracing::error!(
+                    seq,
+                    error = %error,
+                    "Event parked: the broker refused it again. Its document's later events wait \
+                     behind it; see `jobfold parked list`."
+                );
+                self.refused_once.remove(&seq);
+                outcome.refused.push((seq, format!("the broker refused it: {error}")));
+            }
+        }
+        Some(outcome)
+    }
+
+    /// Reads the events topic's `max.message.bytes` again; if the largest event the relay
+    /// may send changed, holds events to the new limit with a producer built for it. Called
+    /// between passes, with nothing in flight.
+    async fn refresh_limit(&mut self) {
+        self.recheck_limit = false;
+        match tokio::time::timeout(LIMIT_CHECK, kafka::current_event_limit(self.config)).await {
+            Ok(Ok(limit)) if limit != self.max_bytes => {
+                tracing::info!(
+                    before = self.max_bytes,
+                    now = limit,
+                    "The events topic's limit changed; events are held to the new one."
+                );
+                match publish::producer_for(self.config, limit) {
+                    Ok(producer) => {
+                        *self.producer = producer;
+                        self.max_bytes = limit;
+                    }
+                    Err(e) => tracing::warn!(error = %e, "Cannot build a producer for the new limit."),
+                }
+            }
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => tracing::warn!(error = %format!("{e:#}"), max_bytes = self.max_bytes,
+                "Cannot read the events topic's limit; keeping the one the relay has."),
+            Err(_) => tracing::warn!(max_bytes = self.max_bytes,
+                "The brokers did not describe the events topic in time; keeping the limit the relay has."),
+        }
+    }
+
     /// Sends the parked events an operator released (a retry asked for, or the refused
     /// event of their document dropped), in log order, batch by batch; then loads the
     /// documents still parked into `blocked`. Returns true if shutdown was requested.
@@ -287,6 +362,7 @@ impl Active<'_> {
         if blocked.parked.is_empty() {
             return Ok(false);
         }
+        let mut limit_read = false;
         loop {
             if self.shutdown.is_cancelled() {
                 return Ok(true);
@@ -295,13 +371,18 @@ impl Active<'_> {
             if rows.is_empty() {
                 break;
             }
+            // An operator asked for a retry, likely after raising the topic's limit.
+            if !limit_read {
+                self.refresh_limit().await;
+                limit_read = true;
+            }
             let full = rows.len() == self.config.relay.batch_size as usize;
             let events = publish::events(&rows, &self.config.topics.events);
             // What is refused again blocks its document's later rows for this batch only:
             // they stay parked behind it.
             let mut again = publish::Blocked::default();
             let sent = publish::send(self.producer, &events, &mut again, self.max_bytes).await;
-            let Some(outcome) = delivered(self.config, self.shutdown, sent).await else {
+            let Some(outcome) = self.delivered(sent).await else {
                 return Ok(true);
             };
             let seqs: Vec<i64> = outcome.delivered.iter().map(|(seq, _)| *seq).collect();
@@ -416,7 +497,7 @@ impl Active<'_> {
             }
             while in_flight.len() > LOG_BATCHES_IN_FLIGHT || (!full && !in_flight.is_empty()) {
                 let (positions, sent) = in_flight.pop_front().expect("checked: not empty");
-                let Some(outcome) = delivered(self.config, self.shutdown, sent).await else {
+                let Some(outcome) = self.delivered(sent).await else {
                     return Ok(self.shutdown.is_cancelled());
                 };
                 failpoint::hit(failpoint::RELAY_AFTER_PRODUCE_BEFORE_MARK);
@@ -459,7 +540,7 @@ impl Active<'_> {
     /// that may pass (the pass should end; the rows are tried again later) or shutdown gave
     /// up on it.
     async fn complete(&mut self, sent: publish::Sent) -> anyhow::Result<bool> {
-        let Some(outcome) = delivered(self.config, self.shutdown, sent).await else {
+        let Some(outcome) = self.delivered(sent).await else {
             return Ok(false);
         };
         failpoint::hit(failpoint::RELAY_AFTER_PRODUCE_BEFORE_MARK);
@@ -485,6 +566,7 @@ impl Active<'_> {
 async fn delivered(
     config: &Config,
     shutdown: &CancellationToken,
+    producer: &publish::EventProducer,
     sent: publish::Sent,
 ) -> Option<publish::Outcome> {
     let give_up = async {
@@ -492,7 +574,7 @@ async fn delivered(
         tokio::time::sleep(config.relay.shutdown_timeout).await;
     };
     tokio::select! {
-        outcome = sent.delivered() => Some(outcome),
+        outcome = sent.delivered(producer) => Some(outcome),
         _ = give_up => {
             tracing::warn!("Shutdown: abandoning a batch still waiting for delivery reports.");
             None

@@ -132,13 +132,23 @@ pub struct Outcome {
     /// Not sent because an earlier event of the same document failed to enqueue: sending
     /// them would put them on the topic ahead of it.
     pub held_back: Vec<i64>,
+    /// Sent, and refused by the broker for what they are (after the relay's own limit let
+    /// them through: the topic's may have been lowered since it was read, and events
+    /// batched with a refused one are refused with it). The relay decides: sent again once
+    /// the limit is read anew, parked if refused again ([`Outcome::refused`]).
+    pub refused_by_broker: Vec<(i64, KafkaError)>,
 }
 
 impl Outcome {
     /// The seqs of the batch's events that neither reached Kafka nor were parked: the
     /// cursor must not pass them.
     pub fn undelivered(&self) -> HashSet<i64> {
-        self.failed.iter().map(|(seq, _)| *seq).chain(self.held_back.iter().copied()).collect()
+        self.failed
+            .iter()
+            .chain(&self.refused_by_broker)
+            .map(|(seq, _)| *seq)
+            .chain(self.held_back.iter().copied())
+            .collect()
     }
 }
 
@@ -192,11 +202,27 @@ pub fn record_size(event: &Event<'_>) -> usize {
 /// allocation); the report callback, on librdkafka's polling thread, finds the batch's tally
 /// and keeps the failures; once the batch is sealed (all enqueued) and its last report
 /// arrived, the batch gets its answer.
-#[derive(Debug, Default)]
+///
+/// A fatal error of the producer (the gapless guarantee broken by a refused event, ...)
+/// is signalled at once: reports it still owes may never come, so a batch waiting for them
+/// takes what has arrived and gives up on the rest ([`Sent::delivered`]).
+#[derive(Debug)]
 pub struct Reports {
     tallies: Mutex<HashMap<u32, Tally>>,
     /// The number of the next batch.
     next_batch: AtomicU32,
+    /// Set once librdkafka reports a fatal error.
+    fatal: watch::Sender<bool>,
+}
+
+impl Default for Reports {
+    fn default() -> Self {
+        Self {
+            tallies: Mutex::default(),
+            next_batch: AtomicU32::new(0),
+            fatal: watch::Sender::new(false),
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -206,12 +232,23 @@ struct Tally {
     sealed: bool,
     /// (index in the batch, why).
     failed: Vec<(usize, KafkaError)>,
+    /// Indexes reported delivered: what a batch given up on keeps.
+    delivered: Vec<usize>,
     done: oneshot::Sender<Vec<(usize, KafkaError)>>,
 }
 
 const _: () = assert!(usize::BITS >= 64, "the delivery opaque holds a batch and an index");
 
-impl ClientContext for Reports {}
+impl ClientContext for Reports {
+    fn error(&self, error: KafkaError, reason: &str) {
+        if error.rdkafka_error_code() == Some(RDKafkaErrorCode::Fatal) {
+            tracing::error!(%reason, "The relay's producer hit a fatal error; a new one is built.");
+            self.fatal.send_replace(true);
+        } else {
+            tracing::warn!(error = %error, %reason, "librdkafka reported an error.");
+        }
+    }
+}
 
 impl ProducerContext for Reports {
     type DeliveryOpaque = usize;
@@ -220,8 +257,9 @@ impl ProducerContext for Reports {
         let (batch, index) = ((opaque >> 32) as u32, opaque & 0xffff_ffff);
         let mut tallies = self.tallies.lock().expect("no panic while holding the tallies");
         let Some(tally) = tallies.get_mut(&batch) else { return };
-        if let Err((e, _)) = result {
-            tally.failed.push((index, e.clone()));
+        match result {
+            Err((e, _)) => tally.failed.push((index, e.clone())),
+            Ok(_) => tally.delivered.push(index),
         }
         tally.outstanding -= 1;
         Reports::answer_if_done(&mut tallies, batch);
@@ -234,9 +272,22 @@ impl Reports {
     fn open(&self) -> (u32, oneshot::Receiver<Vec<(usize, KafkaError)>>) {
         let batch = self.next_batch.fetch_add(1, Ordering::Relaxed);
         let (done, reports) = oneshot::channel();
-        let tally = Tally { outstanding: 0, sealed: false, failed: Vec::new(), done };
+        let tally = Tally {
+            outstanding: 0,
+            sealed: false,
+            failed: Vec::new(),
+            delivered: Vec::new(),
+            done,
+        };
         self.tallies.lock().expect("no panic while holding the tallies").insert(batch, tally);
         (batch, reports)
+    }
+
+    /// Stops tallying `batch`: the reports it has (delivered indexes, failures), if it was
+    /// still waiting.
+    fn abandon(&self, batch: u32) -> Option<(Vec<usize>, Vec<(usize, KafkaError)>)> {
+        let mut tallies = self.tallies.lock().expect("no panic while holding the tallies");
+        tallies.remove(&batch).map(|tally| (tally.delivered, tally.failed))
     }
 
     /// All `enqueued` messages of `batch` are in the producer's queue.
@@ -261,9 +312,12 @@ impl Reports {
 
 /// A batch handed to the producer, its delivery reports still to come.
 pub struct Sent {
+    batch: u32,
     /// (seq, available_at) of each enqueued event, in the order of their indexes.
     enqueued: Vec<(i64, DateTime<Utc>)>,
     reports: oneshot::Receiver<Vec<(usize, KafkaError)>>,
+    /// Whether the producer hit a fatal error.
+    fatal: watch::Receiver<bool>,
     outcome: Outcome,
 }
 
@@ -287,8 +341,13 @@ pub async fn send(
     max_bytes: usize,
 ) -> Sent {
     let (batch, reports) = producer.context().open();
-    let mut sent =
-        Sent { enqueued: Vec::with_capacity(events.len()), reports, outcome: Outcome::default() };
+    let mut sent = Sent {
+        batch,
+        enqueued: Vec::with_capacity(events.len()),
+        reports,
+        fatal: producer.context().fatal.subscribe(),
+        outcome: Outcome::default(),
+    };
     for event in events {
         if !blocked.parked.is_empty() && blocked.parked.contains(event.key) {
             sent.outcome.waiting.push(event.seq);
@@ -376,38 +435,70 @@ fn headers(event: &Event<'_>) -> OwnedHeaders {
     headers
 }
 
+/// How long a batch still waits for its reports once the producer hit a fatal error (the
+/// refused event's own report comes right after the error).
+const FATAL_GRACE: Duration = Duration::from_secs(2);
+
 impl Sent {
-    /// Waits for every delivery report of the batch.
-    pub async fn delivered(self) -> Outcome {
-        let mut outcome = self.outcome;
-        match self.reports.await {
-            Ok(failed) if failed.is_empty() => outcome.delivered = self.enqueued,
-            Ok(mut failed) => {
-                failed.sort_unstable_by_key(|(index, _)| *index);
-                let mut failed = failed.into_iter().peekable();
-                for (index, (seq, available_at)) in self.enqueued.into_iter().enumerate() {
-                    match failed.next_if(|(at, _)| *at == index) {
-                        Some((_, e)) if is_message_fault(&e) => {
-                            tracing::error!(
-                                seq,
-                                error = %e,
-                                "Event parked: the broker refused it. Its document's later \
-                                 events wait behind it; see `jobfold parked list`."
-                            );
-                            outcome.refused.push((seq, format!("the broker refused it: {e}")));
-                        }
-                        Some((_, e)) => outcome.failed.push((seq, e)),
-                        None => outcome.delivered.push((seq, available_at)),
+    /// Waits for every delivery report of the batch, through broker outages. If `producer`
+    /// hits a fatal error meanwhile, what it still holds is purged and the batch waits
+    /// [`FATAL_GRACE`] more at most: what was reported by then counts (a refused event is
+    /// parked), everything else failed and is sent again by a new producer.
+    pub async fn delivered(self, producer: &EventProducer) -> Outcome {
+        let Sent { batch, enqueued, mut reports, mut fatal, outcome } = self;
+        let answer = tokio::select! {
+            answer = &mut reports => Some(answer),
+            Ok(_) = fatal.wait_for(|fatal| *fatal) => None,
+        };
+        let answer = match answer {
+            Some(answer) => answer,
+            None => {
+                producer.purge(PurgeConfig::default().queue().inflight());
+                match tokio::time::timeout(FATAL_GRACE, &mut reports).await {
+                    Ok(answer) => answer,
+                    Err(_) => {
+                        let (delivered, failed) =
+                            producer.context().abandon(batch).unwrap_or_default();
+                        return settled(outcome, enqueued, failed, Some(&delivered));
                     }
                 }
             }
+        };
+        match answer {
+            Ok(failed) => settled(outcome, enqueued, failed, None),
             // The producer was dropped (rebuilt after a fatal error) with the batch queued.
-            Err(_) => outcome
-                .failed
-                .extend(self.enqueued.into_iter().map(|(seq, _)| (seq, KafkaError::Canceled))),
+            Err(_) => settled(outcome, enqueued, Vec::new(), Some(&[])),
         }
-        outcome
     }
+}
+
+/// The batch's outcome from its reports: `failed` by index, and `delivered` the indexes
+/// reported delivered, or `None` when every report arrived (all not failed were delivered).
+/// An event with no report failed: it is sent again.
+fn settled(
+    mut outcome: Outcome,
+    enqueued: Vec<(i64, DateTime<Utc>)>,
+    mut failed: Vec<(usize, KafkaError)>,
+    delivered: Option<&[usize]>,
+) -> Outcome {
+    if failed.is_empty() && delivered.is_none() {
+        outcome.delivered = enqueued;
+        return outcome;
+    }
+    failed.sort_unstable_by_key(|(index, _)| *index);
+    let mut failed = failed.into_iter().peekable();
+    let delivered: Option<HashSet<usize>> = delivered.map(|d| d.iter().copied().collect());
+    for (index, (seq, available_at)) in enqueued.into_iter().enumerate() {
+        match failed.next_if(|(at, _)| *at == index) {
+            Some((_, e)) if is_message_fault(&e) => outcome.refused_by_broker.push((seq, e)),
+            Some((_, e)) => outcome.failed.push((seq, e)),
+            None if delivered.as_ref().is_none_or(|d| d.contains(&index)) => {
+                outcome.delivered.push((seq, available_at));
+            }
+            None => outcome.failed.push((seq, KafkaError::MessageProduction(RDKafkaErrorCode::Fatal))),
+        }
+    }
+    outcome
 }
 
 /// Whether the producer hit a fatal error (e.g. the gapless guarantee) and must be rebuilt.

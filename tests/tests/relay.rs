@@ -664,7 +664,7 @@ async fn every_delivery_report_reaches_its_own_event() {
     let mut blocked = publish::Blocked::default();
     let outcome = tokio::time::timeout(
         Duration::from_secs(60),
-        publish::send(&producer, &events, &mut blocked, usize::MAX).await.delivered(),
+        publish::send(&producer, &events, &mut blocked, usize::MAX).await.delivered(&producer),
     )
     .await
     .expect("every report arrives");
@@ -672,15 +672,18 @@ async fn every_delivery_report_reaches_its_own_event() {
     let delivered: Vec<i64> = outcome.delivered.iter().map(|(seq, _)| *seq).collect();
     let refused: Vec<i64> = outcome.refused.iter().map(|(seq, _)| *seq).collect();
     assert_eq!(delivered, [10, 30, 60]);
-    assert_eq!(refused, [40, 20], "enqueue refusals first, then refused reports");
-    assert!(outcome.refused[1].1.contains("broker refused"), "{:?}", outcome.refused);
+    assert_eq!(refused, [40], "refused before it was sent");
+    // Refused by the broker after it was sent: reported as such, for the relay to judge
+    // (sent again once the topic's limit is read anew, parked if refused again).
+    let by_broker: Vec<i64> = outcome.refused_by_broker.iter().map(|(seq, _)| *seq).collect();
+    assert_eq!(by_broker, [20]);
     assert_eq!(outcome.waiting, [50]);
     assert!(outcome.failed.is_empty() && outcome.held_back.is_empty(), "{outcome:?}");
-    assert!(outcome.undelivered().is_empty(), "the cursor may pass them all: they are parked");
+    assert_eq!(outcome.undelivered(), HashSet::from([20]), "the cursor does not pass it yet");
     assert!(blocked.parked.contains("doc-d"));
     let parking: Vec<(i64, bool)> =
         jobfold_relay::parked::parking(&outcome).iter().map(|p| (p.seq, p.refused)).collect();
-    assert_eq!(parking, [(40, true), (20, true), (50, false)]);
+    assert_eq!(parking, [(40, true), (50, false)]);
 
     // Over the relay's limit: refused before it is sent, and its document's next event waits.
     let mut blocked = publish::Blocked::default();
@@ -690,7 +693,7 @@ async fn every_delivery_report_reaches_its_own_event() {
         event(80, open, "doc-f", b"small".as_slice()),
         event(90, open, "doc-g", b"small".as_slice()),
     ];
-    let outcome = publish::send(&producer, &checked, &mut blocked, 4096).await.delivered().await;
+    let outcome = publish::send(&producer, &checked, &mut blocked, 4096).await.delivered(&producer).await;
     let delivered: Vec<i64> = outcome.delivered.iter().map(|(seq, _)| *seq).collect();
     assert_eq!(delivered, [90]);
     assert_eq!(outcome.refused.len(), 1);
@@ -713,6 +716,89 @@ async fn every_delivery_report_reaches_its_own_event() {
         }
     }
     assert_eq!(keys, ["doc-a", "doc-c", "doc-e", "doc-g"]);
+    it.cleanup().await;
+}
+
+/// The broker refusing an event while everything runs (the events topic's
+/// `max.message.bytes` lowered under the relay, which read it at start) costs that event's
+/// document alone: the relay survives the producer's fatal error, reads the limit anew and
+/// parks the event as its own size check would; every other document's jobs, and their
+/// retries, flow meanwhile; once the limit is raised, `jobfold parked retry` releases it
+/// without a restart and its job runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_event_the_broker_refuses_while_running_is_parked_and_the_rest_flows() {
+    use rand::Rng;
+    let mut it = Installation::new("refusedlive").await;
+    it.fast();
+    it.config.accept.max_input_bytes = 300_000;
+    it.create_topics().await;
+    let pipeline = jobfold_tests::harness::Pipeline::start(&it, true);
+    let acceptor = it.acceptor().await;
+    let succeeded = |ids: Vec<Uuid>| {
+        let it = &it;
+        async move {
+            let n: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM jobs WHERE job_id = ANY($1) AND state = 'succeeded'",
+            )
+            .bind(&ids)
+            .fetch_one(&it.pool)
+            .await
+            .unwrap();
+            n == ids.len() as i64
+        }
+    };
+    let before = acceptor.accept(&it.pool, &job("doc-before", 1)).await.unwrap().job_id;
+    eventually(Duration::from_secs(60), "a job before the change", || succeeded(vec![before]))
+        .await;
+
+    set_topic_limit(&it, 64 * 1024).await;
+    // Random letters: lz4 cannot bring them under 64 KiB.
+    let text: String =
+        rand::rng().sample_iter(rand::distr::Alphanumeric).take(250_000).map(char::from).collect();
+    let big = NewJob { input: json!({ "text": text }), ..job("doc-big", 1) };
+    let big = acceptor.accept(&it.pool, &big).await.unwrap().job_id;
+    let mut others = Vec::new();
+    for i in 0..10 {
+        let mut other = job(&format!("doc-after-{i}"), 1);
+        if i % 2 == 0 {
+            // Failing once: its retry goes out through the outbox at its due time.
+            other.input = json!({ "text": "some words", "simulate": { "fail_attempts": 1 } });
+        }
+        others.push(acceptor.accept(&it.pool, &other).await.unwrap().job_id);
+    }
+    eventually(Duration::from_secs(90), "every other document's jobs and retries", || {
+        succeeded(others.clone())
+    })
+    .await;
+    let retried: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM jobs WHERE job_id = ANY($1) AND attempt = 2")
+            .bind(&others)
+            .fetch_one(&it.pool)
+            .await
+            .unwrap();
+    assert_eq!(retried, 5, "the retries ran");
+    eventually(Duration::from_secs(30), "the refused event parked", || async {
+        parked_rows(&it).await.iter().any(|row| row.1)
+    })
+    .await;
+    let rows = parked_rows(&it).await;
+    assert_eq!(rows.len(), 1, "{rows:?}");
+    assert!(rows[0].3.contains("65536"), "the limit as it is now: {rows:?}");
+    assert_eq!(it.state_and_attempt(big).await, ("queued".to_owned(), 0));
+
+    set_topic_limit(&it, 1024 * 1024).await;
+    let output = jobfold_tests::harness::jobfold_cli()
+        .env("JOBFOLD_DATABASE_URL", it.config.database_url.expose())
+        .args(["parked", "retry", "--all"])
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    eventually(Duration::from_secs(60), "the released job run", || async {
+        parked_rows(&it).await.is_empty() && succeeded(vec![big]).await
+    })
+    .await;
+    pipeline.stop().await;
+    assert_eq!(jobfold_tests::harness::fold_mismatches(&it).await, Vec::<String>::new());
     it.cleanup().await;
 }
 
