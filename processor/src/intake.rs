@@ -17,7 +17,7 @@
 use std::time::Duration;
 
 use crate::dead_letter::Raw;
-use crate::internal_events::{MessageError, MessageRetried};
+use crate::internal_events::{ConsumerFailed, ErrorBackoff, MessageError, MessageRetried};
 use crate::metrics as m;
 use jobfold_common::accept::{Acceptor, NewJob};
 use jobfold_common::config::Config;
@@ -88,6 +88,7 @@ impl Intake {
     /// # Errors
     /// The consumer failed in a way that retrying cannot fix.
     pub async fn run(self, shutdown: CancellationToken) -> anyhow::Result<()> {
+        let mut errors = ErrorBackoff::default();
         loop {
             let message = tokio::select! {
                 biased;
@@ -95,10 +96,17 @@ impl Intake {
                 message = self.consumer.recv() => message,
             };
             let message = match message {
-                Ok(message) => message,
+                Ok(message) => {
+                    errors.reset();
+                    message
+                }
                 Err(e) => {
-                    tracing::warn!(error = %e, "Intake consumer error.");
-                    tokio::time::sleep(RETRY_MIN).await;
+                    let backoff = errors.next();
+                    ConsumerFailed { stage: "intake", error: &e, backoff }.emit();
+                    tokio::select! {
+                        _ = shutdown.cancelled() => break,
+                        () = tokio::time::sleep(backoff) => {}
+                    }
                     continue;
                 }
             };

@@ -90,6 +90,60 @@ impl MessageRetried<'_> {
     }
 }
 
+/// The consumer of `stage` (`dispatch`, `intake`) reported an error instead of a message: it
+/// asks again after `backoff`, which doubles while the errors go on.
+#[derive(Debug)]
+pub struct ConsumerFailed<'a> {
+    pub stage: &'static str,
+    pub error: &'a rdkafka::error::KafkaError,
+    pub backoff: Duration,
+}
+
+impl ConsumerFailed<'_> {
+    pub fn emit(self) {
+        tracing::warn!(
+            error = %self.error,
+            stage = self.stage,
+            backoff = ?self.backoff,
+            "Consumer error; asking again after the backoff."
+        );
+        let code = self
+            .error
+            .rdkafka_error_code()
+            .map_or_else(|| "other".to_owned(), |code| format!("{code:?}"));
+        metrics::counter!(pm::CONSUMER_ERRORS_TOTAL, "stage" => self.stage, "code" => code)
+            .increment(1);
+    }
+}
+
+/// How long a consumer waits after an error before it asks again: from 10 ms, doubling to
+/// 5 s while errors follow one another, back to the start after a message.
+#[derive(Debug)]
+pub struct ErrorBackoff(Duration);
+
+impl ErrorBackoff {
+    const FIRST: Duration = Duration::from_millis(10);
+    const MOST: Duration = Duration::from_secs(5);
+
+    /// The wait after the next error (the first one's is [`Self::FIRST`]).
+    pub fn next(&mut self) -> Duration {
+        let wait = self.0;
+        self.0 = (self.0 * 2).min(Self::MOST);
+        wait
+    }
+
+    /// A message arrived: the next error waits the least again.
+    pub fn reset(&mut self) {
+        self.0 = Self::FIRST;
+    }
+}
+
+impl Default for ErrorBackoff {
+    fn default() -> Self {
+        Self(Self::FIRST)
+    }
+}
+
 /// A message was stored in `dead_letters` (undecodable, or refused by the database).
 #[derive(Debug)]
 pub struct DeadLettered<'a> {

@@ -56,6 +56,9 @@ pub const CRASHED_RUNS_TOTAL: &str = "jobfold_crashed_runs_total";
 /// Counter, by task: background tasks that ended while the processor ran (it then stops,
 /// exiting non-zero, so that it is restarted).
 pub const TASK_FAILURES_TOTAL: &str = "jobfold_task_failures_total";
+/// Counter, by stage (`dispatch`, `intake`) and librdkafka error code: errors a consumer
+/// returned instead of a message (each followed by a growing pause).
+pub const CONSUMER_ERRORS_TOTAL: &str = "jobfold_consumer_errors_total";
 /// Counter, by kind: attempts refused for an outside service's quota (429).
 pub const THROTTLED_TOTAL: &str = "jobfold_throttled_total";
 /// Handler runs started (compare with completions: the difference is crashes and fencing).
@@ -168,6 +171,11 @@ pub fn describe() {
         TASK_FAILURES_TOTAL,
         Unit::Count,
         "Background tasks that ended while the processor ran; the processor then stops."
+    );
+    describe_counter!(
+        CONSUMER_ERRORS_TOTAL,
+        Unit::Count,
+        "Errors a Kafka consumer returned instead of a message, by stage and error code."
     );
     describe_gauge!(
         QUOTA_RATE_FACTOR,

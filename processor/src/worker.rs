@@ -61,7 +61,7 @@ use crate::dead_letter::Raw;
 use crate::handler::{HandlerError, Handlers, JobContext, panic_message};
 use crate::heartbeat::Heartbeats;
 use crate::internal_events::{
-    At, CompletionFenced, MessageError, MessageRetried, PartitionPaused, PartitionsMoved,
+    At, CompletionFenced, ConsumerFailed, ErrorBackoff, MessageError, MessageRetried, PartitionPaused, PartitionsMoved,
 };
 use crate::lease::{Dispatch, Inline, InlineRun, Leased, Leaser, Request};
 use crate::metrics as pm;
@@ -452,6 +452,7 @@ pub async fn run(
         }
     });
     let mut failed = None;
+    let mut errors = ErrorBackoff::default();
     loop {
         let message = tokio::select! {
             biased;
@@ -469,9 +470,17 @@ pub async fn run(
             message = shared.consumer.recv() => message,
         };
         let message = match message {
-            Ok(message) => message,
+            Ok(message) => {
+                errors.reset();
+                message
+            }
             Err(e) => {
-                tracing::warn!(error = %e, "Consumer error.");
+                let backoff = errors.next();
+                ConsumerFailed { stage: "dispatch", error: &e, backoff }.emit();
+                tokio::select! {
+                    _ = shutdown.cancelled() => break,
+                    () = tokio::time::sleep(backoff) => {}
+                }
                 continue;
             }
         };
