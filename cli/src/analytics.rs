@@ -181,6 +181,10 @@ pub struct Report {
     /// With `--verify`: jobs the log ends in a final state and the projection no longer has
     /// (deleted by `retention.jobs_after`).
     pub deleted_by_retention: u64,
+    /// With `--verify --from kafka`: jobs with a delayed event (a scheduled job's
+    /// `JobRequested`, a retry's `RetryDue`) that waits in the outbox for its time. It is not
+    /// on Kafka yet, as the log is meant to be, so these jobs are not compared.
+    pub waiting_for_their_time: u64,
 }
 
 /// A latency distribution.
@@ -646,7 +650,7 @@ pub async fn replay(
                 let queue = options.verify.then_some(&mut to_verify);
                 finish_job(&mut folder, &mut writer, queue, summary)?;
                 if options.verify && to_verify.len() >= VERIFY_BATCH {
-                    verify(pool, &mut to_verify, &mut folder.report).await?;
+                    verify(pool, options.source, &mut to_verify, &mut folder.report).await?;
                 }
             }
         }
@@ -658,11 +662,11 @@ pub async fn replay(
         let queue = options.verify.then_some(&mut to_verify);
         finish_job(&mut folder, &mut writer, queue, summary)?;
         if options.verify && to_verify.len() >= VERIFY_BATCH {
-            verify(pool, &mut to_verify, &mut folder.report).await?;
+            verify(pool, options.source, &mut to_verify, &mut folder.report).await?;
         }
     }
     if options.verify {
-        verify(pool, &mut to_verify, &mut folder.report).await?;
+        verify(pool, options.source, &mut to_verify, &mut folder.report).await?;
         verify_counts(pool, options, &mut folder.report).await?;
     }
     if let Some(writer) = writer {
@@ -714,6 +718,7 @@ struct ProjectionRow {
 /// Compares folded jobs with their projection rows; empties `jobs`.
 async fn verify(
     pool: &PgPool,
+    source: Source,
     jobs: &mut Vec<JobSummary>,
     report: &mut Report,
 ) -> anyhow::Result<()> {
@@ -721,6 +726,22 @@ async fn verify(
         return Ok(());
     }
     let ids: Vec<Uuid> = jobs.iter().map(|j| j.job_id).collect();
+    // Read from Kafka, a job whose delayed event is not due yet has less of its log there
+    // than Postgres has: not a difference.
+    let waiting: std::collections::HashSet<Uuid> = match source {
+        Source::Postgres => std::collections::HashSet::new(),
+        Source::Kafka => sqlx::query_scalar!(
+            r#"
+            SELECT DISTINCT e.job_id FROM outbox o JOIN job_events e USING (seq)
+            WHERE o.published_at IS NULL AND o.available_at > now() AND e.job_id = ANY($1)
+            "#,
+            &ids,
+        )
+        .fetch_all(pool)
+        .await?
+        .into_iter()
+        .collect(),
+    };
     let rows = sqlx::query_as!(
         ProjectionRow,
         r#"
@@ -734,6 +755,10 @@ async fn verify(
     .await?;
     let mut rows: HashMap<Uuid, ProjectionRow> = rows.into_iter().map(|r| (r.job_id, r)).collect();
     for job in jobs.drain(..) {
+        if waiting.contains(&job.job_id) {
+            report.waiting_for_their_time += 1;
+            continue;
+        }
         *report.verified.get_or_insert(0) += 1;
         let Some(row) = rows.remove(&job.job_id) else {
             // Only retention deletes jobs, and only ended ones.
@@ -776,8 +801,21 @@ async fn verify_counts(
     if options.since.is_some() {
         return Ok(());
     }
-    let projection =
+    let mut projection =
         sqlx::query_scalar!(r#"SELECT count(*) AS "count!" FROM jobs"#).fetch_one(pool).await?;
+    if options.source == Source::Kafka {
+        // Scheduled jobs whose JobRequested is not due yet: not on Kafka, as meant.
+        let scheduled = sqlx::query_scalar!(
+            r#"
+            SELECT count(*) AS "count!" FROM outbox o JOIN job_events e USING (seq)
+            WHERE o.published_at IS NULL AND o.available_at > now() AND e.stream_version = 1
+            "#
+        )
+        .fetch_one(pool)
+        .await?;
+        report.waiting_for_their_time += u64::try_from(scheduled).unwrap_or(0);
+        projection -= scheduled;
+    }
     let folded = i64::try_from(report.jobs).unwrap_or(i64::MAX);
     if projection > folded {
         let (backlog, _) = jobfold_common::gauges::relay_backlog(pool).await?;
@@ -1134,6 +1172,14 @@ impl fmt::Display for Report {
                     f,
                     "verify: {} ended jobs of the log were deleted by retention",
                     self.deleted_by_retention
+                )?;
+            }
+            if self.waiting_for_their_time > 0 {
+                writeln!(
+                    f,
+                    "verify: {} jobs have a delayed event (a scheduled run, a retry) waiting for \
+                     its time, not on Kafka yet: not compared",
+                    self.waiting_for_their_time
                 )?;
             }
             if self.is_clean() {

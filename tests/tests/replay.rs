@@ -218,3 +218,36 @@ async fn replay_from_kafka_and_postgres_verifies_reports_and_exports() {
     std::fs::remove_dir_all(&dir).unwrap();
     it.cleanup().await;
 }
+
+/// A scheduled job's `JobRequested` waits in the outbox until its time, so Kafka does not
+/// have it yet: `--verify` from Kafka counts it as waiting, not as a difference.
+#[tokio::test(flavor = "multi_thread")]
+async fn verify_from_kafka_counts_scheduled_jobs_as_waiting() {
+    let it = Installation::new("replay-scheduled").await;
+    it.create_topics().await;
+    let acceptor = it.acceptor().await;
+    let later = jobfold_common::accept::NewJob {
+        run_at: Some(chrono::Utc::now() + chrono::Duration::hours(1)),
+        ..job("doc-later", 1, json!({"text": "in an hour"}))
+    };
+    acceptor.accept(&it.pool, &later).await.unwrap();
+    acceptor.accept(&it.pool, &job("doc-now", 1, json!({"text": "now"}))).await.unwrap();
+    let shutdown = CancellationToken::new();
+    let relay = tokio::spawn(jobfold_relay::run(it.config.clone(), shutdown.clone()));
+    // Published: all but the scheduled one, which waits in the outbox.
+    eventually(Duration::from_secs(30), "the job due now published", || async {
+        events_on_topic(&it) == 1 && it.unpublished().await == 1
+    })
+    .await;
+    shutdown.cancel();
+    relay.await.unwrap().unwrap();
+
+    let kafka = replay(&it, &options(Source::Kafka, true, None)).await;
+    assert!(kafka.is_clean(), "{kafka}");
+    assert_eq!(kafka.waiting_for_their_time, 1, "{kafka}");
+    assert!(kafka.to_string().contains("waiting for its time"), "{kafka}");
+    let postgres = replay(&it, &options(Source::Postgres, true, None)).await;
+    assert!(postgres.is_clean(), "{postgres}");
+    assert_eq!(postgres.jobs, 2, "Postgres has the whole log: {postgres}");
+    it.cleanup().await;
+}
