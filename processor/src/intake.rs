@@ -103,9 +103,15 @@ impl Intake {
                 Err(e) => {
                     let backoff = errors.next();
                     ConsumerFailed { stage: "intake", error: &e, backoff }.emit();
-                    tokio::select! {
-                        _ = shutdown.cancelled() => break,
-                        () = tokio::time::sleep(backoff) => {}
+                    // A fatal error leaves the consumer dead: stop, to be restarted.
+                    if e.rdkafka_error_code() == Some(rdkafka::types::RDKafkaErrorCode::Fatal) {
+                        anyhow::bail!("the intake consumer hit a fatal error: {e}");
+                    }
+                    if !backoff.is_zero() {
+                        tokio::select! {
+                            _ = shutdown.cancelled() => break,
+                            () = tokio::time::sleep(backoff) => {}
+                        }
                     }
                     continue;
                 }

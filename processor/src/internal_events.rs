@@ -116,31 +116,36 @@ impl ConsumerFailed<'_> {
     }
 }
 
-/// How long a consumer waits after an error before it asks again: from 10 ms, doubling to
-/// 5 s while errors follow one another, back to the start after a message.
-#[derive(Debug)]
-pub struct ErrorBackoff(Duration);
-
-impl ErrorBackoff {
-    const FIRST: Duration = Duration::from_millis(10);
-    const MOST: Duration = Duration::from_secs(5);
-
-    /// The wait after the next error (the first one's is [`Self::FIRST`]).
-    pub fn next(&mut self) -> Duration {
-        let wait = self.0;
-        self.0 = (self.0 * 2).min(Self::MOST);
-        wait
-    }
-
-    /// A message arrived: the next error waits the least again.
-    pub fn reset(&mut self) {
-        self.0 = Self::FIRST;
-    }
+/// How long a consumer waits after an error before it asks again. librdkafka reports what
+/// it goes through on its own (all brokers down, a connection refused, a coordinator moved)
+/// as consumer errors, a few at each change, queued with the messages: waiting after each
+/// would hold every message queued behind them. So the first errors in a row are asked past
+/// at once; only a long run of them with no message between (librdkafka failing every call)
+/// is paced, from 10 ms doubling to 1 s, back to none after a message.
+#[derive(Debug, Default)]
+pub struct ErrorBackoff {
+    /// Errors since the last message.
+    in_a_row: u32,
 }
 
-impl Default for ErrorBackoff {
-    fn default() -> Self {
-        Self(Self::FIRST)
+impl ErrorBackoff {
+    /// Errors in a row asked past at once.
+    const UNPACED: u32 = 100;
+    const FIRST: Duration = Duration::from_millis(10);
+    const MOST: Duration = Duration::from_secs(1);
+
+    /// The wait after the next error.
+    pub fn next(&mut self) -> Duration {
+        self.in_a_row = self.in_a_row.saturating_add(1);
+        match self.in_a_row.checked_sub(Self::UNPACED + 1) {
+            None => Duration::ZERO,
+            Some(beyond) => Self::FIRST.saturating_mul(1 << beyond.min(16)).min(Self::MOST),
+        }
+    }
+
+    /// A message arrived.
+    pub fn reset(&mut self) {
+        self.in_a_row = 0;
     }
 }
 
@@ -296,5 +301,18 @@ mod tests {
         assert_eq!(error.to_string(), "message jobfold.job-events/3@42: connection refused");
         let cause = std::error::Error::source(&error).expect("the cause is its source");
         assert_eq!(cause.to_string(), "connection refused");
+    }
+
+    #[test]
+    fn a_consumer_asks_past_errors_at_once_and_paces_only_a_long_run_of_them() {
+        let mut backoff = ErrorBackoff::default();
+        let waits: Vec<Duration> = (0..120).map(|_| backoff.next()).collect();
+        assert!(waits[..100].iter().all(Duration::is_zero), "{waits:?}");
+        assert_eq!(waits[100], Duration::from_millis(10));
+        assert_eq!(waits[101], Duration::from_millis(20));
+        assert!(waits.windows(2).all(|w| w[1] >= w[0]), "{waits:?}");
+        assert_eq!(waits[119], Duration::from_secs(1), "at most 1 s: {waits:?}");
+        backoff.reset();
+        assert_eq!(backoff.next(), Duration::ZERO);
     }
 }

@@ -477,9 +477,17 @@ pub async fn run(
             Err(e) => {
                 let backoff = errors.next();
                 ConsumerFailed { stage: "dispatch", error: &e, backoff }.emit();
-                tokio::select! {
-                    _ = shutdown.cancelled() => break,
-                    () = tokio::time::sleep(backoff) => {}
+                // A fatal error leaves the consumer dead: stop, to be restarted.
+                if e.rdkafka_error_code() == Some(rdkafka::types::RDKafkaErrorCode::Fatal) {
+                    failed = Some(anyhow::anyhow!("the dispatch consumer hit a fatal error: {e}"));
+                    shutdown.cancel();
+                    break;
+                }
+                if !backoff.is_zero() {
+                    tokio::select! {
+                        _ = shutdown.cancelled() => break,
+                        () = tokio::time::sleep(backoff) => {}
+                    }
                 }
                 continue;
             }
