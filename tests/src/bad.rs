@@ -67,6 +67,10 @@ pub enum BadKind {
     Aborts,
     /// An HTTP handler that never answers.
     NeverAnswers,
+    /// A job whose event the broker refuses: the events topic's limit lowered under the
+    /// running relays (a fault of the campaign's, not drawn), raised again after it was
+    /// parked and retried as an operator would.
+    RefusedByBroker,
 }
 
 impl BadKind {
@@ -127,6 +131,7 @@ impl BadKind {
             Self::CostPanics => "handler's cost panics",
             Self::Aborts => "handler aborts its process",
             Self::NeverAnswers => "HTTP handler never answers",
+            Self::RefusedByBroker => "event the broker refused, limit lowered while running",
         }
     }
 }
@@ -477,6 +482,7 @@ impl Producer {
             ),
             BadKind::NeverAnswers => quarantined(json!({ "answer": "silent" }), "timed out"),
             BadKind::HotDocument => unreachable!("sent by hot_document"),
+            BadKind::RefusedByBroker => unreachable!("submitted by the fault that lowers the limit"),
         };
         let job_kind = match kind {
             BadKind::UnknownKindHttp | BadKind::UnknownKindApi | BadKind::UnknownKindIntake => {

@@ -551,7 +551,7 @@ pub async fn run(plan: &Plan) -> anyhow::Result<Outcome> {
     // The events topic takes 64 KiB, so that a result over the limit is also one Kafka would
     // refuse: were it not quarantined, it would hold its document's events back.
     let mut topics: Vec<_> = jobfold_common::kafka::jobfold_topics(&config).into_iter().collect();
-    topics[0].config.push(("max.message.bytes", (64 * 1024).to_string()));
+    topics[0].config.push(("max.message.bytes", EVENTS_TOPIC_LIMIT.to_string()));
     jobfold_common::kafka::ensure_topics(&config, &topics).await?;
     if plan.brokers == 3 {
         // What a broker's loss must not cost, as the binaries check it at start.
@@ -695,18 +695,31 @@ pub async fn run(plan: &Plan) -> anyhow::Result<Outcome> {
     let watching = Arc::new(AtomicBool::new(true));
     let watch = tokio::spawn(CursorWatch::default().run(pool.clone(), Arc::clone(&watching)));
 
-    // Faults, with one quiet stretch past the first third: the busy document comes once the
-    // last fault's window has closed, so what it costs the others is measured on its own.
+    // Faults, with three quiet stretches (history::QUIET_STRETCHES) so that the delay bound
+    // is tested outside the faults' windows more than once: one at a quarter and one at
+    // three quarters of the faults, each a fault window and QUIET_EXTRA longer, and one past
+    // the first third, where the busy document comes once the last fault's window has closed,
+    // so what it costs the others is measured on its own.
     let mut injected = 0;
     let cluster = plan.brokers == 3;
     let mut next_fault = Instant::now() + Duration::from_secs(3);
     let quiet_after =
         rng.random_range(plan.faults / 3..=(2 * plan.faults / 3).max(plan.faults / 3));
+    let mut plain_quiet = vec![plan.faults / 4, 3 * plan.faults / 4];
+    plain_quiet.retain(|at| *at != quiet_after && *at > 0);
     while injected < plan.faults {
         fleet.tend(&mut rng, true).await;
         if Instant::now() < next_fault {
             tokio::time::sleep(Duration::from_millis(100)).await;
             continue;
+        }
+        if let Some(at) = plain_quiet.iter().position(|at| *at == injected) {
+            plain_quiet.remove(at);
+            let quiet_until = Instant::now() + plan.fault_window + history::QUIET_EXTRA;
+            while Instant::now() < quiet_until {
+                fleet.tend(&mut rng, false).await;
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
         }
         if injected == quiet_after && !hot.load(Ordering::SeqCst) {
             let quiet_until = Instant::now() + plan.fault_window + plan.quiet;
@@ -718,15 +731,23 @@ pub async fn run(plan: &Plan) -> anyhow::Result<Outcome> {
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
         }
-        inject(
-            &mut fleet,
-            &services,
-            &config,
-            &pool,
-            cluster.then_some(injected % 2 == 1),
-            &mut rng,
-        )
-        .await?;
+        if injected == plan.faults / 2 {
+            // Dealt once a run at least (and at random besides, on one broker).
+            fleet.landing = Some(chrono::Utc::now());
+            refuse_an_event(&config, &pool, &ledger, &mut rng).await?;
+            fleet.count(REFUSED_FAULT);
+        } else {
+            inject(
+                &mut fleet,
+                &services,
+                &config,
+                &pool,
+                &ledger,
+                cluster.then_some(injected % 2 == 1),
+                &mut rng,
+            )
+            .await?;
+        }
         injected += 1;
         next_fault =
             Instant::now() + Duration::from_millis(rng.random_range(plan.gap_ms.0..=plan.gap_ms.1));
@@ -890,6 +911,121 @@ impl CursorWatch {
     }
 }
 
+/// How a [`refuse_an_event`] fault is counted.
+const REFUSED_FAULT: &str = "events topic's limit lowered under the relays, then raised";
+
+/// The events topic's limit in the campaign, and the one a [`refuse_an_event`] fault
+/// lowers it to for a while.
+const EVENTS_TOPIC_LIMIT: usize = 64 * 1024;
+const LOWERED_LIMIT: usize = 4 * 1024;
+
+/// Sets the events topic's `max.message.bytes`, keeping the topic's other settings (an
+/// AlterConfigs request replaces them all).
+async fn set_events_limit(config: &Config, bytes: usize) -> anyhow::Result<()> {
+    use rdkafka::admin::{AdminClient, AdminOptions, AlterConfig, ResourceSpecifier};
+    let admin: AdminClient<rdkafka::client::DefaultClientContext> =
+        config.kafka_client().create()?;
+    let spec = jobfold_common::kafka::jobfold_topics(config).remove(0);
+    let limit = bytes.to_string();
+    let mut change = AlterConfig::new(ResourceSpecifier::Topic(&config.topics.events))
+        .set("max.message.bytes", &limit);
+    for (key, value) in &spec.config {
+        change = change.set(key, value);
+    }
+    // The broker may be restarting after an earlier fault: try for a minute.
+    let mut last = None;
+    for _ in 0..120 {
+        match admin.alter_configs(std::slice::from_ref(&change), &AdminOptions::new()).await {
+            Ok(results) if results.iter().all(Result::is_ok) => return Ok(()),
+            Ok(results) => last = Some(format!("{results:?}")),
+            Err(e) => last = Some(e.to_string()),
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    anyhow::bail!("altering the events topic's max.message.bytes: {last:?}")
+}
+
+/// A fault: the events topic's `max.message.bytes` lowered under the running relays (which
+/// read it at start), a job submitted whose event is over the new limit (random letters,
+/// which lz4 cannot shrink under it), then, once the relay parked it (or after 30 s), the
+/// limit raised back and every parked event retried, as an operator would (`jobfold parked
+/// retry --all`). The job must then succeed, and no other document may wait on it meanwhile.
+async fn refuse_an_event(
+    config: &Config,
+    pool: &PgPool,
+    ledger: &Mutex<crate::bad::Ledger>,
+    rng: &mut StdRng,
+) -> anyhow::Result<()> {
+    use jobfold_relay::parked::{self as park, Selection};
+    set_events_limit(config, LOWERED_LIMIT).await?;
+    let document = format!("bad-refused-{}", rng.random::<u32>());
+    let text: String =
+        (0..12_000).map(|_| char::from(rng.sample(rand::distr::Alphanumeric))).collect();
+    let job = NewJob {
+        document_id: document.clone(),
+        kind: "index-document".into(),
+        input_version: 1,
+        input: json!({ "text": text }),
+        idempotency_key: None,
+        trace: None,
+        run_at: None,
+    };
+    let codec =
+        Codec::connect(registry_settings(&config.schema_registry_url)?, &config.topics.events)
+            .await?;
+    let acceptor = jobfold_common::accept::Acceptor::new(codec, config.accept_policy(), "campaign");
+    let submitted_at = chrono::Utc::now();
+    // Postgres may be restarting after an earlier fault: try for a while.
+    let mut accepted = None;
+    for _ in 0..100 {
+        match acceptor.accept(pool, &job).await {
+            Ok(done) => {
+                accepted = Some(done.job_id);
+                break;
+            }
+            Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
+        }
+    }
+    let mut parked = false;
+    if let Some(job_id) = accepted {
+        ledger.lock().expect("ledger").bad.push(crate::bad::Bad {
+            kind: crate::bad::BadKind::RefusedByBroker,
+            document,
+            job_id: Some(job_id),
+            expect: crate::bad::Expect::Succeeded,
+            submitted_at,
+        });
+        let until = Instant::now() + Duration::from_secs(30);
+        while Instant::now() < until {
+            // language=PostgreSQL
+            let found: Option<bool> = sqlx::query_scalar(
+                "SELECT true FROM relay_parked p JOIN job_events e USING (seq) \
+                 WHERE e.job_id = $1 AND p.refused",
+            )
+            .bind(job_id)
+            .fetch_optional(pool)
+            .await
+            .unwrap_or(None);
+            if found.is_some() {
+                parked = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+    set_events_limit(config, EVENTS_TOPIC_LIMIT).await?;
+    if !parked {
+        tracing::warn!("The event over the lowered limit was not parked within 30 s.");
+    }
+    for _ in 0..100 {
+        if park::request_retry(pool, &Selection::All).await.is_ok() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    Ok(())
+}
+
 /// Every acknowledged intake request has its job, and nothing is unfinished or unpublished.
 async fn settled(pool: &PgPool, acknowledged: &Acknowledged) -> anyhow::Result<bool> {
     let keys: Vec<String> = acknowledged.requests.iter().map(|r| format!("request:{r}")).collect();
@@ -914,6 +1050,7 @@ async fn inject(
     services: &Services,
     config: &Config,
     pool: &PgPool,
+    ledger: &Mutex<crate::bad::Ledger>,
     on_cluster: Option<bool>,
     rng: &mut StdRng,
 ) -> anyhow::Result<()> {
@@ -969,6 +1106,10 @@ async fn inject(
         70..=79 => {
             services.script("postgres", "restart-immediate")?;
             fleet.count("Postgres immediate restart");
+        }
+        80..=84 => {
+            refuse_an_event(config, pool, ledger, rng).await?;
+            fleet.count(REFUSED_FAULT);
         }
         _ => {
             if processors.len() < 3 {

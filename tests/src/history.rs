@@ -71,7 +71,31 @@ pub struct Observed {
 
 type Utc = chrono::DateTime<chrono::Utc>;
 
+/// How much longer than a fault window a quiet stretch lasts at the least: the time it
+/// gives outside every window.
+pub const QUIET_EXTRA: Duration = Duration::from_secs(10);
+
+/// The quiet stretches between faults a run must hold, so that the delay bound is tested
+/// outside the faults' windows more than once ([`Observed::quiet_stretches`]).
+pub const QUIET_STRETCHES: usize = 3;
+
 impl Observed {
+    /// The stretches between the faults the campaign injected longer than a fault window
+    /// plus `extra`: time with no injected fault's window open. Deaths the run brings on
+    /// itself (a bad job's abort, a fail point armed before the stretch) still land in them.
+    pub fn quiet_stretches(&self, extra: Duration) -> usize {
+        let least = chrono::Duration::from_std(self.fault_window + extra).unwrap_or_default();
+        let injected = |label: &str| {
+            !(label.starts_with("failpoint")
+                || label.contains("aborted by a bad job")
+                || label.contains("exited by itself"))
+        };
+        let mut times: Vec<Utc> =
+            self.faults.iter().filter(|(_, label)| injected(label)).map(|(at, _)| *at).collect();
+        times.sort();
+        times.windows(2).filter(|w| w[1] - w[0] >= least).count()
+    }
+
     /// How much of `from..to` lies outside every fault's window (`at..at + fault_window`):
     /// the part of a delay the faults do not explain.
     pub fn unexplained(&self, from: Utc, to: Utc) -> Duration {
@@ -104,6 +128,9 @@ pub struct History {
     pub events_in_log: u64,
     /// Per bad job kind: submitted, and ended as documented.
     pub bad: BTreeMap<String, (u64, u64)>,
+    /// Well-behaved jobs quarantined because the faults spent their attempts or killed the
+    /// processes they ran in ([`check_well_formed`]).
+    pub ended_by_deaths: u64,
     /// Well-behaved jobs' accept -> end.
     pub jobs_open: Delays,
     /// Acknowledged intake requests' wait to become a job.
@@ -183,6 +210,13 @@ impl fmt::Display for History {
             "at most {} copies of an event on the topic ({} explained by the relay's crashes)",
             self.most_copies, self.copies_bound
         )?;
+        if self.ended_by_deaths > 0 {
+            writeln!(
+                f,
+                "well-behaved jobs quarantined by the faults (attempts spent, processes killed): {}",
+                self.ended_by_deaths
+            )?;
+        }
         if self.findings.is_empty() {
             writeln!(f, "history: 0 lost, 0 duplicate effects, projection = fold(log)")?;
         }
@@ -224,6 +258,13 @@ pub async fn check(
     h.findings.extend(bad_findings);
     h.bad = bad;
     check_delays(config, pool, acknowledged, observed, &mut h).await?;
+    let quiet = observed.quiet_stretches(QUIET_EXTRA);
+    if quiet < QUIET_STRETCHES {
+        h.findings.push(format!(
+            "{quiet} quiet stretches between injected faults (at least {QUIET_STRETCHES} \
+             wanted): the delay bound was hardly tested outside the faults' windows"
+        ));
+    }
     let mut finding = |ok: bool, text: String| {
         if !ok {
             h.findings.push(text);
@@ -326,6 +367,15 @@ pub async fn check(
         format!("{} business writes belong to no success: {}", stray.len(), shown(&stray)),
     );
 
+    let (strict, ended_by_deaths) = check_well_formed(pool, &observed.deaths).await;
+    h.findings.extend(strict);
+    h.ended_by_deaths = ended_by_deaths;
+    let mut finding = |ok: bool, text: String| {
+        if !ok {
+            h.findings.push(text);
+        }
+    };
+
     // The index holds each document's highest succeeded version.
     let wrong_index = ids(
         pool,
@@ -387,6 +437,96 @@ pub async fn check(
         );
     }
     Ok(h)
+}
+
+/// The reason `index-document` quarantines an input with no `text`.
+pub const NO_TEXT: &str = "input.text must be a string";
+
+/// What became of the well-behaved submissions (documents `doc-NN`, each submission `n` its
+/// own (document, version): `doc-{n % 40}` at version `n / 40 + 1`), beyond lost and stuck:
+///
+/// - at most one job per submission: a retry of an acknowledged submission (same key, same
+///   request id) found the job it made, never made a second;
+/// - a job is superseded only when a newer version of its document succeeded;
+/// - a well-behaved job is quarantined only for the cause it carried (an input with no
+///   `text`, [`NO_TEXT`]) or for its attempts spent: its own failures are fewer than its
+///   attempts, so only the faults (leases lapsing under a stopped process, the deaths of
+///   the processes it ran in) can have spent them, and a death its reason names must be
+///   one the campaign caused (`deaths`); those are counted, not findings. Any other reason
+///   (a permanent failure, a time-out, a panic) is a cause it did not carry.
+///
+/// Returns the findings and the count of well-formed jobs ended by the deaths of their
+/// processes.
+pub async fn check_well_formed(
+    pool: &PgPool,
+    deaths: &std::collections::HashSet<u32>,
+) -> (Vec<String>, u64) {
+    let mut findings = Vec::new();
+    let twice = ids(
+        pool,
+        "SELECT document_id || ' v' || input_version || ': ' || count(*) || ' jobs' FROM jobs \
+         WHERE document_id LIKE 'doc-%' GROUP BY document_id, input_version HAVING count(*) > 1",
+    )
+    .await;
+    if !twice.is_empty() {
+        findings.push(format!(
+            "{} submissions made more than one job: {}",
+            twice.len(),
+            shown(&twice)
+        ));
+    }
+    let unfounded = ids(
+        pool,
+        "SELECT j.job_id::text || ' (' || j.document_id || ' v' || j.input_version || ')' \
+         FROM jobs j WHERE j.state = 'superseded' AND NOT EXISTS (SELECT 1 FROM jobs k \
+         WHERE k.document_id = j.document_id AND k.kind = j.kind \
+         AND k.input_version > j.input_version AND k.state = 'succeeded')",
+    )
+    .await;
+    if !unfounded.is_empty() {
+        findings.push(format!(
+            "{} jobs superseded with no newer version of their document succeeded: {}",
+            unfounded.len(),
+            shown(&unfounded)
+        ));
+    }
+    // language=PostgreSQL
+    let quarantined: Vec<(Uuid, String)> = sqlx::query_as(
+        "SELECT j.job_id, coalesce(q.reason, '') FROM jobs j JOIN quarantine q USING (job_id) \
+         WHERE j.state = 'quarantined' AND j.document_id LIKE 'doc-%'",
+    )
+    .fetch_all(pool)
+    .await
+    .unwrap_or_default();
+    let mut ended_by_deaths = 0;
+    let mut uncaused = Vec::new();
+    for (job_id, reason) in quarantined {
+        // The one cause a well-behaved submission carries: an input with no `text`.
+        if reason.contains(NO_TEXT) {
+            continue;
+        }
+        // Its attempts spent, or its processes killed `max_crashes` times: the faults' doing,
+        // so long as a death it names is one the campaign caused.
+        let by_faults = reason.starts_with("attempt budget spent")
+            || reason.contains("killed its processor");
+        let death_known = match crash_pid(&reason) {
+            Some(pid) => deaths.contains(&pid),
+            None => !reason.contains("killed its processor"),
+        };
+        if by_faults && death_known {
+            ended_by_deaths += 1;
+        } else {
+            uncaused.push(format!("{job_id}: {reason}"));
+        }
+    }
+    if !uncaused.is_empty() {
+        findings.push(format!(
+            "{} well-formed jobs quarantined for a cause they did not carry: {}",
+            uncaused.len(),
+            shown(&uncaused)
+        ));
+    }
+    (findings, ended_by_deaths)
 }
 
 /// The tally's line for bad jobs (of kinds that do not crash) ended by processes that died
