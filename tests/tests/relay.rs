@@ -731,6 +731,8 @@ async fn an_event_the_broker_refuses_while_running_is_parked_and_the_rest_flows(
     let mut it = Installation::new("refusedlive").await;
     it.fast();
     it.config.accept.max_input_bytes = 300_000;
+    // One partition: the refused event has the others' events in flight behind it.
+    it.config.topics.partitions = 1;
     it.create_topics().await;
     let pipeline = jobfold_tests::harness::Pipeline::start(&it, true);
     let acceptor = it.acceptor().await;
@@ -756,7 +758,12 @@ async fn an_event_the_broker_refuses_while_running_is_parked_and_the_rest_flows(
     let text: String =
         rand::rng().sample_iter(rand::distr::Alphanumeric).take(250_000).map(char::from).collect();
     let big = NewJob { input: json!({ "text": text }), ..job("doc-big", 1) };
-    let big = acceptor.accept(&it.pool, &big).await.unwrap().job_id;
+    let mut around: Vec<NewJob> = (0..300).map(|i| job(&format!("doc-around-{i}"), 1)).collect();
+    around.insert(150, big);
+    let accepted = acceptor.accept_batch(&it.pool, &around).await.unwrap();
+    let big = accepted[150].job_id;
+    let around: Vec<Uuid> =
+        accepted.iter().map(|a| a.job_id).filter(|id| *id != big).collect();
     let mut others = Vec::new();
     for i in 0..10 {
         let mut other = job(&format!("doc-after-{i}"), 1);
@@ -767,7 +774,8 @@ async fn an_event_the_broker_refuses_while_running_is_parked_and_the_rest_flows(
         others.push(acceptor.accept(&it.pool, &other).await.unwrap().job_id);
     }
     eventually(Duration::from_secs(90), "every other document's jobs and retries", || {
-        succeeded(others.clone())
+        let all: Vec<Uuid> = others.iter().chain(&around).copied().collect();
+        succeeded(all)
     })
     .await;
     let retried: i64 =
@@ -799,6 +807,45 @@ async fn an_event_the_broker_refuses_while_running_is_parked_and_the_rest_flows(
     .await;
     pipeline.stop().await;
     assert_eq!(jobfold_tests::harness::fold_mismatches(&it).await, Vec::<String>::new());
+    it.cleanup().await;
+}
+
+/// A fatal producer error gives the batches waiting on it up at once: the reports the
+/// producer still owes may never come (here no broker listens and messages never time out),
+/// so what it holds is purged, the batch takes what was reported and counts the rest as not
+/// delivered, to be sent again by a new producer.
+#[tokio::test]
+async fn a_fatal_producer_error_gives_up_the_batches_waiting_on_it() {
+    use jobfold_relay::publish::{self, Event};
+    let it = Installation::new("fatal").await;
+    let mut nowhere = it.config.clone();
+    nowhere.kafka_brokers = format!("127.0.0.1:{}", jobfold_tests::harness::free_port());
+    let producer = publish::producer(&nowhere).unwrap();
+    let event = |seq, key| Event {
+        seq,
+        topic: "nowhere",
+        key,
+        body: b"an event".as_slice(),
+        available_at: Utc::now(),
+        traceparent: None,
+        tracestate: None,
+        kind: "JobRequested",
+    };
+    let events = [event(1, "doc-a"), event(2, "doc-b")];
+    let sent =
+        publish::send(&producer, &events, &mut publish::Blocked::default(), usize::MAX).await;
+    // librdkafka's error callback, as it calls it on a fatal error.
+    rdkafka::ClientContext::error(
+        rdkafka::producer::Producer::context(&producer).as_ref(),
+        rdkafka::error::KafkaError::Global(rdkafka::types::RDKafkaErrorCode::Fatal),
+        "a fatal error for the test",
+    );
+    let outcome = tokio::time::timeout(Duration::from_secs(30), sent.delivered(&producer))
+        .await
+        .expect("the batch is given up, not waited on for ever");
+    assert!(outcome.delivered.is_empty(), "{outcome:?}");
+    let failed: Vec<i64> = outcome.failed.iter().map(|(seq, _)| *seq).collect();
+    assert_eq!(failed, [1, 2], "sent again by the next producer: {outcome:?}");
     it.cleanup().await;
 }
 
