@@ -577,7 +577,12 @@ fn describe(error: &figment::Error) -> String {
                 figment::error::Kind::UnknownField(field, expected) => {
                     let section = e.path.iter().rev().skip(1).rev().cloned().collect::<Vec<_>>();
                     let full = |name: &str| {
-                        section.iter().map(String::as_str).chain([name]).collect::<Vec<_>>().join(".")
+                        section
+                            .iter()
+                            .map(String::as_str)
+                            .chain([name])
+                            .collect::<Vec<_>>()
+                            .join(".")
                     };
                     let nearest = expected
                         .iter()
@@ -947,7 +952,11 @@ impl Config {
                 && !fixed.takes(value)
             {
                 return Err(ConfigError::Named {
-                    key: format!("key `kafka.{}` (JOBFOLD_KAFKA__{})", fixed.key, env_name(fixed.key)),
+                    key: format!(
+                        "key `kafka.{}` (JOBFOLD_KAFKA__{})",
+                        fixed.key,
+                        env_name(fixed.key)
+                    ),
                     problem: format!(
                         "is fixed at {:?}, not {value:?}: {}; remove the setting",
                         fixed.value, fixed.why
@@ -1334,7 +1343,10 @@ mod tests {
         let mut config = defaults();
         config.kafka.0.insert("max.in.flight".into(), "10".into());
         let refused = problem(config.validate());
-        assert!(refused.contains("kafka.max.in.flight") && refused.contains("producer"), "{refused}");
+        assert!(
+            refused.contains("kafka.max.in.flight") && refused.contains("producer"),
+            "{refused}"
+        );
         // Raised alone, message.max.bytes is fine: librdkafka raises its fetch size with it.
         let mut config = defaults();
         config.kafka.0.insert("message.max.bytes".into(), "4000000".into());

@@ -74,9 +74,9 @@ impl Intake {
     ) -> anyhow::Result<Self> {
         let consumer: StreamConsumer = config
             .kafka_client_for(
-            jobfold_common::config::KafkaRole::Consumer,
-            jobfold_common::kafka::CONSUMER_DEFAULTS,
-        )
+                jobfold_common::config::KafkaRole::Consumer,
+                jobfold_common::kafka::CONSUMER_DEFAULTS,
+            )
             .set("group.id", &config.intake.group)
             .create()?;
         consumer.subscribe(&[&config.topics.requests])?;
@@ -101,7 +101,7 @@ impl Intake {
                     message
                 }
                 Err(e) => {
-                    let backoff = errors.next();
+                    let backoff = errors.after_error();
                     ConsumerFailed { stage: "intake", error: &e, backoff }.emit();
                     // A fatal error leaves the consumer dead: stop, to be restarted.
                     if e.rdkafka_error_code() == Some(rdkafka::types::RDKafkaErrorCode::Fatal) {

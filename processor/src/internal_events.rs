@@ -135,7 +135,7 @@ impl ErrorBackoff {
     const MOST: Duration = Duration::from_secs(1);
 
     /// The wait after the next error.
-    pub fn next(&mut self) -> Duration {
+    pub fn after_error(&mut self) -> Duration {
         self.in_a_row = self.in_a_row.saturating_add(1);
         match self.in_a_row.checked_sub(Self::UNPACED + 1) {
             None => Duration::ZERO,
@@ -306,13 +306,13 @@ mod tests {
     #[test]
     fn a_consumer_asks_past_errors_at_once_and_paces_only_a_long_run_of_them() {
         let mut backoff = ErrorBackoff::default();
-        let waits: Vec<Duration> = (0..120).map(|_| backoff.next()).collect();
+        let waits: Vec<Duration> = (0..120).map(|_| backoff.after_error()).collect();
         assert!(waits[..100].iter().all(Duration::is_zero), "{waits:?}");
         assert_eq!(waits[100], Duration::from_millis(10));
         assert_eq!(waits[101], Duration::from_millis(20));
         assert!(waits.windows(2).all(|w| w[1] >= w[0]), "{waits:?}");
         assert_eq!(waits[119], Duration::from_secs(1), "at most 1 s: {waits:?}");
         backoff.reset();
-        assert_eq!(backoff.next(), Duration::ZERO);
+        assert_eq!(backoff.after_error(), Duration::ZERO);
     }
 }

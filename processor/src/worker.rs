@@ -61,7 +61,8 @@ use crate::dead_letter::Raw;
 use crate::handler::{HandlerError, Handlers, JobContext, panic_message};
 use crate::heartbeat::Heartbeats;
 use crate::internal_events::{
-    At, CompletionFenced, ConsumerFailed, ErrorBackoff, MessageError, MessageRetried, PartitionPaused, PartitionsMoved,
+    At, CompletionFenced, ConsumerFailed, ErrorBackoff, MessageError, MessageRetried,
+    PartitionPaused, PartitionsMoved,
 };
 use crate::lease::{Dispatch, Inline, InlineRun, Leased, Leaser, Request};
 use crate::metrics as pm;
@@ -355,9 +356,9 @@ pub async fn run(
         lag_reported: Mutex::default(),
     };
     let mut client = config.kafka_client_for(
-            jobfold_common::config::KafkaRole::Consumer,
-            jobfold_common::kafka::CONSUMER_DEFAULTS,
-        );
+        jobfold_common::config::KafkaRole::Consumer,
+        jobfold_common::kafka::CONSUMER_DEFAULTS,
+    );
     client.set("group.id", &config.processor.group);
     // What librdkafka fetches ahead is bounded as the buffer is: by default it holds up to
     // 100,000 messages a partition or 64 MiB, which a burst fills (two in three of them
@@ -475,7 +476,7 @@ pub async fn run(
                 message
             }
             Err(e) => {
-                let backoff = errors.next();
+                let backoff = errors.after_error();
                 ConsumerFailed { stage: "dispatch", error: &e, backoff }.emit();
                 // A fatal error leaves the consumer dead: stop, to be restarted.
                 if e.rdkafka_error_code() == Some(rdkafka::types::RDKafkaErrorCode::Fatal) {

@@ -343,14 +343,18 @@ impl Active<'_> {
                         *self.producer = producer;
                         self.max_bytes = limit;
                     }
-                    Err(e) => tracing::warn!(error = %e, "Cannot build a producer for the new limit."),
+                    Err(e) => {
+                        tracing::warn!(error = %e, "Cannot build a producer for the new limit.")
+                    }
                 }
             }
             Ok(Ok(_)) => {}
             Ok(Err(e)) => tracing::warn!(error = %format!("{e:#}"), max_bytes = self.max_bytes,
                 "Cannot read the events topic's limit; keeping the one the relay has."),
-            Err(_) => tracing::warn!(max_bytes = self.max_bytes,
-                "The brokers did not describe the events topic in time; keeping the limit the relay has."),
+            Err(_) => tracing::warn!(
+                max_bytes = self.max_bytes,
+                "The brokers did not describe the events topic in time; keeping the limit the relay has."
+            ),
         }
     }
 

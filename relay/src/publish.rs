@@ -40,7 +40,9 @@ pub type EventProducer = ThreadedProducer<Reports>;
 /// # Errors
 /// librdkafka refused the configuration.
 pub fn producer(config: &Config) -> Result<EventProducer, KafkaError> {
-    config.kafka_client_for(KafkaRole::Producer, PRODUCER_DEFAULTS).create_with_context(Reports::default())
+    config
+        .kafka_client_for(KafkaRole::Producer, PRODUCER_DEFAULTS)
+        .create_with_context(Reports::default())
 }
 
 /// The relay's producer for a topic that takes record batches of up to `max_bytes`: unless
@@ -239,6 +241,9 @@ struct Tally {
 
 const _: () = assert!(usize::BITS >= 64, "the delivery opaque holds a batch and an index");
 
+/// What a batch given up on was told: the indexes reported delivered, and the failures.
+type Reported = (Vec<usize>, Vec<(usize, KafkaError)>);
+
 impl ClientContext for Reports {
     fn error(&self, error: KafkaError, reason: &str) {
         if error.rdkafka_error_code() == Some(RDKafkaErrorCode::Fatal) {
@@ -285,7 +290,7 @@ impl Reports {
 
     /// Stops tallying `batch`: the reports it has (delivered indexes, failures), if it was
     /// still waiting.
-    fn abandon(&self, batch: u32) -> Option<(Vec<usize>, Vec<(usize, KafkaError)>)> {
+    fn abandon(&self, batch: u32) -> Option<Reported> {
         let mut tallies = self.tallies.lock().expect("no panic while holding the tallies");
         tallies.remove(&batch).map(|tally| (tally.delivered, tally.failed))
     }
@@ -495,7 +500,9 @@ fn settled(
             None if delivered.as_ref().is_none_or(|d| d.contains(&index)) => {
                 outcome.delivered.push((seq, available_at));
             }
-            None => outcome.failed.push((seq, KafkaError::MessageProduction(RDKafkaErrorCode::Fatal))),
+            None => {
+                outcome.failed.push((seq, KafkaError::MessageProduction(RDKafkaErrorCode::Fatal)))
+            }
         }
     }
     outcome

@@ -482,7 +482,9 @@ impl Producer {
             ),
             BadKind::NeverAnswers => quarantined(json!({ "answer": "silent" }), "timed out"),
             BadKind::HotDocument => unreachable!("sent by hot_document"),
-            BadKind::RefusedByBroker => unreachable!("submitted by the fault that lowers the limit"),
+            BadKind::RefusedByBroker => {
+                unreachable!("submitted by the fault that lowers the limit")
+            }
         };
         let job_kind = match kind {
             BadKind::UnknownKindHttp | BadKind::UnknownKindApi | BadKind::UnknownKindIntake => {

@@ -678,9 +678,9 @@ pub async fn run(plan: &Plan) -> anyhow::Result<Outcome> {
         .await?,
         kafka: config
             .kafka_client_for(
-            jobfold_common::config::KafkaRole::Producer,
-            jobfold_relay::publish::PRODUCER_DEFAULTS,
-        )
+                jobfold_common::config::KafkaRole::Producer,
+                jobfold_relay::publish::PRODUCER_DEFAULTS,
+            )
             .set("message.timeout.ms", "10000")
             .create()?,
         requests_topic: config.topics.requests.clone(),

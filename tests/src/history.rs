@@ -507,8 +507,8 @@ pub async fn check_well_formed(
         }
         // Its attempts spent, or its processes killed `max_crashes` times: the faults' doing,
         // so long as a death it names is one the campaign caused.
-        let by_faults = reason.starts_with("attempt budget spent")
-            || reason.contains("killed its processor");
+        let by_faults =
+            reason.starts_with("attempt budget spent") || reason.contains("killed its processor");
         let death_known = match crash_pid(&reason) {
             Some(pid) => deaths.contains(&pid),
             None => !reason.contains("killed its processor"),
@@ -590,67 +590,71 @@ async fn check_bad(
             entry.0 += 1;
             entry.1 += 1;
         }
-        let ended = died_under_it || match &bad.expect {
-            Expect::Refused => jobs.is_empty() && bad.job_id.is_none(),
-            Expect::DeadLettered => jobs.is_empty() && dead_letters >= 1,
-            Expect::Quarantined(why) => match jobs.as_slice() {
-                // Or by the lease transaction, when every attempt died with its process.
-                [(state, 1, Some(reason))] if state == "quarantined" => {
-                    reason.contains(why) || reason.starts_with("attempt budget spent:")
+        let ended = died_under_it
+            || match &bad.expect {
+                Expect::Refused => jobs.is_empty() && bad.job_id.is_none(),
+                Expect::DeadLettered => jobs.is_empty() && dead_letters >= 1,
+                Expect::Quarantined(why) => match jobs.as_slice() {
+                    // Or by the lease transaction, when every attempt died with its process.
+                    [(state, 1, Some(reason))] if state == "quarantined" => {
+                        reason.contains(why) || reason.starts_with("attempt budget spent:")
+                    }
+                    // A replay whose answer was lost with its connection, committed.
+                    [(state, 2, None)] if state == "succeeded" && *why == "permanent failure" => {
+                        true
+                    }
+                    _ => false,
+                },
+                Expect::Replayed { version } => {
+                    matches!(jobs.as_slice(), [(state, v, None)] if state == "succeeded" && v == version)
                 }
-                // A replay whose answer was lost with its connection, committed.
-                [(state, 2, None)] if state == "succeeded" && *why == "permanent failure" => true,
-                _ => false,
-            },
-            Expect::Replayed { version } => {
-                matches!(jobs.as_slice(), [(state, v, None)] if state == "succeeded" && v == version)
-            }
-            Expect::Cancelled | Expect::CancelUnanswered | Expect::EndedBeforeCancel => {
-                let (cancelled, other) = match jobs.as_slice() {
-                    [(state, 1, _)] => (state == "cancelled", state != "cancelled"),
-                    _ => (false, false),
-                };
-                // Nothing committed for a cancelled job: no result, no business write.
-                // language=PostgreSQL
-                let committed: i64 = sqlx::query_scalar(
-                    "SELECT (SELECT count(*) FROM job_results WHERE job_id = $1) \
+                Expect::Cancelled | Expect::CancelUnanswered | Expect::EndedBeforeCancel => {
+                    let (cancelled, other) = match jobs.as_slice() {
+                        [(state, 1, _)] => (state == "cancelled", state != "cancelled"),
+                        _ => (false, false),
+                    };
+                    // Nothing committed for a cancelled job: no result, no business write.
+                    // language=PostgreSQL
+                    let committed: i64 = sqlx::query_scalar(
+                        "SELECT (SELECT count(*) FROM job_results WHERE job_id = $1) \
                           + (SELECT count(*) FROM index_writes WHERE job_id = $1)",
-                )
-                .bind(bad.job_id)
-                .fetch_one(pool)
-                .await?;
-                match bad.expect {
-                    Expect::Cancelled => cancelled && committed == 0,
-                    Expect::EndedBeforeCancel => other,
-                    _ => (cancelled && committed == 0) || other,
+                    )
+                    .bind(bad.job_id)
+                    .fetch_one(pool)
+                    .await?;
+                    match bad.expect {
+                        Expect::Cancelled => cancelled && committed == 0,
+                        Expect::EndedBeforeCancel => other,
+                        _ => (cancelled && committed == 0) || other,
+                    }
                 }
-            }
-            Expect::RanAt(run_at) => {
-                // language=PostgreSQL
-                let first_lease: Option<chrono::DateTime<chrono::Utc>> = sqlx::query_scalar(
+                Expect::RanAt(run_at) => {
+                    // language=PostgreSQL
+                    let first_lease: Option<chrono::DateTime<chrono::Utc>> = sqlx::query_scalar(
                     "SELECT min(occurred_at) FROM job_events WHERE job_id = $1 AND kind = 'JobLeased'",
                 )
                 .bind(bad.job_id)
                 .fetch_one(pool)
                 .await?;
-                matches!(jobs.as_slice(), [(state, 1, None)] if state == "succeeded")
-                    && first_lease.is_some_and(|t| t >= *run_at)
-            }
-            Expect::Succeeded => {
-                matches!(jobs.as_slice(), [(state, 1, None)] if state == "succeeded")
-            }
-            Expect::AllEnded { versions } => {
-                // language=PostgreSQL
-                let indexed: Option<i64> =
-                    sqlx::query_scalar("SELECT version FROM document_index WHERE document_id = $1")
-                        .bind(&bad.document)
-                        .fetch_optional(pool)
-                        .await?;
-                jobs.len() as i64 == *versions
-                    && jobs.iter().all(|(s, _, _)| s == "succeeded" || s == "superseded")
-                    && indexed == Some(*versions)
-            }
-        };
+                    matches!(jobs.as_slice(), [(state, 1, None)] if state == "succeeded")
+                        && first_lease.is_some_and(|t| t >= *run_at)
+                }
+                Expect::Succeeded => {
+                    matches!(jobs.as_slice(), [(state, 1, None)] if state == "succeeded")
+                }
+                Expect::AllEnded { versions } => {
+                    // language=PostgreSQL
+                    let indexed: Option<i64> = sqlx::query_scalar(
+                        "SELECT version FROM document_index WHERE document_id = $1",
+                    )
+                    .bind(&bad.document)
+                    .fetch_optional(pool)
+                    .await?;
+                    jobs.len() as i64 == *versions
+                        && jobs.iter().all(|(s, _, _)| s == "succeeded" || s == "superseded")
+                        && indexed == Some(*versions)
+                }
+            };
         let entry = tally.entry(bad.kind.name().to_owned()).or_default();
         entry.0 += 1;
         if ended {

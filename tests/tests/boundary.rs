@@ -498,7 +498,11 @@ async fn a_suspect_whose_run_returns_is_charged_no_more() {
     let job = acceptor
         .accept(
             &it.pool,
-            &index_job("doc-bystander", 1, json!({ "text": "x", "simulate": { "fail_attempts": 1 } })),
+            &index_job(
+                "doc-bystander",
+                1,
+                json!({ "text": "x", "simulate": { "fail_attempts": 1 } }),
+            ),
         )
         .await
         .unwrap()

@@ -91,12 +91,14 @@ async fn the_stricter_checks_each_find_their_fault() {
     let set = |job, state: &'static str| {
         let pool = &it.pool;
         async move {
-            sqlx::query("UPDATE jobs SET state = $2::job_state, finished_at = now() WHERE job_id = $1")
-                .bind(job)
-                .bind(state)
-                .execute(pool)
-                .await
-                .unwrap();
+            sqlx::query(
+                "UPDATE jobs SET state = $2::job_state, finished_at = now() WHERE job_id = $1",
+            )
+            .bind(job)
+            .bind(state)
+            .execute(pool)
+            .await
+            .unwrap();
         }
     };
     set(older, "superseded").await;
@@ -125,7 +127,10 @@ async fn the_stricter_checks_each_find_their_fault() {
     assert_eq!(findings.len(), 3, "{findings:#?}");
     assert!(findings[0].contains("doc-01 v1: 2 jobs"), "{findings:#?}");
     assert!(findings[1].contains(&older.to_string()), "{findings:#?}");
-    assert!(findings[2].contains(&uncaused.to_string()) && findings[2].contains("boom"), "{findings:#?}");
+    assert!(
+        findings[2].contains(&uncaused.to_string()) && findings[2].contains("boom"),
+        "{findings:#?}"
+    );
     assert!(!findings[2].contains(&carried.to_string()), "its own input: {findings:#?}");
     assert_eq!(ended_by_deaths, 1);
     // The same death, but of a process the campaign did not kill: a finding.

@@ -355,12 +355,27 @@ async fn the_guarantees_kafka_settings_are_fixed_and_checked_together() {
     let it = Installation::new("relayfixed").await;
     let env = it.env();
     for (binary, option, value, named) in [
-        ("jobfold-processor", "JOBFOLD_KAFKA__ENABLE_AUTO_OFFSET_STORE", "true", "enable.auto.offset.store"),
+        (
+            "jobfold-processor",
+            "JOBFOLD_KAFKA__ENABLE_AUTO_OFFSET_STORE",
+            "true",
+            "enable.auto.offset.store",
+        ),
         ("jobfold-processor", "JOBFOLD_KAFKA__ENABLE_AUTO_COMMIT", "false", "enable.auto.commit"),
-        ("jobfold-processor", "JOBFOLD_KAFKA__ISOLATION_LEVEL", "read_uncommitted", "isolation.level"),
+        (
+            "jobfold-processor",
+            "JOBFOLD_KAFKA__ISOLATION_LEVEL",
+            "read_uncommitted",
+            "isolation.level",
+        ),
         ("jobfold-relay", "JOBFOLD_KAFKA__ENABLE_IDEMPOTENCE", "false", "enable.idempotence"),
         ("jobfold-relay", "JOBFOLD_KAFKA__ACKS", "1", "acks"),
-        ("jobfold-relay", "JOBFOLD_KAFKA__ENABLE_GAPLESS_GUARANTEE", "false", "enable.gapless.guarantee"),
+        (
+            "jobfold-relay",
+            "JOBFOLD_KAFKA__ENABLE_GAPLESS_GUARANTEE",
+            "false",
+            "enable.gapless.guarantee",
+        ),
     ] {
         let mut bad = env.clone();
         bad.insert(option.into(), value.into());
@@ -368,7 +383,9 @@ async fn the_guarantees_kafka_settings_are_fixed_and_checked_together() {
         assert_eq!(service.wait_exit(Duration::from_secs(30)).unwrap().code(), Some(2), "{option}");
         let log = service.log_text();
         assert!(
-            log.contains(&format!("kafka.{named}")) && log.contains(option) && log.contains("is fixed at"),
+            log.contains(&format!("kafka.{named}"))
+                && log.contains(option)
+                && log.contains("is fixed at"),
             "{binary} {option}: {log}"
         );
     }
@@ -411,9 +428,14 @@ async fn the_event_limit_advice_works_when_followed() {
     env.insert("JOBFOLD_KAFKA__MESSAGE_MAX_BYTES".into(), "4000000".into());
     let mut processor = Service::start("jobfold-processor", &env);
     let mut relay = Service::start("jobfold-relay", &env);
-    eventually(Duration::from_secs(60), "the processor running jobs and the relay relaying", || async {
-        processor.log_text().contains("Running jobs.") && relay.log_text().contains("Starting the relay")
-    })
+    eventually(
+        Duration::from_secs(60),
+        "the processor running jobs and the relay relaying",
+        || async {
+            processor.log_text().contains("Running jobs.")
+                && relay.log_text().contains("Starting the relay")
+        },
+    )
     .await;
     assert!(processor.wait_exit(Duration::ZERO).is_none(), "{}", processor.log_text());
     assert!(relay.wait_exit(Duration::ZERO).is_none(), "{}", relay.log_text());
@@ -693,7 +715,8 @@ async fn every_delivery_report_reaches_its_own_event() {
         event(80, open, "doc-f", b"small".as_slice()),
         event(90, open, "doc-g", b"small".as_slice()),
     ];
-    let outcome = publish::send(&producer, &checked, &mut blocked, 4096).await.delivered(&producer).await;
+    let outcome =
+        publish::send(&producer, &checked, &mut blocked, 4096).await.delivered(&producer).await;
     let delivered: Vec<i64> = outcome.delivered.iter().map(|(seq, _)| *seq).collect();
     assert_eq!(delivered, [90]);
     assert_eq!(outcome.refused.len(), 1);
@@ -762,8 +785,7 @@ async fn an_event_the_broker_refuses_while_running_is_parked_and_the_rest_flows(
     around.insert(150, big);
     let accepted = acceptor.accept_batch(&it.pool, &around).await.unwrap();
     let big = accepted[150].job_id;
-    let around: Vec<Uuid> =
-        accepted.iter().map(|a| a.job_id).filter(|id| *id != big).collect();
+    let around: Vec<Uuid> = accepted.iter().map(|a| a.job_id).filter(|id| *id != big).collect();
     let mut others = Vec::new();
     for i in 0..10 {
         let mut other = job(&format!("doc-after-{i}"), 1);
