@@ -93,7 +93,9 @@ impl Heartbeats {
 
     /// Keeps the lease of `job_id` at `generation` alive, renewing it by `ttl` every
     /// `interval` from now (it was just leased), until the registration drops; `lost` fires
-    /// when the lease is found lost.
+    /// when the lease is found lost. A lease registered already (a suspect's, kept alive while
+    /// it waited for its turn) keeps its renewal times, and `lost` takes over the news of its
+    /// loss: the first registration to drop ends it.
     pub fn register(
         &self,
         job_id: Uuid,
@@ -103,9 +105,13 @@ impl Heartbeats {
         lost: CancellationToken,
     ) -> Registration {
         let now = Instant::now();
-        let lease = Lease { interval, ttl, due: now + interval, expires: now + ttl, lost };
         let mut leases = self.leases.lock().expect("the lease table");
-        leases.insert((job_id, generation), lease);
+        match leases.entry((job_id, generation)) {
+            std::collections::hash_map::Entry::Occupied(mut held) => held.get_mut().lost = lost,
+            std::collections::hash_map::Entry::Vacant(new) => {
+                new.insert(Lease { interval, ttl, due: now + interval, expires: now + ttl, lost });
+            }
+        }
         metrics::gauge!(pm::LEASES_HELD).set(leases.len() as f64);
         Registration { key: (job_id, generation), leases: Arc::clone(&self.leases) }
     }

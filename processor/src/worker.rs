@@ -1018,7 +1018,12 @@ async fn attempt(
         (_, Some((job, isolated))) => {
             failpoint::hit(failpoint::PROCESSOR_AFTER_LEASE_COMMIT);
             let ran = if isolated {
-                Box::pin(run_isolated(shared, &event, &handler, job)).await?
+                match Box::pin(run_isolated(shared, &event, &handler, job)).await? {
+                    Isolated::Ran(ran) => ran,
+                    // Lost while it waited its turn (an operator cancelled the job): as a
+                    // fenced completion, nothing of this event is left to do.
+                    Isolated::LeaseLost => return Ok(Step::Done),
+                }
             } else {
                 Box::pin(run_handler(shared, &event, &handler, job)).await?
             };
@@ -1053,20 +1058,50 @@ async fn attempt(
     Ok(completed(shared, job_id, generation, done))
 }
 
+/// What became of a suspect's isolated run.
+enum Isolated {
+    /// It ran ([`run_handler`]'s answer).
+    Ran(Option<Attempt>),
+    /// Its lease was lost while it waited for its turn: it did not run.
+    LeaseLost,
+}
+
 /// Runs a suspect `job` (it was running when a process died), its lease committed: one such
 /// run at a time in this process, recorded as started in a commit of its own and the record
 /// deleted once the run returns. Should this run kill the process too, the record it leaves
 /// names this job alone, whatever else ran beside it ([`crate::store::crashed_runs`]).
+///
+/// While it waits for its turn its lease is kept alive by heartbeats: suspects queued behind
+/// a slow one would otherwise see their leases lapse, be leased again by the reaper's
+/// dispatch (an attempt spent each) and later take the one turn only to be fenced.
 async fn run_isolated(
     shared: &Shared,
     event: &JobEvent,
     handler: &std::sync::Arc<dyn crate::handler::ErasedHandler>,
     job: JobRow,
-) -> anyhow::Result<Option<Attempt>> {
+) -> anyhow::Result<Isolated> {
+    let kind = shared.config.kind(&job.kind);
+    let lost = shared.shutdown.child_token();
+    let waiting = shared.heartbeats.register(
+        job.job_id,
+        job.generation,
+        kind.heartbeat,
+        kind.lease_ttl,
+        lost.clone(),
+    );
     let _alone = tokio::select! {
-        _ = shared.shutdown.cancelled() => return Ok(None),
+        _ = lost.cancelled() => {
+            if shared.shutdown.is_cancelled() {
+                return Ok(Isolated::Ran(None));
+            }
+            tracing::info!(job_id = %job.job_id, generation = job.generation, "A suspect's lease was lost while it waited for its isolated run.");
+            return Ok(Isolated::LeaseLost);
+        }
         permit = shared.suspects.acquire() => permit?,
     };
+    // The run registers the lease again, taking it over with its renewal times as they are;
+    // the run's registration ends it, this one's drop after that finds nothing left.
+    let _waiting = waiting;
     let (run_id, job_id) = (uuid::Uuid::new_v4(), job.job_id);
     crate::store::inline_runs_begin(&shared.pool, run_id, &[job_id], &shared.owner).await?;
     let ran = run_handler(shared, event, handler, job).await;
@@ -1081,7 +1116,7 @@ async fn run_isolated(
         }
         backoff = (backoff * 2).min(RETRY_MAX);
     }
-    ran
+    ran.map(Isolated::Ran)
 }
 
 /// Counts what became of an attempt; its offset may be stored.

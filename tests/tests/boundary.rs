@@ -532,6 +532,56 @@ async fn a_suspect_whose_run_returns_is_charged_no_more() {
     it.cleanup().await;
 }
 
+/// Suspects queue for the one isolated run a process makes at a time, their leases kept alive
+/// meanwhile: two slow suspects in one processor, each running longer than a lease's TTL,
+/// both succeed at their first attempt, and the reaper finds neither lease lapsed (no
+/// `RetryDue` for either: the one waiting its turn was never dispatched again).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn suspects_waiting_their_turn_keep_their_leases() {
+    let mut it = Installation::new("boundary-suspects").await;
+    it.fast();
+    it.create_topics().await;
+    let acceptor = it.acceptor().await;
+    let slow = json!({ "text": "x", "simulate": { "sleep_ms": 8_000 } });
+    let mut jobs = Vec::new();
+    for document in ["doc-suspect-a", "doc-suspect-b"] {
+        let job =
+            acceptor.accept(&it.pool, &index_job(document, 1, slow.clone())).await.unwrap().job_id;
+        sqlx::query(
+            "INSERT INTO job_counters (job_id, crashes, last_crash_owner, last_crash_at) \
+             VALUES ($1, 1, 'a process that died', now())",
+        )
+        .bind(job)
+        .execute(&it.pool)
+        .await
+        .unwrap();
+        jobs.push(job);
+    }
+    assert!(it.config.processor.lease_ttl < Duration::from_secs(8), "each runs past a TTL");
+    let pipeline = Pipeline::start(&it, true);
+    eventually(Duration::from_secs(90), "both suspects to succeed", || async {
+        let mut done = true;
+        for job in &jobs {
+            done &= it.state_and_attempt(*job).await.0 == "succeeded";
+        }
+        done
+    })
+    .await;
+    pipeline.stop().await;
+    for job in &jobs {
+        assert_eq!(it.state_and_attempt(*job).await.1, 1, "one attempt each");
+    }
+    let redispatched: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM job_events WHERE kind = 'RetryDue' AND job_id = ANY($1)",
+    )
+    .bind(&jobs)
+    .fetch_one(&it.pool)
+    .await
+    .unwrap();
+    assert_eq!(redispatched, 0, "a waiting suspect's lease lapsed and the reaper dispatched it");
+    it.cleanup().await;
+}
+
 /// A run record left by a process that died stays only while one of its jobs may still be
 /// leased: once they all ended (or are gone), the reaper's sweep deletes it; a young record
 /// (a live lease transaction's window) and one naming a job still open are kept.
