@@ -1019,10 +1019,10 @@ async fn attempt(
             failpoint::hit(failpoint::PROCESSOR_AFTER_LEASE_COMMIT);
             let ran = if isolated {
                 match Box::pin(run_isolated(shared, &event, &handler, job)).await? {
-                    Isolated::Ran(ran) => ran,
+                    Ok(ran) => ran,
                     // Lost while it waited its turn (an operator cancelled the job): as a
                     // fenced completion, nothing of this event is left to do.
-                    Isolated::LeaseLost => return Ok(Step::Done),
+                    Err(LeaseLost) => return Ok(Step::Done),
                 }
             } else {
                 Box::pin(run_handler(shared, &event, &handler, job)).await?
@@ -1058,13 +1058,8 @@ async fn attempt(
     Ok(completed(shared, job_id, generation, done))
 }
 
-/// What became of a suspect's isolated run.
-enum Isolated {
-    /// It ran ([`run_handler`]'s answer).
-    Ran(Option<Attempt>),
-    /// Its lease was lost while it waited for its turn: it did not run.
-    LeaseLost,
-}
+/// A suspect's lease was lost while it waited for its isolated run: it did not run.
+struct LeaseLost;
 
 /// Runs a suspect `job` (it was running when a process died), its lease committed: one such
 /// run at a time in this process, recorded as started in a commit of its own and the record
@@ -1079,7 +1074,7 @@ async fn run_isolated(
     event: &JobEvent,
     handler: &std::sync::Arc<dyn crate::handler::ErasedHandler>,
     job: JobRow,
-) -> anyhow::Result<Isolated> {
+) -> anyhow::Result<Result<Option<Attempt>, LeaseLost>> {
     let kind = shared.config.kind(&job.kind);
     let lost = shared.shutdown.child_token();
     let waiting = shared.heartbeats.register(
@@ -1092,10 +1087,10 @@ async fn run_isolated(
     let _alone = tokio::select! {
         _ = lost.cancelled() => {
             if shared.shutdown.is_cancelled() {
-                return Ok(Isolated::Ran(None));
+                return Ok(Ok(None));
             }
             tracing::info!(job_id = %job.job_id, generation = job.generation, "A suspect's lease was lost while it waited for its isolated run.");
-            return Ok(Isolated::LeaseLost);
+            return Ok(Err(LeaseLost));
         }
         permit = shared.suspects.acquire() => permit?,
     };
@@ -1116,7 +1111,7 @@ async fn run_isolated(
         }
         backoff = (backoff * 2).min(RETRY_MAX);
     }
-    ran.map(Isolated::Ran)
+    ran.map(Ok)
 }
 
 /// Counts what became of an attempt; its offset may be stored.
