@@ -238,6 +238,77 @@ async fn the_api_answers_404_422_and_401() {
     it.cleanup().await;
 }
 
+/// A consumer error is counted, by stage and code, and costs nothing else: the requests
+/// topic deleted under a running processor makes its intake consumer report the topic
+/// missing (librdkafka's error in place of a message). The processor counts it in
+/// `jobfold_consumer_errors_total{stage="intake"}`, stays up, and runs a job accepted
+/// afterwards.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_consumer_error_is_counted_and_the_rest_runs_on() {
+    let it = Installation::new("consumer-errors").await;
+    it.create_topics().await;
+    let (env, http) = processor_env(&it, &unique_name("processors"));
+    let _relay = Service::start("jobfold-relay", &env);
+    let mut worker = Service::start("jobfold-test-processor", &env);
+    wait_http(http).await;
+    // The intake consumer reads its topic (a poison message reaches `dead_letters`) before
+    // the topic goes.
+    let producer: FutureProducer = jobfold_tests::kafka::client_config().create().unwrap();
+    producer
+        .send(
+            FutureRecord::to(&it.config.topics.requests).key("poison").payload(&b"not avro"[..]),
+            Duration::from_secs(10),
+        )
+        .await
+        .unwrap();
+    eventually(Duration::from_secs(60), "the intake to read its topic", || async {
+        it.count("dead_letters").await == 1
+    })
+    .await;
+    let before = worker.scrape().await.unwrap_or_default();
+    assert_eq!(
+        metric_value(&before, "jobfold_consumer_errors_total", &[("stage", "intake")]),
+        None,
+        "no consumer error yet: {before}"
+    );
+
+    jobfold_common::kafka::delete_topics(&it.config, &[it.config.topics.requests.as_str()])
+        .await
+        .unwrap();
+    let (count, text) =
+        eventually_some(Duration::from_secs(90), "the intake's consumer error counted", || async {
+            let text = worker.scrape().await?;
+            let count =
+                metric_value(&text, "jobfold_consumer_errors_total", &[("stage", "intake")])?;
+            (count > 0.0).then_some((count, text))
+        })
+        .await;
+    let code = text
+        .lines()
+        .find(|l| l.starts_with("jobfold_consumer_errors_total{") && l.contains("stage=\"intake\""))
+        .and_then(|l| l.split("code=\"").nth(1))
+        .and_then(|rest| rest.split('"').next())
+        .unwrap_or_default()
+        .to_owned();
+    assert!(!code.is_empty() && code != "other", "counted by librdkafka's code: {text}");
+
+    // The processor is still up, and a job accepted now runs.
+    let body = json!({"document_id": "after", "kind": "index-document", "input_version": 1,
+                      "input": {"text": "still running"}});
+    assert_eq!(post_job(http, body, &[]).await.status(), 201);
+    eventually(Duration::from_secs(60), "the job accepted after the error to succeed", || async {
+        state_count(&it, "succeeded").await == 1
+    })
+    .await;
+    assert!(
+        worker.wait_exit(Duration::ZERO).is_none(),
+        "the processor lives on after {count} consumer errors ({code}): {}",
+        worker.log_text()
+    );
+    drop(worker);
+    it.cleanup().await;
+}
+
 /// A traceparent sent with the HTTP request travels in the event and the Kafka headers and
 /// becomes the parent of the handler's span (seen in the processor's JSON log).
 #[tokio::test(flavor = "multi_thread")]
