@@ -204,8 +204,9 @@ impl std::fmt::Display for Outcome {
         if !self.held() {
             writeln!(
                 f,
-                "rerun: cargo run -p jobfold-tests --bin jobfold-campaign -- --seed {}",
-                self.seed
+                "rerun: cargo run -p jobfold-tests --bin jobfold-campaign -- --seed {}{}",
+                self.seed,
+                if crate::harness::profile() == "release" { " --release" } else { "" }
             )?;
         }
         Ok(())
@@ -236,6 +237,8 @@ impl Services {
             ("JOBFOLD_REGISTRY_PORT".into(), (b + 5).to_string()),
             // Node n of a cluster listens 10n ports above these (docker/kafka.sh).
             ("JOBFOLD_KAFKA_NODES".into(), plan.brokers.to_string()),
+            // The registry stand-in in the profile of the binaries the campaign starts.
+            ("JOBFOLD_REGISTRY_PROFILE".into(), crate::harness::profile().to_owned()),
         ];
         Self { root, env }
     }

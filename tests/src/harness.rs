@@ -232,11 +232,34 @@ pub fn free_port() -> u16 {
 }
 
 /// Where cargo puts this workspace's binaries.
+/// Release builds of the binaries the tests start, in place of debug ones; set once, before
+/// the first is started ([`use_release_builds`]).
+static RELEASE: OnceLock<bool> = OnceLock::new();
+
+/// Has every binary the tests start ([`binary`], [`Service::start`]) built and run in the
+/// release profile: the product as it ships, for long runs whose delays should measure the
+/// faults rather than a debug build's CPU. The tests themselves run debug builds.
+///
+/// # Panics
+/// A binary was started already, in the debug profile.
+pub fn use_release_builds() {
+    assert!(
+        *RELEASE.get_or_init(|| true),
+        "release builds asked for after a debug binary was started"
+    );
+}
+
+/// `release` or `debug`: the profile the started binaries are built in.
+pub fn profile() -> &'static str {
+    if *RELEASE.get_or_init(|| false) { "release" } else { "debug" }
+}
+
 fn target_dir() -> PathBuf {
-    if let Ok(dir) = std::env::var("CARGO_TARGET_DIR") {
-        return PathBuf::from(dir).join("debug");
-    }
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/debug")
+    let target = match std::env::var("CARGO_TARGET_DIR") {
+        Ok(dir) => PathBuf::from(dir),
+        Err(_) => Path::new(env!("CARGO_MANIFEST_DIR")).join("../target"),
+    };
+    target.join(profile())
 }
 
 /// The path of a workspace binary, built first (once per test process) so it is current.
@@ -257,8 +280,10 @@ pub fn binary(name: &str) -> PathBuf {
         let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
         // The whole workspace, as docker/test.sh and the registry stand-in build it: the same
         // package set resolves the same features, so this finds everything built.
+        let release = (profile() == "release").then_some("--release");
         let status = Command::new(cargo)
             .args(["build", "--quiet", "--workspace", "--bins"])
+            .args(release)
             .current_dir(Path::new(env!("CARGO_MANIFEST_DIR")).join(".."))
             .status()
             .expect("running cargo build");

@@ -4,6 +4,7 @@
 //! cargo run -p jobfold-tests --bin jobfold-campaign -- --faults 200          # a random seed
 //! cargo run -p jobfold-tests --bin jobfold-campaign -- --seed 42 --faults 20 # replay a run
 //! cargo run -p jobfold-tests --bin jobfold-campaign -- --brokers 3 --faults 100 # on a cluster
+//! cargo run -p jobfold-tests --bin jobfold-campaign -- --release --faults 200  # release builds
 //! ```
 //!
 //! It starts its own Postgres, Kafka and registry on ports from `--port-base` (the
@@ -40,6 +41,12 @@ struct Args {
     /// (leader, coordinator and controller kills, a paused broker, rolling restarts).
     #[arg(long, default_value_t = 1, value_parser = brokers)]
     brokers: u8,
+    /// Runs the relays, processors and registry from release builds, as they ship (built
+    /// first if needed); debug builds otherwise, as the tests run them. On two cores a long
+    /// run of debug builds with the bad jobs falls behind its load, and its delays then
+    /// measure the build rather than the faults.
+    #[arg(long)]
+    release: bool,
 }
 
 fn brokers(value: &str) -> Result<u8, String> {
@@ -53,6 +60,9 @@ fn brokers(value: &str) -> Result<u8, String> {
 #[tokio::main]
 async fn main() -> ExitCode {
     let args = Args::parse();
+    if args.release {
+        jobfold_tests::harness::use_release_builds();
+    }
     let seed = args.seed.unwrap_or_else(rand::random);
     println!("campaign seed {seed}, {} faults", args.faults);
     let base = if args.brokers == 3 {
