@@ -54,6 +54,18 @@ async fn wait_http(http: u16) {
     .await;
 }
 
+/// A message on the requests topic that is not Avro: the intake dead-letters it.
+async fn send_poison(it: &Installation) {
+    let producer: FutureProducer = jobfold_tests::kafka::client_config().create().unwrap();
+    producer
+        .send(
+            FutureRecord::to(&it.config.topics.requests).key("poison").payload(&b"not avro"[..]),
+            Duration::from_secs(10),
+        )
+        .await
+        .unwrap();
+}
+
 async fn state_count(it: &Installation, state: &str) -> i64 {
     sqlx::query_scalar("SELECT count(*) FROM jobs WHERE state::text = $1")
         .bind(state)
@@ -82,14 +94,7 @@ async fn a_scrape_after_a_known_workload_shows_the_gauges() {
                           "input_version": 1, "input": {"text": "x", "simulate": {"permanent": true}}});
         assert_eq!(post_job(http, body, &[]).await.status(), 201);
     }
-    let producer: FutureProducer = jobfold_tests::kafka::client_config().create().unwrap();
-    producer
-        .send(
-            FutureRecord::to(&it.config.topics.requests).key("poison").payload(&b"not avro"[..]),
-            Duration::from_secs(10),
-        )
-        .await
-        .unwrap();
+    send_poison(&it).await;
     eventually(Duration::from_secs(60), "3 quarantined jobs and 1 dead letter", || async {
         state_count(&it, "quarantined").await == 3 && it.count("dead_letters").await == 1
     })
@@ -253,14 +258,7 @@ async fn a_consumer_error_is_counted_and_the_rest_runs_on() {
     wait_http(http).await;
     // The intake consumer reads its topic (a poison message reaches `dead_letters`) before
     // the topic goes.
-    let producer: FutureProducer = jobfold_tests::kafka::client_config().create().unwrap();
-    producer
-        .send(
-            FutureRecord::to(&it.config.topics.requests).key("poison").payload(&b"not avro"[..]),
-            Duration::from_secs(10),
-        )
-        .await
-        .unwrap();
+    send_poison(&it).await;
     eventually(Duration::from_secs(60), "the intake to read its topic", || async {
         it.count("dead_letters").await == 1
     })
