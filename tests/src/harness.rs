@@ -231,7 +231,6 @@ pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
-/// Where cargo puts this workspace's binaries.
 /// Release builds of the binaries the tests start, in place of debug ones; set once, before
 /// the first is started ([`use_release_builds`]).
 static RELEASE: OnceLock<bool> = OnceLock::new();
@@ -254,6 +253,7 @@ pub fn profile() -> &'static str {
     if *RELEASE.get_or_init(|| false) { "release" } else { "debug" }
 }
 
+/// Where cargo puts this workspace's binaries, in [`profile`].
 fn target_dir() -> PathBuf {
     let target = match std::env::var("CARGO_TARGET_DIR") {
         Ok(dir) => PathBuf::from(dir),
@@ -262,7 +262,6 @@ fn target_dir() -> PathBuf {
     target.join(profile())
 }
 
-/// The path of a workspace binary, built first (once per test process) so it is current.
 /// The `jobfold` command line, pointed at the test services.
 pub fn jobfold_cli() -> Command {
     crate::services::require_all();
@@ -274,6 +273,7 @@ pub fn jobfold_cli() -> Command {
     command
 }
 
+/// The path of a workspace binary, built first (once per test process) so it is current.
 pub fn binary(name: &str) -> PathBuf {
     static BUILT: OnceLock<()> = OnceLock::new();
     BUILT.get_or_init(|| {
