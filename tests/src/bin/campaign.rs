@@ -43,8 +43,7 @@ struct Args {
     brokers: u8,
     /// Runs the relays, processors and registry from release builds, as they ship (built
     /// first if needed); debug builds otherwise, as the tests run them. On two cores a long
-    /// run of debug builds with the bad jobs falls behind its load, and its delays then
-    /// measure the build rather than the faults.
+    /// run of debug builds with every bad job falls behind its own load.
     #[arg(long)]
     release: bool,
 }
