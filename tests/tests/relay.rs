@@ -1044,15 +1044,24 @@ async fn a_transaction_open_in_another_database_is_named_and_waited_for() {
         sqlx::query_scalar("SELECT pg_backend_pid()").fetch_one(&mut *holder).await.unwrap();
     acceptor.accept(&it.pool, &job("doc-1", 1)).await.unwrap();
 
-    let mut conn = it.pool.acquire().await.unwrap();
-    let named = jobfold_relay::horizon::holder(&mut conn).await.unwrap().expect("a holder");
-    assert_eq!(named.pid, Some(pid));
+    // Tests running beside this one open transactions of their own, some older than this
+    // one; each ends, and then this one is the oldest.
+    let named = std::sync::Mutex::new(None);
+    eventually(Duration::from_secs(60), "the open transaction named", || async {
+        let mut conn = it.pool.acquire().await.unwrap();
+        let holder = jobfold_relay::horizon::holder(&mut conn).await.unwrap();
+        let ours = holder.as_ref().is_some_and(|h| h.pid == Some(pid));
+        *named.lock().unwrap() = holder;
+        ours
+    })
+    .await;
+    let named = named.into_inner().unwrap().expect("a holder");
     assert!(named.database.as_deref().unwrap().ends_with("_horizon_other"), "{named:?}");
-    drop(conn);
 
     let shutdown = CancellationToken::new();
     let relay = tokio::spawn(jobfold_relay::run(it.config.clone(), shutdown.clone()));
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    // The relay sleeps only after a pass: one that found the event and could not read it.
+    eventually(Duration::from_secs(30), "the relay to sleep", || sleeping(&it, None)).await;
     assert_eq!(events_on_topic(&it), 0, "held back below the open transaction");
     holder.rollback().await.unwrap();
     eventually(Duration::from_secs(30), "published once it ended", || async {
@@ -1063,6 +1072,27 @@ async fn a_transaction_open_in_another_database_is_named_and_waited_for() {
     relay.await.unwrap().unwrap();
     other.cleanup().await;
     it.cleanup().await;
+}
+
+/// Whether a relay holds `SLEEP_LOCK` (asleep: writers notify it) — with `since` (seconds
+/// since the epoch), one whose connection has started a statement since then as well. With a
+/// poll interval of an hour, an asleep relay's connection runs a statement only once woken,
+/// and the first it runs gives the lock up: held again, it has woken, made a pass, and slept.
+async fn sleeping(it: &Installation, since: Option<f64>) -> bool {
+    let held: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a USING (pid) \
+         WHERE l.locktype = 'advisory' AND l.mode = 'ExclusiveLock' AND l.granted \
+         AND l.classid = $1::int::oid AND l.objid = $2::int::oid \
+         AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database()) \
+         AND ($3::float8 IS NULL OR extract(epoch FROM a.query_start) > $3)",
+    )
+    .bind(jobfold_relay::SLEEP_LOCK.0)
+    .bind(jobfold_relay::SLEEP_LOCK.1)
+    .bind(since)
+    .fetch_one(&it.pool)
+    .await
+    .unwrap();
+    held == 1
 }
 
 /// The first notification `listener` receives: `NOTIFY`s are delivered in commit order, so a
@@ -1158,19 +1188,7 @@ async fn the_relay_awake_finds_every_commit_and_asleep_is_woken() {
     })
     .await;
 
-    let asleep = || async {
-        let held: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND mode = 'ExclusiveLock' \
-             AND classid = $1::int::oid AND objid = $2::int::oid AND granted \
-             AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
-        )
-        .bind(jobfold_relay::SLEEP_LOCK.0)
-        .bind(jobfold_relay::SLEEP_LOCK.1)
-        .fetch_one(&it.pool)
-        .await
-        .unwrap();
-        held == 1
-    };
+    let asleep = || sleeping(&it, None);
     for round in 0..3 {
         eventually(Duration::from_secs(30), "the relay to sleep", asleep).await;
         acceptor.accept(&it.pool, &job(&format!("doc-{round}"), 1)).await.unwrap();
@@ -1188,8 +1206,15 @@ async fn the_relay_awake_finds_every_commit_and_asleep_is_woken() {
     let mut holder = it.pool.begin().await.unwrap();
     sqlx::query("SELECT pg_current_xact_id()").execute(&mut *holder).await.unwrap();
     acceptor.accept(&it.pool, &job("doc-held", 1)).await.unwrap();
-    // Time for the notified relay to wake, find nothing it may read, and take the lock again.
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    let committed: f64 = sqlx::query_scalar("SELECT extract(epoch FROM clock_timestamp())::float8")
+        .fetch_one(&it.pool)
+        .await
+        .unwrap();
+    // The notified relay wakes, finds nothing it may read, and takes the lock again.
+    eventually(Duration::from_secs(30), "the woken relay to sleep again", || {
+        sleeping(&it, Some(committed))
+    })
+    .await;
     assert_eq!(events_on_topic(&it), expected, "an event passed the horizon its holder held");
     holder.rollback().await.unwrap();
     expected += 1;
