@@ -272,8 +272,8 @@ async fn lease_batch_recorded(
     // Of the jobs to lease (no live lease holds them: their runs, if any, are dead), those
     // that were running when a process died: each run found dead counts as an attempt that
     // failed (so a job that kills its process cannot crash-loop the group), and at the
-    // kind's max_crashes the job is quarantined, saying so. A suspect from before runs
-    // isolated.
+    // kind's max_crashes the job is quarantined, saying so. A job one death short of it runs
+    // isolated (see `decide::runs_isolated`); one with fewer runs beside the others.
     let leasing: Vec<Uuid> = to_lease.iter().map(|(_, job)| job.job_id).collect();
     let crashed = store::crashed_runs(&mut tx, &leasing).await?;
     let to_lease: Vec<(usize, JobRow)> = if crashed.is_empty() {
@@ -286,13 +286,13 @@ async fn lease_batch_recorded(
                 Some(crash) if crash.just_found || crash.crashes >= max => {
                     died.push((i, job, crash.clone()));
                 }
-                // A suspect: its lease commits first and it runs isolated, so that a crash
-                // it causes again is told apart from the jobs that ran beside it.
-                Some(_) => {
+                // A suspect: its lease commits first and it runs isolated, so that the crash
+                // that would end it is told apart from the jobs that ran beside it.
+                Some(crash) if decide::runs_isolated(crash.crashes, max) => {
                     isolated.insert(i);
                     kept.push((i, job));
                 }
-                None => kept.push((i, job)),
+                Some(_) | None => kept.push((i, job)),
             }
         }
         kept

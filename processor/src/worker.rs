@@ -1098,6 +1098,7 @@ async fn run_isolated(
     // the run's registration ends it, this one's drop after that finds nothing left.
     let _waiting = waiting;
     let (run_id, job_id) = (uuid::Uuid::new_v4(), job.job_id);
+    tracing::info!(%job_id, generation = job.generation, "A suspect runs isolated: should its process die now, the death is charged to it alone.");
     crate::store::inline_runs_begin(&shared.pool, run_id, &[job_id], &shared.owner).await?;
     let ran = run_handler(shared, event, handler, job).await;
     // The run returned (whatever it made of the job): it did not take the process down, so

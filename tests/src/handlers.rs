@@ -12,7 +12,10 @@
 //! `{"commit_panic": true}` panics in the business write, `{"cost_panic": true}` panics in
 //! `cost` (asked for only where the kind has a `cost_per_minute`), `{"retry_after_secs": N}` asks
 //! for an N-second wait with each failing attempt (`fail_attempts`), and
-//! `{"snooze_until_ms": T}` snoozes the job for 200 ms at a time until T (Unix ms).
+//! `{"snooze_until_ms": T}` snoozes the job for 200 ms at a time until T (Unix ms), and
+//! `{"meet": {"dir": D, "of": N}}` makes each attempt wait until N runs with the same `dir`
+//! are running (each leaves a file there), failing retryably if they have not met within
+//! 30 s — runs that cannot happen side by side never meet.
 
 use std::time::Duration;
 
@@ -68,6 +71,34 @@ pub async fn record_write(tx: &mut PgConnection, job: &JobContext) -> Result<(),
     Ok(())
 }
 
+/// The `meet` knob: leaves this run's file in `dir` and waits until `of` runs have left
+/// theirs (the files stay: a later attempt of a run that met meets again at once).
+async fn meet_the_others(meet: &Value, job: &JobContext) -> Result<(), HandlerError> {
+    let (Some(dir), Some(of)) =
+        (meet.get("dir").and_then(Value::as_str), meet.get("of").and_then(Value::as_u64))
+    else {
+        return Err(HandlerError::permanent("meet needs a dir and an of"));
+    };
+    let dir = std::path::Path::new(dir);
+    let fail = |e: std::io::Error| HandlerError::retryable(format!("meet: {e}"));
+    std::fs::create_dir_all(dir).map_err(fail)?;
+    std::fs::write(dir.join(job.job_id.to_string()), b"").map_err(fail)?;
+    let until = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let here = std::fs::read_dir(dir).map_err(fail)?.count() as u64;
+        if here >= of {
+            return Ok(());
+        }
+        if std::time::Instant::now() >= until {
+            return Err(HandlerError::retryable(format!(
+                "met {} of {of} runs: the others did not run beside it",
+                here
+            )));
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 impl Handler for Simulated {
     async fn run(
         &self,
@@ -93,6 +124,9 @@ impl Handler for Simulated {
                 "simulated: not ready yet",
                 Duration::from_millis(200),
             ));
+        }
+        if let Some(meet) = simulate.get("meet") {
+            meet_the_others(meet, job).await?;
         }
         if let Some(ms) = simulate.get("sleep_ms").and_then(Value::as_u64) {
             tokio::select! {

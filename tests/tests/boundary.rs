@@ -507,10 +507,11 @@ async fn a_suspect_whose_run_returns_is_charged_no_more() {
         .await
         .unwrap()
         .job_id;
-    // It was running when a process died once: a suspect, run isolated.
+    // It was running when processes died twice, one death short of `max_crashes` (3): a
+    // suspect, run isolated.
     sqlx::query(
         "INSERT INTO job_counters (job_id, crashes, last_crash_owner, last_crash_at) \
-         VALUES ($1, 1, 'a process that died', now())",
+         VALUES ($1, 2, 'a process that died', now())",
     )
     .bind(job)
     .execute(&it.pool)
@@ -532,6 +533,55 @@ async fn a_suspect_whose_run_returns_is_charged_no_more() {
     it.cleanup().await;
 }
 
+/// Jobs a process's death found running (one lease transaction runs up to 256) are charged
+/// the attempt and run again side by side, not one at a time: only a job one death short of
+/// `max_crashes` runs isolated. Here two such bystanders of one death (3 allowed) can each
+/// succeed only if the other runs at the same time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_jobs_a_death_touched_run_again_side_by_side() {
+    let mut it = Installation::new("boundary-bystanders").await;
+    it.fast();
+    it.create_topics().await;
+    assert_eq!(it.config.processor.max_crashes, 3);
+    let acceptor = it.acceptor().await;
+    let dir = std::env::temp_dir().join(jobfold_tests::kafka::unique_name("bystanders"));
+    let meet = json!({ "text": "x", "simulate": { "meet": { "dir": dir, "of": 2 } } });
+    let mut jobs = Vec::new();
+    for document in ["doc-bystander-a", "doc-bystander-b"] {
+        let job =
+            acceptor.accept(&it.pool, &index_job(document, 1, meet.clone())).await.unwrap().job_id;
+        // Running, with others, when a process died once.
+        sqlx::query(
+            "INSERT INTO job_counters (job_id, crashes, last_crash_owner, last_crash_at) \
+             VALUES ($1, 1, 'a process that died', now())",
+        )
+        .bind(job)
+        .execute(&it.pool)
+        .await
+        .unwrap();
+        jobs.push(job);
+    }
+    let pipeline = Pipeline::start(&it, true);
+    eventually(Duration::from_secs(120), "both bystanders to succeed", || async {
+        let mut done = true;
+        for job in &jobs {
+            done &= it.state_and_attempt(*job).await.0 == "succeeded";
+        }
+        done
+    })
+    .await;
+    pipeline.stop().await;
+    for job in &jobs {
+        assert_eq!(
+            it.state_and_attempt(*job).await.1,
+            1,
+            "a bystander ran alone and met no one (one failed attempt)"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    it.cleanup().await;
+}
+
 /// Suspects queue for the one isolated run a process makes at a time, their leases kept alive
 /// meanwhile: two slow suspects in one processor, each running longer than a lease's TTL,
 /// both succeed at their first attempt, and the reaper finds neither lease lapsed (no
@@ -547,9 +597,10 @@ async fn suspects_waiting_their_turn_keep_their_leases() {
     for document in ["doc-suspect-a", "doc-suspect-b"] {
         let job =
             acceptor.accept(&it.pool, &index_job(document, 1, slow.clone())).await.unwrap().job_id;
+        // One death short of `max_crashes` (3): a suspect.
         sqlx::query(
             "INSERT INTO job_counters (job_id, crashes, last_crash_owner, last_crash_at) \
-             VALUES ($1, 1, 'a process that died', now())",
+             VALUES ($1, 2, 'a process that died', now())",
         )
         .bind(job)
         .execute(&it.pool)

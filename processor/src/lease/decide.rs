@@ -92,6 +92,22 @@ fn by_state(
     LeaseDecision::Lease
 }
 
+/// Whether a job whose runs died with their processes `crashes` times (fewer than its kind's
+/// `max_crashes`) runs isolated — alone in its process, recorded alone — rather than beside
+/// the others.
+///
+/// Only the run whose death would end it: one death short of `max_crashes`. A run that dies
+/// then is charged to this job alone, so the death that quarantines a job is always its own;
+/// one that returns clears its count. Earlier deaths are shared with whatever ran beside it,
+/// as any attempt under a process that dies is. Isolating every job a death touched (a lease
+/// transaction runs up to [`super::BATCH`] jobs) made each kill, from outside or by one bad
+/// job, queue all of them for one run at a time, each holding its document's turn; after one
+/// death they run side by side again.
+#[must_use]
+pub fn runs_isolated(crashes: i32, max_crashes: i32) -> bool {
+    crashes > 0 && crashes >= max_crashes - 1
+}
+
 #[cfg(test)]
 mod tests {
     use chrono::Duration as ChronoDuration;
@@ -243,5 +259,15 @@ mod tests {
         replayed.dispatch_version = 2;
         replayed.stream_version = 7;
         assert_eq!(decide(&replayed, 3, 7, None, now), LeaseDecision::Lease);
+    }
+
+    #[test]
+    fn only_the_run_whose_death_would_end_a_job_runs_isolated() {
+        assert!(!runs_isolated(0, 3), "no death: no suspect");
+        assert!(!runs_isolated(1, 3), "one shared death of three runs beside the others");
+        assert!(runs_isolated(2, 3), "the third death would end it: alone");
+        assert!(runs_isolated(1, 2));
+        assert!(runs_isolated(1, 1));
+        assert!(!runs_isolated(3, 5) && runs_isolated(4, 5));
     }
 }
