@@ -603,10 +603,6 @@ pub async fn run(plan: &Plan) -> anyhow::Result<Outcome> {
         // Any wait a handler asks for is cut to 3 s (10 min by default), so that one asking
         // for 3,000 years still ends within the run.
         ("JOBFOLD_PROCESSOR__MAX_RETRY_AFTER", "3s".into()),
-        // A job that aborts its process ends after killing two in a row (three by default):
-        // each death costs the group a rebalance, and at three the deaths of a long run's
-        // aborting jobs left it too little time to drain.
-        ("JOBFOLD_PROCESSOR__MAX_CRASHES", "2".into()),
         ("JOBFOLD_RELAY__STANDBY_RETRY", "200ms".into()),
         ("JOBFOLD_RELAY__POLL_INTERVAL", "200ms".into()),
         ("JOBFOLD_KAFKA__SESSION_TIMEOUT_MS", "6000".into()),
