@@ -768,8 +768,18 @@ pub async fn run(plan: &Plan) -> anyhow::Result<Outcome> {
         }
     }
     fleet.publish_ports();
-    for producer in producers {
-        producer.await.context("a producer panicked")??;
+    // Processors a bad job aborts meanwhile are started again while the producers finish:
+    // with every processor dead (aborts, three deaths each by default), nothing would
+    // answer their last requests, and a cluster run once waited here until its time-out.
+    let mut finishing = futures::future::join_all(producers);
+    let finished = loop {
+        tokio::select! {
+            finished = &mut finishing => break finished,
+            () = tokio::time::sleep(Duration::from_millis(500)) => fleet.tend(&mut rng, false).await,
+        }
+    };
+    for producer in finished {
+        producer.context("a producer panicked")??;
     }
     let deadline = Instant::now() + plan.drain_timeout;
     for i in 0..fleet.slots.len() {
