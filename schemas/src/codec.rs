@@ -22,10 +22,12 @@ use apache_avro::reader::datum::GenericDatumReader;
 use apache_avro::schema_compatibility::SchemaCompatibility;
 use apache_avro::types::Value;
 use apache_avro::writer::datum::GenericDatumWriter;
+/// The registry client's settings and errors, for callers that build the settings.
+pub use schema_registry_converter::async_impl::schema_registry::SrSettings;
 use schema_registry_converter::async_impl::schema_registry::{
-    SrSettings, get_schema_by_id, post_schema,
+    get_all_subjects, get_schema_by_id, is_compatible_schema, post_schema,
 };
-use schema_registry_converter::error::SRCError;
+pub use schema_registry_converter::error::SRCError;
 use schema_registry_converter::schema_registry_common::{SchemaType, SuppliedSchema};
 
 use crate::event::{
@@ -343,9 +345,72 @@ impl<T> fmt::Debug for Codec<T> {
 /// # Errors
 /// The HTTP client could not be built.
 pub fn registry_settings(url: &str) -> Result<SrSettings, SRCError> {
-    SrSettings::new_builder(url.trim_end_matches('/').to_owned())
-        .set_timeout(Duration::from_secs(10))
-        .build()
+    registry_settings_with(url, &RegistryAuth::None)
+}
+
+/// How jobfold proves who it is to the schema registry.
+#[derive(Clone, PartialEq, Eq)]
+pub enum RegistryAuth {
+    None,
+    /// HTTP basic authentication.
+    Basic {
+        username: String,
+        password: Option<String>,
+    },
+    /// `Authorization: Bearer <token>`.
+    Bearer(String),
+}
+
+impl fmt::Debug for RegistryAuth {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::None => f.write_str("None"),
+            Self::Basic { username, .. } => write!(f, "Basic {{ username: {username:?}, .. }}"),
+            Self::Bearer(_) => f.write_str("Bearer(*********)"),
+        }
+    }
+}
+
+/// [`registry_settings`] with credentials.
+///
+/// # Errors
+/// The HTTP client could not be built.
+pub fn registry_settings_with(url: &str, auth: &RegistryAuth) -> Result<SrSettings, SRCError> {
+    let mut builder = SrSettings::new_builder(url.trim_end_matches('/').to_owned());
+    builder.set_timeout(Duration::from_secs(10));
+    match auth {
+        RegistryAuth::None => {}
+        RegistryAuth::Basic { username, password } => {
+            builder.set_basic_authorization(username, password.as_deref());
+        }
+        RegistryAuth::Bearer(token) => {
+            builder.set_token_authorization(token);
+        }
+    }
+    builder.build()
+}
+
+/// Whether `schema` may be registered under `subject` by the subject's compatibility rule.
+///
+/// A subject with no version yet takes any schema. Confluent's registry answers so; Apicurio
+/// Registry answers 404 for a subject it has never seen, which here means the same: when the
+/// registry's own list of subjects does not hold `subject`, the answer is `true`.
+///
+/// # Errors
+/// The registry is unreachable or refuses the request (a 404 for a subject it lists
+/// included: then the URL is not the registry's Confluent API).
+pub async fn is_compatible(
+    settings: &SrSettings,
+    subject: &str,
+    schema: SuppliedSchema,
+) -> Result<bool, SRCError> {
+    match is_compatible_schema(settings, subject.to_owned(), schema).await {
+        Err(e) if e.error.contains("status 404") => {
+            let subjects = get_all_subjects(settings).await?;
+            if subjects.iter().any(|s| s == subject) { Err(e) } else { Ok(true) }
+        }
+        answer => answer,
+    }
 }
 
 impl<T: Record> Codec<T> {

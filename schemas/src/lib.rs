@@ -16,6 +16,6 @@ pub mod codec;
 pub mod event;
 pub mod fold;
 
-pub use codec::{Codec, DecodeError, Decoder, Record};
+pub use codec::{Codec, DecodeError, Decoder, Record, RegistryAuth};
 pub use event::{JobEvent, JobRequest, Payload};
 pub use fold::{FoldError, JobState, Status};

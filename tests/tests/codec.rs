@@ -5,13 +5,13 @@
 use std::path::Path;
 
 use chrono::{TimeZone, Utc};
-use jobfold_schemas::codec::{frame, registry_settings};
+use jobfold_schemas::codec::{frame, is_compatible, registry_settings};
 use jobfold_schemas::event::{JobRequested, JobSucceeded};
 use jobfold_schemas::{Codec, DecodeError, Decoder, JobEvent, JobRequest, Payload};
 use jobfold_tests::kafka::unique_name;
 use jobfold_tests::services;
 use schema_registry_converter::async_impl::schema_registry::{
-    SrSettings, get_schema_by_id, is_compatible_schema, post_schema,
+    SrSettings, get_schema_by_id, post_schema,
 };
 use schema_registry_converter::schema_registry_common::{SchemaType, SuppliedSchema};
 use uuid::Uuid;
@@ -181,13 +181,27 @@ async fn the_registry_accepts_every_released_schema_in_order_then_the_current_on
             let text = std::fs::read_to_string(dir.join("history").join(name)).unwrap();
             let schema = SuppliedSchema::new(None, SchemaType::Avro, text);
             assert!(
-                is_compatible_schema(&settings(), subject.clone(), schema.clone()).await.unwrap(),
+                is_compatible(&settings(), &subject, schema.clone()).await.unwrap(),
                 "{name} is not BACKWARD compatible with the versions before it"
             );
             post_schema(&settings(), subject.clone(), schema).await.unwrap();
         }
         let current = std::fs::read_to_string(dir.join(format!("{stem}.avsc"))).unwrap();
         let current = SuppliedSchema::new(None, SchemaType::Avro, current);
-        assert!(is_compatible_schema(&settings(), subject, current).await.unwrap());
+        assert!(is_compatible(&settings(), &subject, current).await.unwrap());
     }
+}
+
+/// A subject with no version yet takes any schema: Confluent's registry answers so, and
+/// Apicurio Registry's 404 for a subject it never saw means the same. Once a version is
+/// registered, the subject's rule (BACKWARD) judges: a new required field is refused.
+#[tokio::test]
+async fn a_subject_with_no_version_takes_any_schema_then_its_rule_judges() {
+    let subject = format!("{}-value", unique_name("fresh"));
+    let v1 = r#"{"type":"record","name":"Fresh","fields":[{"name":"a","type":"string"}]}"#;
+    let breaking = r#"{"type":"record","name":"Fresh","fields":[{"name":"a","type":"string"},{"name":"b","type":"long"}]}"#;
+    let avro = |text: &str| SuppliedSchema::new(None, SchemaType::Avro, text.to_owned());
+    assert!(is_compatible(&settings(), &subject, avro(v1)).await.unwrap());
+    post_schema(&settings(), subject.clone(), avro(v1)).await.unwrap();
+    assert!(!is_compatible(&settings(), &subject, avro(breaking)).await.unwrap());
 }
