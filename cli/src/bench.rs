@@ -13,7 +13,6 @@ use hdrhistogram::Histogram;
 use jobfold_common::accept::{Acceptor, NewJob};
 use jobfold_common::config::{Config, Sensitive};
 use jobfold_processor::metrics as pm;
-use jobfold_schemas::codec::registry_settings;
 use jobfold_schemas::{Codec, JobEvent};
 use serde_json::json;
 use sqlx::PgPool;
@@ -1429,11 +1428,7 @@ async fn raw_consumer(config: &Config, topic: &str, count: usize) -> anyhow::Res
 
 /// The event codec for `config`'s events topic, registered with its registry.
 pub(crate) async fn event_codec(config: &Config) -> anyhow::Result<Codec<JobEvent>> {
-    Ok(Codec::<JobEvent>::connect(
-        registry_settings(&config.schema_registry_url)?,
-        &config.topics.events,
-    )
-    .await?)
+    Ok(Codec::<JobEvent>::connect(config.registry()?, &config.topics.events).await?)
 }
 
 /// A `JobRequested` event like the ones accept writes, for the raw producer.

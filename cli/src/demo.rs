@@ -20,7 +20,6 @@ use anyhow::Context;
 use jobfold_cli::analytics::{self, Options, Source};
 use jobfold_common::config::{Config, Sensitive};
 use jobfold_common::gauges;
-use jobfold_schemas::codec::registry_settings;
 use jobfold_schemas::{Decoder, JobEvent};
 use rand::Rng;
 use serde_json::json;
@@ -459,9 +458,8 @@ async fn services(
 ) -> anyhow::Result<
     Option<rdkafka::mocking::MockCluster<'static, rdkafka::producer::DefaultProducerContext>>,
 > {
-    let release = std::env::current_exe()?.components().any(|c| c.as_os_str() == "release");
     // The scripts run as child processes awaited here, so Ctrl-C stops the demo even while
-    // a service starts (or the stand-in registry builds).
+    // a service starts.
     let script = async |service: &'static str, started: &mut Started| -> anyhow::Result<()> {
         let root = root.context(
             "services are not running and docker/ was not found: run the demo from the jobfold checkout (or set JOBFOLD_ROOT)",
@@ -470,7 +468,6 @@ async fn services(
         let status = Command::new("bash")
             .arg(root.join(format!("docker/{service}.sh")))
             .arg("start")
-            .env("JOBFOLD_REGISTRY_PROFILE", if release { "release" } else { "debug" })
             .status()
             .await?;
         anyhow::ensure!(status.success(), "docker/{service}.sh start failed");
@@ -513,7 +510,7 @@ async fn services(
     } else {
         script("kafka", started).await?;
     }
-    if reachable(&host_port(&config.schema_registry_url)) {
+    if reachable(&host_port(config.schema_registry_url.expose())) {
         println!("registry: using {}", config.schema_registry_url);
     } else {
         script("registry", started).await?;
@@ -537,11 +534,20 @@ pub(crate) fn spawn(
     let log = logs.join(format!("{name}.log"));
     let file = std::fs::File::create(&log)?;
     let mut command = Command::new(binary);
+    if let Some(user) = &config.schema_registry_username {
+        command.env("JOBFOLD_SCHEMA_REGISTRY_USERNAME", user);
+    }
+    if let Some(password) = &config.schema_registry_password {
+        command.env("JOBFOLD_SCHEMA_REGISTRY_PASSWORD", password.expose());
+    }
+    if let Some(token) = &config.schema_registry_token {
+        command.env("JOBFOLD_SCHEMA_REGISTRY_TOKEN", token.expose());
+    }
     command
         .args(args)
         .env("JOBFOLD_DATABASE_URL", config.database_url.expose())
         .env("JOBFOLD_KAFKA_BROKERS", &config.kafka_brokers)
-        .env("JOBFOLD_SCHEMA_REGISTRY_URL", &config.schema_registry_url)
+        .env("JOBFOLD_SCHEMA_REGISTRY_URL", config.schema_registry_url.expose())
         .env("JOBFOLD_TOPICS__EVENTS", &config.topics.events)
         .env("JOBFOLD_TOPICS__REQUESTS", &config.topics.requests)
         .env("JOBFOLD_PROCESSOR__GROUP", &config.processor.group)
@@ -926,7 +932,7 @@ async fn summary(
             "the highest succeeded version is the one summarized for all {documents} conversations ({wrong} wrong)"
         ),
     );
-    let decoder = Decoder::<JobEvent>::new(registry_settings(&config.schema_registry_url)?);
+    let decoder = Decoder::<JobEvent>::new(config.registry()?);
     let mut on_topic = 0;
     for source in [Source::Postgres, Source::Kafka] {
         let options = Options { verify: true, ..Options::new(source) };

@@ -15,7 +15,6 @@ use jobfold_common::accept::{Acceptor, NewJob};
 use jobfold_common::config::{Config, EXIT_CONFIG};
 use jobfold_common::{db, gauges, telemetry};
 use jobfold_processor::status::{self, QuarantineFilter};
-use jobfold_schemas::codec::registry_settings;
 use jobfold_schemas::{Codec, JobEvent};
 
 /// Operate jobfold: migrate the database, submit jobs, inspect jobs and the unfinished work,
@@ -269,7 +268,7 @@ impl From {
 
 /// Decodes the job event log's frames, with the configured registry.
 fn event_decoder(config: &Config) -> anyhow::Result<jobfold_schemas::Decoder<JobEvent>> {
-    Ok(jobfold_schemas::Decoder::new(registry_settings(&config.schema_registry_url)?))
+    Ok(jobfold_schemas::Decoder::new(config.registry()?))
 }
 
 #[derive(Debug, Subcommand)]
@@ -444,7 +443,7 @@ async fn run(config: Config, command: Command) -> anyhow::Result<()> {
             };
             let input = serde_json::from_str(&input).context("--input is not JSON")?;
             let pool = db::connect_and_migrate(&config, 1).await?;
-            let settings = registry_settings(&config.schema_registry_url)?;
+            let settings = config.registry()?;
             let codec = Codec::<JobEvent>::connect(settings, &config.topics.events).await?;
             let acceptor = Acceptor::new(codec, config.accept_policy(), "jobfold-cli");
             let job = NewJob {
@@ -646,7 +645,7 @@ async fn parked(config: Config, command: ParkedCommand) -> anyhow::Result<()> {
 
 /// Appends events as the command line (`producer` jobfold-cli).
 async fn cli_events(config: &Config) -> anyhow::Result<jobfold_processor::store::Events> {
-    let settings = registry_settings(&config.schema_registry_url)?;
+    let settings = config.registry()?;
     let codec = Codec::<JobEvent>::connect(settings, &config.topics.events).await?;
     Ok(jobfold_processor::store::Events {
         codec,
@@ -910,8 +909,7 @@ async fn status(config: Config, job_id: uuid::Uuid, json: bool) -> anyhow::Resul
 
 async fn events(config: Config, job_id: uuid::Uuid, json: bool) -> anyhow::Result<()> {
     let pool = db::connect(&config, 1).await?;
-    let decoder =
-        jobfold_schemas::Decoder::<JobEvent>::new(registry_settings(&config.schema_registry_url)?);
+    let decoder = jobfold_schemas::Decoder::<JobEvent>::new(config.registry()?);
     let Some(entries) = status::events(&pool, &decoder, job_id).await? else {
         anyhow::bail!("no job {job_id}");
     };

@@ -12,7 +12,6 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use chrono::Utc;
 use jobfold_common::config::Config;
-use jobfold_schemas::codec::registry_settings;
 use jobfold_schemas::event::{JobLeased, JobRequested, JobSucceeded};
 use jobfold_schemas::{Codec, JobEvent, Payload};
 use rdkafka::producer::{FutureProducer, FutureRecord};
@@ -83,11 +82,7 @@ pub(crate) async fn run(config: Config, sizes: &[usize]) -> anyhow::Result<Strin
 /// Writes `events` events of finished jobs to `job_events` (with their `jobs` rows) and to
 /// the events topic, in log order.
 async fn write_log(config: &Config, pool: &PgPool, events: usize) -> anyhow::Result<()> {
-    let codec = Codec::<JobEvent>::connect(
-        registry_settings(&config.schema_registry_url)?,
-        &config.topics.events,
-    )
-    .await?;
+    let codec = Codec::<JobEvent>::connect(config.registry()?, &config.topics.events).await?;
     let producer: FutureProducer = config.kafka_client().set("linger.ms", "20").create()?;
     let jobs = events.div_ceil(3);
     let mut written = 0;
@@ -218,7 +213,7 @@ async fn replay_child(
         .args(["replay", "--from", source, "--no-progress"])
         .env("JOBFOLD_DATABASE_URL", config.database_url.expose())
         .env("JOBFOLD_KAFKA_BROKERS", &config.kafka_brokers)
-        .env("JOBFOLD_SCHEMA_REGISTRY_URL", &config.schema_registry_url)
+        .env("JOBFOLD_SCHEMA_REGISTRY_URL", config.schema_registry_url.expose())
         .env("JOBFOLD_TOPICS__EVENTS", &config.topics.events)
         .env("JOBFOLD_TOPICS__REQUESTS", &config.topics.requests)
         .stdout(std::process::Stdio::piped())

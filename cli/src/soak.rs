@@ -25,7 +25,6 @@ use jobfold_cli::analytics;
 use jobfold_common::accept::{Acceptor, NewJob};
 use jobfold_common::config::Config;
 use jobfold_schemas::Status;
-use jobfold_schemas::codec::registry_settings;
 use serde_json::json;
 use sqlx::PgPool;
 
@@ -185,7 +184,7 @@ async fn soak(mut config: Config, plan: Plan) -> anyhow::Result<(String, bool)> 
     let deleted = submitted as i64 - deleted;
 
     // The log of record, folded and compared with what is left of the projection.
-    let decoder = jobfold_schemas::Decoder::new(registry_settings(&config.schema_registry_url)?);
+    let decoder = jobfold_schemas::Decoder::new(config.registry()?);
     let mut options = analytics::Options::new(analytics::Source::Kafka);
     options.verify = true;
     let report = analytics::replay(&config, &pool, &decoder, &options).await?;

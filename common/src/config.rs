@@ -84,6 +84,74 @@ impl<T> Serialize for Sensitive<T> {
     }
 }
 
+/// The schema registry's URL. Credentials in it (`https://user:secret@host/...`) are shown
+/// as `*********` by `Debug`, `Display` and `Serialize`, and are sent as basic
+/// authentication, never as part of a URL an error message could repeat
+/// ([`Config::registry`]).
+#[derive(Clone, PartialEq, Eq, Deserialize)]
+#[serde(transparent)]
+pub struct RegistryUrl(String);
+
+impl RegistryUrl {
+    pub fn new(url: impl Into<String>) -> Self {
+        Self(url.into())
+    }
+
+    /// The URL as configured, credentials included; call only where it is used.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+
+    /// The URL without credentials, and the credentials it carried (user, password).
+    pub fn split_credentials(&self) -> (String, Option<(String, Option<String>)>) {
+        match url::Url::parse(&self.0) {
+            Ok(mut parsed) if !parsed.username().is_empty() || parsed.password().is_some() => {
+                let decode = |s: &str| {
+                    percent_encoding::percent_decode_str(s).decode_utf8_lossy().into_owned()
+                };
+                let user = decode(parsed.username());
+                let password = parsed.password().map(decode);
+                let _ = parsed.set_username("");
+                let _ = parsed.set_password(None);
+                (parsed.to_string(), Some((user, password)))
+            }
+            _ => (self.0.clone(), None),
+        }
+    }
+
+    /// The URL as shown: credentials replaced by `*********`.
+    fn shown(&self) -> String {
+        match self.split_credentials() {
+            (bare, Some(_)) => match url::Url::parse(&bare) {
+                Ok(mut parsed) => {
+                    let _ = parsed.set_username("*********");
+                    parsed.to_string()
+                }
+                Err(_) => "*********".into(),
+            },
+            (bare, None) => bare,
+        }
+    }
+}
+
+impl fmt::Debug for RegistryUrl {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:?}", self.shown())
+    }
+}
+
+impl fmt::Display for RegistryUrl {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.shown())
+    }
+}
+
+impl Serialize for RegistryUrl {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&self.shown())
+    }
+}
+
 /// The whole configuration. Each binary reads the sections it needs.
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
@@ -93,7 +161,15 @@ pub struct Config {
     /// Kafka bootstrap servers, comma separated.
     pub kafka_brokers: String,
     /// Base URL of the Confluent-compatible schema registry API.
-    pub schema_registry_url: String,
+    pub schema_registry_url: RegistryUrl,
+    /// User for the registry's basic authentication (with `schema_registry_password`).
+    #[serde(default)]
+    pub schema_registry_username: Option<String>,
+    #[serde(default)]
+    pub schema_registry_password: Option<Sensitive<String>>,
+    /// Bearer token for the registry (instead of a user and password).
+    #[serde(default)]
+    pub schema_registry_token: Option<Sensitive<String>>,
     /// Where the processor serves the HTTP API.
     pub http_addr: SocketAddr,
     /// Where Prometheus scrapes `/metrics`.
@@ -487,6 +563,36 @@ impl AcceptPolicy {
 }
 
 impl Config {
+    /// How jobfold authenticates to the schema registry: the user and password, the token,
+    /// or the credentials the URL carries.
+    pub fn registry_auth(&self) -> jobfold_schemas::RegistryAuth {
+        use jobfold_schemas::RegistryAuth;
+        if let Some(token) = &self.schema_registry_token {
+            return RegistryAuth::Bearer(token.expose().clone());
+        }
+        if let Some(username) = &self.schema_registry_username {
+            return RegistryAuth::Basic {
+                username: username.clone(),
+                password: self.schema_registry_password.as_ref().map(|p| p.expose().clone()),
+            };
+        }
+        match self.schema_registry_url.split_credentials().1 {
+            Some((username, password)) => RegistryAuth::Basic { username, password },
+            None => RegistryAuth::None,
+        }
+    }
+
+    /// Settings for the schema registry's client: its URL without credentials, the
+    /// credentials sent as [`Config::registry_auth`] says, a request timeout.
+    ///
+    /// # Errors
+    /// The HTTP client could not be built.
+    pub fn registry(
+        &self,
+    ) -> Result<jobfold_schemas::codec::SrSettings, jobfold_schemas::codec::SRCError> {
+        let (url, _) = self.schema_registry_url.split_credentials();
+        jobfold_schemas::codec::registry_settings_with(&url, &self.registry_auth())
+    }
     /// Who must act on a quarantined job of `kind`.
     pub fn quarantine_owner(&self, kind: &str) -> String {
         self.kind(kind).owner
@@ -605,7 +711,7 @@ fn describe(error: &figment::Error) -> String {
 
 /// `JOBFOLD_*` variables that are not configuration: the service scripts' (`docker/`), the
 /// test harness's and the fault points'. Any other `JOBFOLD_*` variable must name a key.
-const NOT_CONFIG: [&str; 18] = [
+const NOT_CONFIG: [&str; 17] = [
     "JOBFOLD_BIN",
     "JOBFOLD_CACHE_DIR",
     "JOBFOLD_CONFIG",
@@ -618,7 +724,6 @@ const NOT_CONFIG: [&str; 18] = [
     "JOBFOLD_PG_BIN",
     "JOBFOLD_PG_PORT",
     "JOBFOLD_REGISTRY_PORT",
-    "JOBFOLD_REGISTRY_PROFILE",
     "JOBFOLD_ROOT",
     "JOBFOLD_SASL_BROKERS",
     "JOBFOLD_SASL_PASSWORD",
@@ -627,11 +732,14 @@ const NOT_CONFIG: [&str; 18] = [
 ];
 
 /// Top-level keys that `JOBFOLD_*` variables may set.
-const ENV_KEYS: [&str; 15] = [
+const ENV_KEYS: [&str; 18] = [
     "database_url",
     "api_token",
     "kafka_brokers",
     "schema_registry_url",
+    "schema_registry_username",
+    "schema_registry_password",
+    "schema_registry_token",
     "http_addr",
     "metrics_addr",
     "log_json",
@@ -720,10 +828,27 @@ impl Config {
         if self.kafka_brokers.trim().is_empty() {
             return invalid("kafka_brokers", "must name at least one broker");
         }
-        if !self.schema_registry_url.starts_with("http://")
-            && !self.schema_registry_url.starts_with("https://")
-        {
+        let registry = self.schema_registry_url.expose();
+        if !registry.starts_with("http://") && !registry.starts_with("https://") {
             return invalid("schema_registry_url", "must be an http:// or https:// URL");
+        }
+        let in_url = self.schema_registry_url.split_credentials().1.is_some();
+        if self.schema_registry_password.is_some() && self.schema_registry_username.is_none() {
+            return invalid("schema_registry_password", "needs schema_registry_username");
+        }
+        if self.schema_registry_token.is_some()
+            && (self.schema_registry_username.is_some() || in_url)
+        {
+            return invalid(
+                "schema_registry_token",
+                "a bearer token or a user and password, not both",
+            );
+        }
+        if self.schema_registry_username.is_some() && in_url {
+            return invalid(
+                "schema_registry_username",
+                "the URL carries a user already: give the credentials once",
+            );
         }
         if self.topics.events.is_empty() || self.topics.requests.is_empty() {
             return invalid("topics", "topic names must not be empty");
@@ -1287,6 +1412,48 @@ mod tests {
         std::fs::remove_file(&path).unwrap();
         assert!(refused.contains(&path.display().to_string()), "{refused}");
         assert!(refused.contains("not valid TOML"), "{refused}");
+    }
+
+    #[test]
+    fn registry_credentials_are_settings_of_their_own_and_never_shown() {
+        use jobfold_schemas::RegistryAuth;
+        let mut config = defaults();
+        config.schema_registry_url =
+            RegistryUrl::new("https://svc:p%40ss@registry.example:8443/apis/ccompat/v7");
+        let (bare, credentials) = config.schema_registry_url.split_credentials();
+        assert_eq!(bare, "https://registry.example:8443/apis/ccompat/v7");
+        assert_eq!(credentials, Some(("svc".into(), Some("p@ss".into()))));
+        assert_eq!(
+            config.registry_auth(),
+            RegistryAuth::Basic { username: "svc".into(), password: Some("p@ss".into()) }
+        );
+        let shown = [
+            format!("{config:?}"),
+            config.schema_registry_url.to_string(),
+            serde_json::to_string(&config).unwrap(),
+        ];
+        for shown in shown {
+            assert!(!shown.contains("p@ss") && !shown.contains("p%40ss"), "{shown}");
+            assert!(!shown.contains("svc"), "{shown}");
+            assert!(shown.contains("registry.example:8443"), "{shown}");
+        }
+        assert!(config.validate().is_ok());
+
+        // The same credentials as settings; the token instead.
+        config.schema_registry_username = Some("svc".into());
+        assert!(problem(config.validate()).contains("schema_registry_username"));
+        config.schema_registry_url = RegistryUrl::new("https://registry.example/apis/ccompat/v7");
+        config.schema_registry_password = Some(Sensitive::new("p@ss".into()));
+        assert!(config.validate().is_ok());
+        assert!(!format!("{config:?}").contains("p@ss"));
+        config.schema_registry_token = Some(Sensitive::new("t0ken".into()));
+        assert!(problem(config.validate()).contains("schema_registry_token"));
+        config.schema_registry_username = None;
+        assert!(problem(config.validate()).contains("schema_registry_password"));
+        config.schema_registry_password = None;
+        assert!(config.validate().is_ok());
+        assert_eq!(config.registry_auth(), RegistryAuth::Bearer("t0ken".into()));
+        assert!(!format!("{config:?} {:?}", config.registry_auth()).contains("t0ken"));
     }
 
     #[test]

@@ -62,7 +62,6 @@ use jobfold_common::config::Config;
 use jobfold_common::{db, gauges, kafka};
 
 use crate::metrics as m;
-use jobfold_schemas::codec::registry_settings;
 use jobfold_schemas::{Codec, Decoder, JobEvent, JobRequest};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
@@ -181,8 +180,7 @@ async fn serve(
     kafka::check_topics(&config).await?;
     m::describe();
     tracing::info!(?config, "Starting the processor.");
-    let settings = registry_settings(&config.schema_registry_url)
-        .context("configuring the schema registry client")?;
+    let settings = config.registry().context("configuring the schema registry client")?;
     let codec = Codec::<JobEvent>::connect(settings.clone(), &config.topics.events)
         .await
         .context("registering the job event schema")?;

@@ -380,8 +380,9 @@ async fn a_traceparent_sent_on_accept_reaches_the_handler_span() {
     it.cleanup().await;
 }
 
-/// The database password, the SASL password and the API token appear nowhere in the logs
-/// (at debug level) or the metrics of a relay and a processor that used them end to end.
+/// The database password, the SASL password, the API token and the registry's credentials
+/// (written into its URL) appear nowhere in the logs (at debug level) or the metrics of a
+/// relay and a processor that used them end to end.
 #[tokio::test(flavor = "multi_thread")]
 async fn secrets_appear_nowhere_in_logs_or_metrics() {
     let it = Installation::new("secrets").await;
@@ -412,6 +413,14 @@ async fn secrets_appear_nowhere_in_logs_or_metrics() {
     env.insert("JOBFOLD_KAFKA__SASL_MECHANISMS".into(), "PLAIN".into());
     env.insert("JOBFOLD_KAFKA__SASL_USERNAME".into(), sasl_user);
     env.insert("JOBFOLD_KAFKA__SASL_PASSWORD".into(), sasl_password.clone());
+    // The registry here asks for no credentials and takes the request with them as well.
+    let registry_password = format!("reg-{}", Uuid::new_v4().simple());
+    let registry_url = services::schema_registry_url().replacen(
+        "http://",
+        &format!("http://registry-user:{registry_password}@"),
+        1,
+    );
+    env.insert("JOBFOLD_SCHEMA_REGISTRY_URL".into(), registry_url);
     let relay = Service::start("jobfold-relay", &env);
     let processor = Service::start("jobfold-test-processor", &env);
     wait_http(http).await;
@@ -434,7 +443,7 @@ async fn secrets_appear_nowhere_in_logs_or_metrics() {
     seen.push(("API /metrics", api.text().await.unwrap()));
     for (what, text) in &seen {
         assert!(text.len() > 200, "{what} is too short to prove anything: {text}");
-        for secret in [&db_password, &sasl_password, TOKEN] {
+        for secret in [&db_password, &sasl_password, TOKEN, &registry_password, "registry-user"] {
             assert!(!text.contains(secret), "{what} shows a secret");
         }
     }
