@@ -1,16 +1,21 @@
 #!/usr/bin/env bash
-# The schema registry (Confluent API) on 127.0.0.1.
+# The schema registry on 127.0.0.1: Apicurio Registry, serving the Confluent API.
 #
 #   docker/registry.sh start|stop|status
 #
-# Users run a real registry: docker/compose.yaml starts Apicurio Registry with its Confluent
-# API. No real registry installs on the development and CI machines from their package
-# registries (see README, "Schema registry"), so this script starts jobfold's STAND-IN, the
-# `jobfold-registry-standin` binary from the tests crate: the Confluent endpoints jobfold
-# calls, Avro only, persisted to a state file. JOBFOLD_SCHEMA_REGISTRY_URL pointed at a real
-# registry makes every test use that one instead; then do not start this.
+# start fetches Apicurio Registry from Maven Central with Maven (once: the ready-to-run
+# archive, io.apicurio:apicurio-registry-app:$APICURIO_VERSION:tar.gz:all, unpacked into
+# $JOBFOLD_CACHE_DIR) and runs it on the Java found on the PATH (17 or later), with
+# - its HTTP port on 127.0.0.1:$JOBFOLD_REGISTRY_PORT and its management port switched off
+#   (it would listen on 0.0.0.0:9000);
+# - BACKWARD compatibility, enforced for every subject and what `GET /config` answers;
+# - storage in an H2 file under $JOBFOLD_STATE_DIR/registry, so schema ids survive a restart.
+# docker/compose.yaml runs the same version for users.
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
+APICURIO_VERSION=3.0.9
+HOME_DIR="$JOBFOLD_CACHE_DIR/apicurio-registry-$APICURIO_VERSION"
+JAR="$HOME_DIR/apicurio-registry-app-$APICURIO_VERSION-runner.jar"
 DIR="$JOBFOLD_STATE_DIR/registry"
 LOG="$DIR/registry.log"
 PIDFILE="$DIR/registry.pid"
@@ -18,42 +23,60 @@ URL="http://127.0.0.1:$JOBFOLD_REGISTRY_PORT/apis/ccompat/v7"
 
 answers() { curl -fsS "$URL/subjects" >/dev/null; }
 
+fetch() {
+    [[ -f "$JAR" ]] && return 0
+    # One fetch at a time: a campaign's registry starts beside the tests' one.
+    mkdir -p "$JOBFOLD_CACHE_DIR"
+    exec 9>"$JOBFOLD_CACHE_DIR/apicurio.lock"
+    flock 9
+    [[ -f "$JAR" ]] && return 0
+    command -v mvn >/dev/null || die "registry: Maven is needed to fetch Apicurio Registry (apt-get install maven)"
+    say "registry: fetching Apicurio Registry $APICURIO_VERSION from Maven Central (once)"
+    local artifact="io.apicurio:apicurio-registry-app:$APICURIO_VERSION:tar.gz:all"
+    local fetched="$DIR/fetched"
+    rm -rf "$fetched"
+    mvn -q -B dependency:copy -Dartifact="$artifact" -DoutputDirectory="$fetched" \
+        >"$DIR/maven.log" 2>&1 \
+        || { log_tail maven "$DIR/maven.log"; die "registry: Maven could not resolve $artifact"; }
+    local archive="$fetched/apicurio-registry-app-$APICURIO_VERSION-all.tar.gz"
+    [[ -f "$archive" ]] || die "registry: $archive is missing after Maven fetched it"
+    local unpack="$HOME_DIR.partial"
+    rm -rf "$unpack" && mkdir -p "$unpack"
+    tar -xzf "$archive" -C "$unpack" || die "registry: cannot unpack $archive"
+    [[ -f "$unpack/$(basename "$JAR")" ]] || die "registry: $archive holds no $(basename "$JAR")"
+    rm -rf "$HOME_DIR" "$fetched" && mv "$unpack" "$HOME_DIR"
+    exec 9>&-
+}
+
 start() {
     if pid_alive "$PIDFILE"; then
         say "registry: already running (pid $(cat "$PIDFILE")) on $URL, log $LOG"
         return 0
     fi
     port_open "$JOBFOLD_REGISTRY_PORT" && die "registry: 127.0.0.1:$JOBFOLD_REGISTRY_PORT is taken by another process (set JOBFOLD_REGISTRY_PORT)"
+    command -v java >/dev/null || die "registry: Java 17 or later is needed (apt-get install openjdk-17-jre-headless)"
     local t0=$SECONDS
     mkdir -p "$DIR"
-    # JOBFOLD_REGISTRY_PROFILE=release|debug picks the build (`jobfold demo` passes its own).
-    # Unset: the profile already built — the stand-in of either profile, else the profile
-    # whose dependencies a `cargo build [--release]` compiled — so nothing is built twice.
-    local target profile="${JOBFOLD_REGISTRY_PROFILE:-}" flag=()
-    target="$(cd "$JOBFOLD_ROOT" && cargo metadata --format-version 1 --no-deps \
-        | sed -n 's/.*"target_directory":"\([^"]*\)".*/\1/p')"
-    if [[ -z "$profile" ]]; then
-        if [[ -x "$target/release/jobfold-registry-standin" ]]; then profile=release
-        elif [[ -x "$target/debug/jobfold-registry-standin" ]]; then profile=debug
-        elif [[ -d "$target/release/deps" && ! -d "$target/debug/deps" ]]; then profile=release
-        else profile=debug
-        fi
-    fi
-    # Release: the whole workspace's binaries, as `cargo build --release` builds them — the
-    # same features, so nothing that build compiled is compiled again (building the one
-    # package alone would resolve its dependencies' features anew and rebuild them).
-    # Debug: the same, as the tests' harness and docker/test.sh build the binaries.
-    local what=(--workspace --bins)
-    [[ "$profile" == release ]] && flag=(--release)
-    say "registry: building jobfold-registry-standin ($profile)"
-    (cd "$JOBFOLD_ROOT" && cargo build --quiet "${flag[@]}" "${what[@]}") \
-        || die "registry: building the stand-in failed"
-    local bin="$target/$profile/jobfold-registry-standin"
-    setsid "$bin" --listen "127.0.0.1:$JOBFOLD_REGISTRY_PORT" --state-file "$DIR/registry.json" \
-        >>"$LOG" 2>&1 </dev/null &
+    fetch
+    # -XX:TieredStopAtLevel=1: the C1 compiler alone starts it sooner and is ample for a
+    # registry read once per schema id.
+    setsid java -Xms64m -Xmx384m -XX:TieredStopAtLevel=1 \
+        -Dquarkus.http.host=127.0.0.1 \
+        -Dquarkus.http.port="$JOBFOLD_REGISTRY_PORT" \
+        -Dquarkus.management.enabled=false \
+        -Dapicurio.rules.global.compatibility=BACKWARD \
+        -Dapicurio.storage.kind=sql \
+        -Dapicurio.storage.sql.kind=h2 \
+        -Dapicurio.datasource.url="jdbc:h2:file:$DIR/data/registry" \
+        -Dquarkus.log.console.format='%d{HH:mm:ss} %-5p [%c{2.}] %s%e%n' \
+        -jar "$JAR" >>"$LOG" 2>&1 </dev/null &
     echo $! >"$PIDFILE"
-    wait_until 30 registry "$LOG" "$PIDFILE" answers
-    say "registry: STAND-IN Confluent-compatible schema registry (not a real registry; see README) started in $((SECONDS - t0))s (pid $(cat "$PIDFILE")) on $URL, log $LOG"
+    wait_until 180 registry "$LOG" "$PIDFILE" answers
+    # The global rule is enforced from start-up, but `GET /config` reports it only once set
+    # through the Confluent API; set there too, both agree.
+    curl -fsS -X PUT -H 'Content-Type: application/json' -d '{"compatibility":"BACKWARD"}' \
+        "$URL/config" >/dev/null || die "registry: cannot set BACKWARD compatibility"
+    say "registry: Apicurio Registry $APICURIO_VERSION started in $((SECONDS - t0))s (pid $(cat "$PIDFILE")) on $URL, log $LOG"
     say "registry: JOBFOLD_SCHEMA_REGISTRY_URL=$URL"
 }
 
@@ -67,7 +90,7 @@ status() {
 
 case "${1:-}" in
     start) start ;;
-    stop) stop_pid registry "$PIDFILE" 10 ;;
+    stop) stop_pid registry "$PIDFILE" 20 ;;
     status) status ;;
     *) die "usage: $0 start|stop|status" ;;
 esac

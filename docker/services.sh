@@ -14,12 +14,14 @@ HERE="$JOBFOLD_ROOT/docker"
 
 case "${1:-}" in
     start)
-        # Kafka's JVM warms up while Postgres starts; the registry comes last, as it may build.
+        # Kafka's and the registry's JVMs warm up side by side while Postgres starts.
         "$HERE/kafka.sh" start &
         kafka=$!
+        "$HERE/registry.sh" start &
+        registry=$!
         "$HERE/postgres.sh" start
         wait "$kafka" || die "kafka did not start"
-        "$HERE/registry.sh" start
+        wait "$registry" || die "the registry did not start"
         cat >"$JOBFOLD_STATE_DIR/services.env" <<ENV
 export JOBFOLD_DATABASE_URL=postgres://jobfold:jobfold@127.0.0.1:$JOBFOLD_PG_PORT/jobfold
 export JOBFOLD_KAFKA_BROKERS=$("$HERE/kafka.sh" brokers)

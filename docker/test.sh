@@ -77,8 +77,6 @@ trap cleanup EXIT
 trap 'exit 130' INT TERM
 
 step "starting services"
-# The tests build debug binaries: the registry stand-in is one of them.
-export JOBFOLD_REGISTRY_PROFILE="${JOBFOLD_REGISTRY_PROFILE:-debug}"
 for service in postgres kafka registry; do
     "docker/$service.sh" status >/dev/null 2>&1 || started+=("$service")
 done

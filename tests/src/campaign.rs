@@ -39,7 +39,6 @@ use anyhow::Context;
 use jobfold_common::accept::NewJob;
 use jobfold_common::config::{Config, Sensitive};
 use jobfold_common::failpoint;
-use jobfold_schemas::codec::registry_settings;
 use jobfold_schemas::{Codec, JobRequest};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -237,8 +236,6 @@ impl Services {
             ("JOBFOLD_REGISTRY_PORT".into(), (b + 5).to_string()),
             // Node n of a cluster listens 10n ports above these (docker/kafka.sh).
             ("JOBFOLD_KAFKA_NODES".into(), plan.brokers.to_string()),
-            // The registry stand-in in the profile of the binaries the campaign starts.
-            ("JOBFOLD_REGISTRY_PROFILE".into(), crate::harness::profile().to_owned()),
         ];
         Self { root, env }
     }
@@ -526,9 +523,12 @@ pub async fn run(plan: &Plan) -> anyhow::Result<Outcome> {
     let started = Instant::now();
     let mut rng = StdRng::seed_from_u64(plan.seed);
     let services = Services::new(plan);
-    for service in ["postgres", "kafka", "registry"] {
-        services.script(service, "start")?;
-    }
+    // The three start side by side: Kafka's and the registry's JVMs take the longest.
+    tokio::try_join!(
+        services.run("postgres", &["start"]),
+        services.run("kafka", &["start"]),
+        services.run("registry", &["start"]),
+    )?;
     let mut config = Config::load(None).expect("the defaults load");
     config.database_url = Sensitive::new(format!(
         "postgres://jobfold:jobfold@127.0.0.1:{}/jobfold",
@@ -539,7 +539,10 @@ pub async fn run(plan: &Plan) -> anyhow::Result<Outcome> {
         config.topics.replication_factor = 3;
         config.topics.min_insync_replicas = 2;
     }
-    config.schema_registry_url = format!("http://127.0.0.1:{}/apis/ccompat/v7", services.port(5));
+    config.schema_registry_url = jobfold_common::config::RegistryUrl::new(format!(
+        "http://127.0.0.1:{}/apis/ccompat/v7",
+        services.port(5)
+    ));
     let pool = jobfold_common::db::connect(&config, 8).await?;
     crate::handlers::migrate(&pool).await?;
     // Producers may start before the first processor registers its kinds.
@@ -576,7 +579,7 @@ pub async fn run(plan: &Plan) -> anyhow::Result<Outcome> {
     let env: std::collections::HashMap<String, String> = [
         ("JOBFOLD_DATABASE_URL", config.database_url.expose().clone()),
         ("JOBFOLD_KAFKA_BROKERS", config.kafka_brokers.clone()),
-        ("JOBFOLD_SCHEMA_REGISTRY_URL", config.schema_registry_url.clone()),
+        ("JOBFOLD_SCHEMA_REGISTRY_URL", config.schema_registry_url.expose().to_owned()),
         ("JOBFOLD_TOPICS__REPLICATION_FACTOR", config.topics.replication_factor.to_string()),
         ("JOBFOLD_TOPICS__MIN_INSYNC_REPLICAS", config.topics.min_insync_replicas.to_string()),
         ("JOBFOLD_PROCESSOR__LEASE_TTL", "3s".into()),
@@ -665,16 +668,11 @@ pub async fn run(plan: &Plan) -> anyhow::Result<Outcome> {
         hot_versions: plan.hot_versions,
         pool: pool.clone(),
         acceptor: jobfold_common::accept::Acceptor::new(
-            Codec::connect(registry_settings(&config.schema_registry_url)?, &config.topics.events)
-                .await?,
+            Codec::connect(config.registry()?, &config.topics.events).await?,
             config.accept_policy(),
             "campaign-bad",
         ),
-        requests: Codec::<JobRequest>::connect(
-            registry_settings(&config.schema_registry_url)?,
-            &config.topics.requests,
-        )
-        .await?,
+        requests: Codec::<JobRequest>::connect(config.registry()?, &config.topics.requests).await?,
         kafka: config
             .kafka_client_for(
                 jobfold_common::config::KafkaRole::Producer,
@@ -981,9 +979,7 @@ async fn refuse_an_event(
         trace: None,
         run_at: None,
     };
-    let codec =
-        Codec::connect(registry_settings(&config.schema_registry_url)?, &config.topics.events)
-            .await?;
+    let codec = Codec::connect(config.registry()?, &config.topics.events).await?;
     let acceptor = jobfold_common::accept::Acceptor::new(codec, config.accept_policy(), "campaign");
     let submitted_at = chrono::Utc::now();
     // Postgres may be restarting after an earlier fault: try for a while.
@@ -1322,9 +1318,7 @@ async fn api_producer(
     stop: Arc<AtomicBool>,
 ) -> anyhow::Result<()> {
     let mut rng = StdRng::seed_from_u64(plan.seed ^ 2);
-    let codec =
-        Codec::connect(registry_settings(&config.schema_registry_url)?, &config.topics.events)
-            .await?;
+    let codec = Codec::connect(config.registry()?, &config.topics.events).await?;
     let acceptor = jobfold_common::accept::Acceptor::new(codec, config.accept_policy(), "campaign");
     while !stop.load(Ordering::SeqCst) {
         let n = next.fetch_add(1, Ordering::SeqCst);
@@ -1362,11 +1356,7 @@ async fn intake_producer(
     stop: Arc<AtomicBool>,
 ) -> anyhow::Result<()> {
     let mut rng = StdRng::seed_from_u64(plan.seed ^ 3);
-    let codec = Codec::<JobRequest>::connect(
-        registry_settings(&config.schema_registry_url)?,
-        &config.topics.requests,
-    )
-    .await?;
+    let codec = Codec::<JobRequest>::connect(config.registry()?, &config.topics.requests).await?;
     let producer: FutureProducer = config
         .kafka_client_for(
             jobfold_common::config::KafkaRole::Producer,

@@ -10,7 +10,6 @@ use std::time::{Duration, Instant};
 
 use jobfold_common::accept::{Acceptor, NewJob};
 use jobfold_common::config::{Config, Sensitive};
-use jobfold_schemas::codec::registry_settings;
 use jobfold_schemas::{Codec, Decoder, JobEvent};
 use rdkafka::Message;
 use rdkafka::consumer::{Consumer, StreamConsumer};
@@ -49,7 +48,8 @@ impl Installation {
         let mut config = Config::load(None).expect("the compiled-in defaults load");
         config.database_url = Sensitive::new(url);
         config.kafka_brokers = services::kafka_brokers();
-        config.schema_registry_url = services::schema_registry_url();
+        config.schema_registry_url =
+            jobfold_common::config::RegistryUrl::new(services::schema_registry_url());
         config.topics.events = unique_name(&format!("{name}-events"));
         config.topics.requests = unique_name(&format!("{name}-requests"));
         config.intake.group = unique_name(&format!("{name}-intake"));
@@ -118,7 +118,7 @@ impl Installation {
     }
 
     pub fn registry(&self) -> schema_registry_converter::async_impl::schema_registry::SrSettings {
-        registry_settings(&self.config.schema_registry_url).unwrap()
+        self.config.registry().unwrap()
     }
 
     /// `JOBFOLD_*` variables that make a binary use this installation.
@@ -127,7 +127,7 @@ impl Installation {
         HashMap::from([
             ("JOBFOLD_DATABASE_URL".into(), c.database_url.expose().clone()),
             ("JOBFOLD_KAFKA_BROKERS".into(), c.kafka_brokers.clone()),
-            ("JOBFOLD_SCHEMA_REGISTRY_URL".into(), c.schema_registry_url.clone()),
+            ("JOBFOLD_SCHEMA_REGISTRY_URL".into(), c.schema_registry_url.expose().to_owned()),
             ("JOBFOLD_TOPICS__EVENTS".into(), c.topics.events.clone()),
             ("JOBFOLD_TOPICS__REQUESTS".into(), c.topics.requests.clone()),
             ("JOBFOLD_INTAKE__GROUP".into(), c.intake.group.clone()),
@@ -278,8 +278,8 @@ pub fn binary(name: &str) -> PathBuf {
     static BUILT: OnceLock<()> = OnceLock::new();
     BUILT.get_or_init(|| {
         let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-        // The whole workspace, as docker/test.sh and the registry stand-in build it: the same
-        // package set resolves the same features, so this finds everything built.
+        // The whole workspace, as docker/test.sh builds it: the same package set resolves the
+        // same features, so this finds everything built.
         let release = (profile() == "release").then_some("--release");
         let status = Command::new(cargo)
             .args(["build", "--quiet", "--workspace", "--bins"])

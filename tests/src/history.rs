@@ -413,7 +413,7 @@ pub async fn check(
 
     // fold(log) = projection, from both sources.
     let decoder = Decoder::<JobEvent>::new(jobfold_schemas::codec::registry_settings(
-        &config.schema_registry_url,
+        config.schema_registry_url.expose(),
     )?);
     for source in [Source::Postgres, Source::Kafka] {
         let options = Options { verify: true, ..Options::new(source) };

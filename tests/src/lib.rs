@@ -1,4 +1,4 @@
-//! Shared helpers for jobfold's end-to-end tests, and the stand-in schema registry.
+//! Shared helpers for jobfold's end-to-end tests.
 //!
 //! Tests talk to real services started natively by `docker/services.sh start` (the README's
 //! test command starts them): PostgreSQL, Apache Kafka and a schema registry. Where a service
@@ -12,7 +12,6 @@
 //! - [`handlers`]: the fault tests' handler (`index-document` with knobs and an audit of
 //!   its writes) and the `jobfold-test-processor` binary's migrations.
 //! - [`kafka`]: per-test topics and clients.
-//! - [`registry_standin`]: the stand-in Confluent-compatible registry server.
 //! - [`bad`]: the bad jobs the campaign mixes in.
 //! - [`browser`]: a real headless Chromium over WebDriver, for the console's tests.
 //! - [`campaign`]: the fault campaign (also the `jobfold-campaign` command), and
@@ -27,5 +26,4 @@ pub mod handlers;
 pub mod harness;
 pub mod history;
 pub mod kafka;
-pub mod registry_standin;
 pub mod services;
