@@ -451,6 +451,7 @@ async fn secrets_appear_nowhere_in_logs_or_metrics() {
     let log = &seen[1].1;
     let start = log.lines().find(|l| l.contains("Starting the processor")).expect("config logged");
     assert!(start.contains("sasl.password") && start.contains("*********"), "{start}");
+    assert!(start.contains("http://*********@127.0.0.1:"), "the registry's URL: {start}");
     drop((relay, processor));
     it.cleanup().await;
     sqlx::query(&format!("DROP ROLE IF EXISTS {role}")).execute(&admin).await.unwrap();
