@@ -458,25 +458,13 @@ async fn services(
 ) -> anyhow::Result<
     Option<rdkafka::mocking::MockCluster<'static, rdkafka::producer::DefaultProducerContext>>,
 > {
-    // The scripts run as child processes awaited here, so Ctrl-C stops the demo even while
-    // a service starts.
-    let script = async |service: &'static str, started: &mut Started| -> anyhow::Result<()> {
-        let root = root.context(
-            "services are not running and docker/ was not found: run the demo from the jobfold checkout (or set JOBFOLD_ROOT)",
-        )?;
-        started.scripts.push((root.to_path_buf(), service));
-        let status = Command::new("bash")
-            .arg(root.join(format!("docker/{service}.sh")))
-            .arg("start")
-            .status()
-            .await?;
-        anyhow::ensure!(status.success(), "docker/{service}.sh start failed");
-        Ok(())
-    };
+    // What does not answer yet is started by its script, all side by side (Kafka's and the
+    // registry's JVMs take the longest).
+    let mut to_start: Vec<&'static str> = Vec::new();
     if reachable(&host_port(config.database_url.expose())) {
         println!("postgres: using {}", host_port(config.database_url.expose()));
     } else {
-        script("postgres", started).await?;
+        to_start.push("postgres");
     }
     let mut mock = None;
     let brokers_up = config.kafka_brokers.split(',').any(reachable);
@@ -508,12 +496,26 @@ async fn services(
     } else if brokers_up {
         println!("kafka: using {}", config.kafka_brokers);
     } else {
-        script("kafka", started).await?;
+        to_start.push("kafka");
     }
     if reachable(&host_port(config.schema_registry_url.expose())) {
         println!("registry: using {}", config.schema_registry_url);
     } else {
-        script("registry", started).await?;
+        to_start.push("registry");
+    }
+    if to_start.is_empty() {
+        return Ok(mock);
+    }
+    let root = root.context(
+        "services are not running and docker/ was not found: run the demo from the jobfold checkout (or set JOBFOLD_ROOT)",
+    )?;
+    // Child processes awaited here, so Ctrl-C stops the demo even while a service starts.
+    started.scripts.extend(to_start.iter().map(|service| (root.to_path_buf(), *service)));
+    let runs = to_start.iter().map(|service| {
+        Command::new("bash").arg(root.join(format!("docker/{service}.sh"))).arg("start").status()
+    });
+    for (service, status) in to_start.iter().zip(futures::future::join_all(runs).await) {
+        anyhow::ensure!(status?.success(), "docker/{service}.sh start failed");
     }
     Ok(mock)
 }
