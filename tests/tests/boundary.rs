@@ -494,29 +494,10 @@ async fn a_suspect_whose_run_returns_is_charged_no_more() {
     let mut it = Installation::new("boundary-survived").await;
     it.fast();
     it.create_topics().await;
-    let acceptor = it.acceptor().await;
-    let job = acceptor
-        .accept(
-            &it.pool,
-            &index_job(
-                "doc-bystander",
-                1,
-                json!({ "text": "x", "simulate": { "fail_attempts": 1 } }),
-            ),
-        )
-        .await
-        .unwrap()
-        .job_id;
     // It was running when processes died twice, one death short of `max_crashes` (3): a
     // suspect, run isolated.
-    sqlx::query(
-        "INSERT INTO job_counters (job_id, crashes, last_crash_owner, last_crash_at) \
-         VALUES ($1, 2, 'a process that died', now())",
-    )
-    .bind(job)
-    .execute(&it.pool)
-    .await
-    .unwrap();
+    let failing = json!({ "text": "x", "simulate": { "fail_attempts": 1 } });
+    let job = accept_crashed(&it, &["doc-bystander"], &failing, 2).await[0];
     let pipeline = Pipeline::start(&it, true);
     eventually(Duration::from_secs(60), "the bystander to succeed", || async {
         it.state_and_attempt(job).await.0 == "succeeded"
@@ -533,6 +514,42 @@ async fn a_suspect_whose_run_returns_is_charged_no_more() {
     it.cleanup().await;
 }
 
+/// Accepts one job for each of `documents` with `input`, each counted as running when
+/// `crashes` processes died (as a lease transaction finding their runs' records counts them).
+async fn accept_crashed(
+    it: &Installation,
+    documents: &[&str],
+    input: &Value,
+    crashes: i32,
+) -> Vec<Uuid> {
+    let acceptor = it.acceptor().await;
+    let mut jobs = Vec::new();
+    for document in documents {
+        let job =
+            acceptor.accept(&it.pool, &index_job(document, 1, input.clone())).await.unwrap().job_id;
+        sqlx::query(
+            "INSERT INTO job_counters (job_id, crashes, last_crash_owner, last_crash_at) \
+             VALUES ($1, $2, 'a process that died', now())",
+        )
+        .bind(job)
+        .bind(crashes)
+        .execute(&it.pool)
+        .await
+        .unwrap();
+        jobs.push(job);
+    }
+    jobs
+}
+
+async fn all_succeeded(it: &Installation, jobs: &[Uuid]) -> bool {
+    for job in jobs {
+        if it.state_and_attempt(*job).await.0 != "succeeded" {
+            return false;
+        }
+    }
+    true
+}
+
 /// Jobs a process's death found running (one lease transaction runs up to 256) are charged
 /// the attempt and run again side by side, not one at a time: only a job one death short of
 /// `max_crashes` runs isolated. Here two such bystanders of one death (3 allowed) can each
@@ -543,31 +560,13 @@ async fn the_jobs_a_death_touched_run_again_side_by_side() {
     it.fast();
     it.create_topics().await;
     assert_eq!(it.config.processor.max_crashes, 3);
-    let acceptor = it.acceptor().await;
     let dir = std::env::temp_dir().join(jobfold_tests::kafka::unique_name("bystanders"));
     let meet = json!({ "text": "x", "simulate": { "meet": { "dir": dir, "of": 2 } } });
-    let mut jobs = Vec::new();
-    for document in ["doc-bystander-a", "doc-bystander-b"] {
-        let job =
-            acceptor.accept(&it.pool, &index_job(document, 1, meet.clone())).await.unwrap().job_id;
-        // Running, with others, when a process died once.
-        sqlx::query(
-            "INSERT INTO job_counters (job_id, crashes, last_crash_owner, last_crash_at) \
-             VALUES ($1, 1, 'a process that died', now())",
-        )
-        .bind(job)
-        .execute(&it.pool)
-        .await
-        .unwrap();
-        jobs.push(job);
-    }
+    // Running, with others, when a process died once.
+    let jobs = accept_crashed(&it, &["doc-bystander-a", "doc-bystander-b"], &meet, 1).await;
     let pipeline = Pipeline::start(&it, true);
-    eventually(Duration::from_secs(120), "both bystanders to succeed", || async {
-        let mut done = true;
-        for job in &jobs {
-            done &= it.state_and_attempt(*job).await.0 == "succeeded";
-        }
-        done
+    eventually(Duration::from_secs(120), "both bystanders to succeed", || {
+        all_succeeded(&it, &jobs)
     })
     .await;
     pipeline.stop().await;
@@ -591,33 +590,13 @@ async fn suspects_waiting_their_turn_keep_their_leases() {
     let mut it = Installation::new("boundary-suspects").await;
     it.fast();
     it.create_topics().await;
-    let acceptor = it.acceptor().await;
     let slow = json!({ "text": "x", "simulate": { "sleep_ms": 8_000 } });
-    let mut jobs = Vec::new();
-    for document in ["doc-suspect-a", "doc-suspect-b"] {
-        let job =
-            acceptor.accept(&it.pool, &index_job(document, 1, slow.clone())).await.unwrap().job_id;
-        // One death short of `max_crashes` (3): a suspect.
-        sqlx::query(
-            "INSERT INTO job_counters (job_id, crashes, last_crash_owner, last_crash_at) \
-             VALUES ($1, 2, 'a process that died', now())",
-        )
-        .bind(job)
-        .execute(&it.pool)
-        .await
-        .unwrap();
-        jobs.push(job);
-    }
+    // One death short of `max_crashes` (3): suspects.
+    let jobs = accept_crashed(&it, &["doc-suspect-a", "doc-suspect-b"], &slow, 2).await;
     assert!(it.config.processor.lease_ttl < Duration::from_secs(8), "each runs past a TTL");
     let pipeline = Pipeline::start(&it, true);
-    eventually(Duration::from_secs(90), "both suspects to succeed", || async {
-        let mut done = true;
-        for job in &jobs {
-            done &= it.state_and_attempt(*job).await.0 == "succeeded";
-        }
-        done
-    })
-    .await;
+    eventually(Duration::from_secs(90), "both suspects to succeed", || all_succeeded(&it, &jobs))
+        .await;
     pipeline.stop().await;
     for job in &jobs {
         assert_eq!(it.state_and_attempt(*job).await.1, 1, "one attempt each");
