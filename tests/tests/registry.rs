@@ -1,14 +1,19 @@
-//! The schema registry as other clients see it: Confluent's own Python client
-//! (`confluent_kafka.schema_registry`) reads the schema jobfold registered, by the id in a
-//! frame and as the subject's latest version, and decodes the frame with it.
+//! The schema registry as other clients see it, and as a deployment guards it: Confluent's
+//! own Python client (`confluent_kafka.schema_registry`) reads the schema jobfold registered,
+//! by the id in a frame and as the subject's latest version, and decodes the frame with it;
+//! behind a gate that asks for credentials, jobfold's settings get it through.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
+use axum::response::IntoResponse;
 use chrono::{TimeZone, Utc};
+use jobfold_common::config::{RegistryUrl, Sensitive};
 use jobfold_schemas::codec::registry_settings;
 use jobfold_schemas::event::JobRequested;
-use jobfold_schemas::{Codec, JobEvent, Payload};
+use jobfold_schemas::{Codec, Decoder, JobEvent, Payload};
 use jobfold_tests::kafka::unique_name;
 use jobfold_tests::services;
 use uuid::Uuid;
@@ -69,16 +74,12 @@ print(json.dumps({
 }))
 "#;
 
-#[tokio::test]
-async fn confluents_python_client_reads_what_jobfold_registered() {
-    let url = services::schema_registry_url();
-    services::require_url("the schema registry", &url);
-    let topic = unique_name("python-reads");
-    let codec = Codec::<JobEvent>::connect(registry_settings(&url).unwrap(), &topic).await.unwrap();
-    let event = JobEvent {
+/// A `JobRequested` event of `document`.
+fn event(document: &str) -> JobEvent {
+    JobEvent {
         event_id: Uuid::new_v4(),
         job_id: Uuid::new_v4(),
-        document_id: "doc-python".into(),
+        document_id: document.into(),
         job_kind: "index-document".into(),
         input_version: 1,
         stream_version: 3,
@@ -92,8 +93,16 @@ async fn confluents_python_client_reads_what_jobfold_registered() {
             deadline: None,
             run_at: None,
         }),
-    };
-    let frame = codec.encode(&event).unwrap();
+    }
+}
+
+#[tokio::test]
+async fn confluents_python_client_reads_what_jobfold_registered() {
+    let url = services::schema_registry_url();
+    services::require_url("the schema registry", &url);
+    let topic = unique_name("python-reads");
+    let codec = Codec::<JobEvent>::connect(registry_settings(&url).unwrap(), &topic).await.unwrap();
+    let frame = codec.encode(&event("doc-python")).unwrap();
     let hex: String = frame.iter().map(|b| format!("{b:02x}")).collect();
 
     let python = tokio::task::spawn_blocking(python_with_confluent).await.unwrap();
@@ -112,4 +121,88 @@ async fn confluents_python_client_reads_what_jobfold_registered() {
     assert_eq!(read["document_id"], "doc-python");
     assert_eq!(read["job_kind"], "index-document");
     assert_eq!(read["stream_version"], 3);
+}
+
+/// A gate in front of the running registry, as a deployment's proxy puts one: a request
+/// whose `Authorization` is not `expected` gets 401 (counted); the others go through to the
+/// registry unchanged. Returns the gate's Confluent API URL.
+async fn gated_registry(expected: String) -> (String, Arc<AtomicUsize>) {
+    let upstream = reqwest::Url::parse(&services::schema_registry_url()).unwrap();
+    let origin = format!("http://{}:{}", upstream.host_str().unwrap(), upstream.port().unwrap());
+    let refused = Arc::new(AtomicUsize::new(0));
+    let client = reqwest::Client::new();
+    let app = axum::Router::new().fallback({
+        let refused = Arc::clone(&refused);
+        move |request: axum::extract::Request| async move {
+            let given = request.headers().get("authorization").and_then(|v| v.to_str().ok());
+            if given != Some(expected.as_str()) {
+                refused.fetch_add(1, Ordering::SeqCst);
+                return (axum::http::StatusCode::UNAUTHORIZED, String::new()).into_response();
+            }
+            let target = format!("{origin}{}", request.uri());
+            let method = request.method().clone();
+            let kind = request.headers().get("content-type").cloned();
+            let body = axum::body::to_bytes(request.into_body(), 1 << 20).await.unwrap();
+            let mut forward = client.request(method, target).body(body);
+            if let Some(kind) = kind {
+                forward = forward.header("content-type", kind);
+            }
+            let answer = forward.send().await.unwrap();
+            let status = axum::http::StatusCode::from_u16(answer.status().as_u16()).unwrap();
+            (status, [("content-type", "application/json")], answer.bytes().await.unwrap())
+                .into_response()
+        }
+    });
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}{}", listener.local_addr().unwrap(), upstream.path());
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    (url, refused)
+}
+
+/// jobfold's registry settings against a registry that asks for credentials: basic
+/// authentication from `schema_registry_username`/`_password` or from the URL, a bearer token
+/// from `schema_registry_token`; without them the registry refuses and the codec says so.
+#[tokio::test]
+async fn a_registry_that_asks_for_credentials_gets_them_from_the_settings() {
+    services::require_url("the schema registry", &services::schema_registry_url());
+    let mut config = jobfold_common::config::Config::load(None).unwrap();
+    // What HTTP basic authentication sends for this user and password.
+    let request = reqwest::Client::new().get("http://127.0.0.1/");
+    let request = request.basic_auth("registry-user", Some("s3cret")).build().unwrap();
+    let basic = request.headers()["authorization"].to_str().unwrap().to_owned();
+    let (gate, refused) = gated_registry(basic).await;
+    let topic = unique_name("gated");
+
+    config.schema_registry_url = RegistryUrl::new(gate.clone());
+    let denied = Codec::<JobEvent>::connect(config.registry().unwrap(), &topic).await;
+    let denied = denied.expect_err("registered without credentials");
+    assert!(format!("{denied:#}").contains("401"), "{denied:#}");
+    assert_eq!(refused.load(Ordering::SeqCst), 1);
+
+    config.schema_registry_username = Some("registry-user".into());
+    config.schema_registry_password = Some(Sensitive::new("s3cret".into()));
+    config.validate().unwrap();
+    let codec = Codec::<JobEvent>::connect(config.registry().unwrap(), &topic).await.unwrap();
+    // A fresh decoder asks the registry for the schema by the id in the frame.
+    let frame = codec.encode(&event("doc-gated")).unwrap();
+    let decoder = Decoder::<JobEvent>::new(config.registry().unwrap());
+    assert_eq!(decoder.decode(&frame).await.unwrap().document_id, "doc-gated");
+
+    // The same credentials written into the URL, sent the same way.
+    config.schema_registry_username = None;
+    config.schema_registry_password = None;
+    config.schema_registry_url =
+        RegistryUrl::new(gate.replacen("http://", "http://registry-user:s3cret@", 1));
+    config.validate().unwrap();
+    let again = Codec::<JobEvent>::connect(config.registry().unwrap(), &topic).await.unwrap();
+    assert_eq!(again.schema_id(), codec.schema_id());
+
+    // A bearer token.
+    let (gate, refused) = gated_registry("Bearer t0ken-for-the-registry".into()).await;
+    config.schema_registry_url = RegistryUrl::new(gate);
+    config.schema_registry_token = Some(Sensitive::new("t0ken-for-the-registry".into()));
+    config.validate().unwrap();
+    let decoder = Decoder::<JobEvent>::new(config.registry().unwrap());
+    assert_eq!(decoder.decode(&frame).await.unwrap().document_id, "doc-gated");
+    assert_eq!(refused.load(Ordering::SeqCst), 0);
 }
