@@ -119,7 +119,8 @@ impl RegistryUrl {
         }
     }
 
-    /// The URL as shown: credentials replaced by `*********`.
+    /// The URL as shown: credentials replaced by `*********` — in one that does not parse
+    /// too, whatever its authority holds before an `@`.
     fn shown(&self) -> String {
         match self.split_credentials() {
             (bare, Some(_)) => match url::Url::parse(&bare) {
@@ -129,7 +130,14 @@ impl RegistryUrl {
                 }
                 Err(_) => "*********".into(),
             },
-            (bare, None) => bare,
+            (bare, None) => {
+                let (scheme, rest) = bare.split_once("://").unwrap_or(("", bare.as_str()));
+                let end = rest.find('/').unwrap_or(rest.len());
+                match rest[..end].rfind('@') {
+                    Some(at) => format!("{scheme}://*********{}", &rest[at..]),
+                    None => bare,
+                }
+            }
         }
     }
 }
@@ -1438,6 +1446,9 @@ mod tests {
             assert!(shown.contains("registry.example:8443"), "{shown}");
         }
         assert!(config.validate().is_ok());
+        // One that does not parse (a port out of range) shows no credentials either.
+        let broken = RegistryUrl::new("https://svc:p@ss@registry.example:99999/apis");
+        assert_eq!(broken.to_string(), "https://*********@registry.example:99999/apis");
 
         // The same credentials as settings; the token instead.
         config.schema_registry_username = Some("svc".into());
