@@ -25,11 +25,16 @@ answers() { curl -fsS "$URL/subjects" >/dev/null; }
 
 fetch() {
     [[ -f "$JAR" ]] && return 0
-    # One fetch at a time: a campaign's registry starts beside the tests' one.
+    # One fetch at a time (a campaign's registry starts beside the tests' one). The lock's
+    # descriptor is closed before Java starts, so the registry never inherits the lock.
     mkdir -p "$JOBFOLD_CACHE_DIR"
     exec 9>"$JOBFOLD_CACHE_DIR/apicurio.lock"
     flock 9
-    [[ -f "$JAR" ]] && return 0
+    [[ -f "$JAR" ]] || fetch_locked
+    exec 9>&-
+}
+
+fetch_locked() {
     command -v mvn >/dev/null || die "registry: Maven is needed to fetch Apicurio Registry (apt-get install maven)"
     say "registry: fetching Apicurio Registry $APICURIO_VERSION from Maven Central (once)"
     local artifact="io.apicurio:apicurio-registry-app:$APICURIO_VERSION:tar.gz:all"
@@ -45,7 +50,6 @@ fetch() {
     tar -xzf "$archive" -C "$unpack" || die "registry: cannot unpack $archive"
     [[ -f "$unpack/$(basename "$JAR")" ]] || die "registry: $archive holds no $(basename "$JAR")"
     rm -rf "$HOME_DIR" "$fetched" && mv "$unpack" "$HOME_DIR"
-    exec 9>&-
 }
 
 start() {
