@@ -468,7 +468,11 @@ async fn run(config: Config, command: Command) -> anyhow::Result<()> {
             let (_, was) =
                 jobfold_processor::store::cancel(&mut tx, &events, job_id, request).await?;
             tx.commit().await?;
-            println!("{job_id} cancelled (was {was})");
+            if was == jobfold_schemas::fold::Status::Cancelled {
+                println!("{job_id} was already cancelled");
+            } else {
+                println!("{job_id} cancelled (was {was})");
+            }
         }
         Command::Jobs { state, kind, document, since, after, limit, desc, json, explain } => {
             let pool = db::connect(&config, 1).await?;

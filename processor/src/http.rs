@@ -14,7 +14,8 @@
 //!   (acceptance) order, keyset-paged: `{"jobs": [...], "next": id}`; pass `next` as `after`.
 //! - `POST /v1/jobs/{id}/cancel` (`{"reason": "...", "requested_by": "..."}`, optional): an
 //!   open job ends `cancelled` (a running one's handler is cancelled within a heartbeat and
-//!   its completion fenced); 200, or 409 with the state if it already ended.
+//!   its completion fenced); 200 (again for a job already cancelled, `was`
+//!   `cancelled`, nothing appended), or 409 with the state if it ended otherwise.
 //! - `POST /v1/quarantine/replay`: replays the quarantined jobs a filter selects (`owner`,
 //!   `kind`, `reason`, `since`, `until`), `batch_size` to a transaction, at most `limit`;
 //!   `"dry_run": true` only counts them.
@@ -592,7 +593,9 @@ async fn cancel(
         }
     };
     tx.commit().await?;
-    crate::internal_events::JobCancelled { job_id: job.job_id, was: was.as_str() }.emit();
+    if was != jobfold_schemas::fold::Status::Cancelled {
+        crate::internal_events::JobCancelled { job_id: job.job_id, was: was.as_str() }.emit();
+    }
     let body = json!({ "job_id": job.job_id, "state": job.state.as_str(), "was": was.as_str() });
     Ok((StatusCode::OK, axum::Json(body)).into_response())
 }

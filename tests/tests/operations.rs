@@ -92,8 +92,9 @@ async fn into_retry_wait(it: &Installation, job_id: Uuid) {
 /// Cancelling ends a job in each open state at once: queued (behind its document's running
 /// job), scheduled, waiting to retry, quarantined; and a running 10-minute handler is
 /// cancelled by its next heartbeat — its completion is fenced, so neither a result nor a
-/// business write nor a success event exists, and the log folds to `cancelled`. An ended
-/// job answers 409 with its state; a cancel without the token, 401.
+/// business write nor a success event exists, and the log folds to `cancelled`. A cancel
+/// retried answers 200 again and appends nothing; a job that ended otherwise answers 409
+/// with its state; a cancel without the token, 401.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn cancelling_ends_each_open_state_and_a_running_handler_commits_nothing() {
     let (it, acceptor) = installation("ops-cancel").await;
@@ -174,10 +175,26 @@ async fn cancelling_ends_each_open_state_and_a_running_handler_commits_nothing()
     let text = running.processor.scrape().await.unwrap_or_default();
     assert_eq!(metric_value(&text, "jobfold_cancelled_total", &[("was", "leased")]), Some(1.0));
 
-    // Ended jobs answer 409 with their state; nothing is appended.
+    // A cancel retried (its answer lost) gets the same answer and appends nothing.
+    let events = |job_id| {
+        let pool = it.pool.clone();
+        async move {
+            sqlx::query_scalar::<_, i64>("SELECT count(*) FROM job_events WHERE job_id = $1")
+                .bind(job_id)
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+        }
+    };
+    let before = events(runs).await;
     let (status, body) = running.post(&format!("/v1/jobs/{runs}/cancel"), json!({})).await;
-    assert_eq!(status, 409, "{body}");
-    assert_eq!(body["error"]["state"], "cancelled", "{body}");
+    assert_eq!(
+        (status, &body["state"], &body["was"]),
+        (200, &json!("cancelled"), &json!("cancelled")),
+        "{body}"
+    );
+    assert_eq!(events(runs).await, before, "a second cancel appended an event");
+    // Jobs that ended otherwise answer 409 with their state; nothing is appended.
     let done = acceptor.accept(&it.pool, &job("doc-done", json!({ "text": "quick" }))).await;
     let done = done.unwrap().job_id;
     eventually(Duration::from_secs(60), "the quick job to succeed", || async {

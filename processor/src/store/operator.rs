@@ -252,7 +252,8 @@ pub async fn replay_matching(
 pub enum CancelError {
     #[error("no job {0}")]
     NotFound(Uuid),
-    /// Only an open job (queued, leased, waiting to retry, quarantined) can be cancelled.
+    /// Only an open job (queued, leased, waiting to retry, quarantined) can be cancelled; one
+    /// already cancelled is no error (see [`cancel`]).
     #[error("job {job_id} already ended: {state}")]
     Ended { job_id: Uuid, state: Status },
     #[error(transparent)]
@@ -276,6 +277,9 @@ pub struct Cancel {
 /// Cancels an open job in the caller's transaction: `JobCancelled`, state `cancelled`, its
 /// quarantine row (if any) gone. Returns the job and the state it was in.
 ///
+/// Cancelling a job that is already cancelled writes nothing and returns it as it is, `was`
+/// `cancelled`: a cancel retried because its answer was lost gets the same answer.
+///
 /// A queued or retry-waiting job's pending dispatch is then skipped when it arrives (the
 /// job is finished). A running job's heartbeat finds the job no longer leased and fires the
 /// handler's cancellation token, and its completion, fenced on state `leased` and the
@@ -290,6 +294,9 @@ pub async fn cancel(
     request: Cancel,
 ) -> Result<(JobRow, Status), CancelError> {
     let mut job = lock_job(tx, job_id).await?.ok_or(CancelError::NotFound(job_id))?;
+    if job.state == Status::Cancelled {
+        return Ok((job, Status::Cancelled));
+    }
     if job.state.is_final() {
         return Err(CancelError::Ended { job_id, state: job.state });
     }
