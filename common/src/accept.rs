@@ -147,22 +147,25 @@ impl Acceptor {
         Self { codec, policy, producer: producer.into(), known_kinds: Default::default() }
     }
 
-    /// [`AcceptError::UnknownKind`] for the first of `kinds` no processor has registered,
-    /// looked up in `job_kinds` (in the caller's transaction) when not known yet.
-    async fn check_kinds(&self, tx: &mut PgConnection, kinds: &[&str]) -> Result<(), AcceptError> {
+    /// The kinds among `kinds` no processor has registered, looked up in `job_kinds` (in the
+    /// caller's transaction) when not known yet; none when `accept.any_kind` is on.
+    async fn unknown_kinds<'k>(
+        &self,
+        tx: &mut PgConnection,
+        kinds: impl Iterator<Item = &'k str>,
+    ) -> Result<Vec<&'k str>, AcceptError> {
         if self.policy.any_kind {
-            return Ok(());
+            return Ok(Vec::new());
         }
         let unknown: Vec<&str> = {
             let known = self.known_kinds.read().unwrap_or_else(std::sync::PoisonError::into_inner);
-            let mut unknown: Vec<&str> =
-                kinds.iter().copied().filter(|k| !known.contains(*k)).collect();
+            let mut unknown: Vec<&str> = kinds.filter(|k| !known.contains(*k)).collect();
             unknown.sort_unstable();
             unknown.dedup();
             unknown
         };
         if unknown.is_empty() {
-            return Ok(());
+            return Ok(unknown);
         }
         let found = sqlx::query_scalar!(
             "SELECT kind FROM job_kinds WHERE kind = ANY($1)",
@@ -172,10 +175,7 @@ impl Acceptor {
         .await?;
         let mut known = self.known_kinds.write().unwrap_or_else(std::sync::PoisonError::into_inner);
         known.extend(found);
-        match unknown.into_iter().find(|k| !known.contains(*k)) {
-            Some(kind) => Err(AcceptError::UnknownKind { kind: kind.to_owned() }),
-            None => Ok(()),
-        }
+        Ok(unknown.into_iter().filter(|k| !known.contains(*k)).collect())
     }
 
     /// Checks a job against the rules; [`AcceptError::Invalid`] names the first bad field.
@@ -262,7 +262,9 @@ impl Acceptor {
         job: &NewJob,
     ) -> Result<Accepted, AcceptError> {
         self.validate(job)?;
-        self.check_kinds(tx, &[job.kind.as_str()]).await?;
+        if !self.unknown_kinds(tx, std::iter::once(job.kind.as_str())).await?.is_empty() {
+            return Err(AcceptError::UnknownKind { kind: job.kind.clone() });
+        }
         // Millisecond precision, as events carry time: the row and the event agree.
         let now = Utc::now();
         let now = DateTime::from_timestamp_millis(now.timestamp_millis()).unwrap_or(now);
@@ -362,19 +364,90 @@ impl Acceptor {
         tx: &mut PgConnection,
         jobs: &[NewJob],
     ) -> Result<Vec<Accepted>, AcceptError> {
-        for job in jobs {
-            self.validate(job)?;
+        // The first job's error, if any; the caller rolls back what the others wrote.
+        self.accept_each_in(tx, jobs).await?.into_iter().collect()
+    }
+
+    /// Accepts each of `jobs` that can be, in one transaction of its own: a job that cannot
+    /// — a bad field, an unknown kind, a reused idempotency key — gets its own error and
+    /// costs only itself. If Postgres refuses one job's data ([`AcceptError::Unstorable`],
+    /// which cannot say which row), the batch is rolled back and each job is accepted in a
+    /// transaction of its own, so that one is refused alone. Each job of the answer
+    /// (`Ok`) is durable when this returns.
+    ///
+    /// # Errors
+    /// [`AcceptError::Database`] (or [`AcceptError::Encode`]): nothing was accepted.
+    pub async fn accept_each(
+        &self,
+        pool: &PgPool,
+        jobs: &[NewJob],
+    ) -> Result<Vec<Result<Accepted, AcceptError>>, AcceptError> {
+        let mut tx = pool.begin().await?;
+        match self.accept_each_in(&mut tx, jobs).await {
+            Ok(each) => {
+                tx.commit().await?;
+                Ok(each)
+            }
+            Err(e) if e.is_request_fault() || is_contention(&e) => {
+                drop(tx);
+                tracing::debug!(error = %e, jobs = jobs.len(), "A batch failed as a whole; its jobs are accepted one by one.");
+                let mut each = Vec::with_capacity(jobs.len());
+                for job in jobs {
+                    each.push(match self.accept(pool, job).await {
+                        Err(e) if !e.is_request_fault() => return Err(e),
+                        answer => answer,
+                    });
+                }
+                Ok(each)
+            }
+            Err(e) => Err(e),
         }
-        let kinds: Vec<&str> = jobs.iter().map(|j| j.kind.as_str()).collect();
-        self.check_kinds(tx, &kinds).await?;
+    }
+
+    /// [`Acceptor::accept_each`] inside the caller's transaction, without the one-by-one
+    /// fallback: the answer for each job, in order.
+    ///
+    /// Per-document order follows the slice: a later job of a document gets a later event.
+    ///
+    /// # Errors
+    /// The statement failed as a whole ([`AcceptError::Database`], or
+    /// [`AcceptError::Unstorable`] for data Postgres refused in some row); the caller should
+    /// roll back.
+    pub async fn accept_each_in(
+        &self,
+        tx: &mut PgConnection,
+        jobs: &[NewJob],
+    ) -> Result<Vec<Result<Accepted, AcceptError>>, AcceptError> {
+        let mut answers: Vec<Option<Result<Accepted, AcceptError>>> =
+            jobs.iter().map(|job| self.validate(job).err().map(Err)).collect();
+        let unknown = self.unknown_kinds(tx, jobs.iter().map(|j| j.kind.as_str())).await?;
+        if !unknown.is_empty() {
+            for (job, answer) in jobs.iter().zip(&mut answers) {
+                if answer.is_none() && unknown.contains(&job.kind.as_str()) {
+                    *answer = Some(Err(AcceptError::UnknownKind { kind: job.kind.clone() }));
+                }
+            }
+        }
+        let valid: Vec<usize> = (0..jobs.len()).filter(|i| answers[*i].is_none()).collect();
+        if valid.is_empty() {
+            return Ok(answers.into_iter().flatten().collect());
+        }
         let now = Utc::now();
         let now = DateTime::from_timestamp_millis(now.timestamp_millis()).unwrap_or(now);
-        let n = jobs.len();
+        let n = valid.len();
         let (mut job_ids, mut event_ids, mut bodies) =
             (Vec::with_capacity(n), Vec::with_capacity(n), Vec::with_capacity(n));
         let (mut budgets, mut deadlines) = (Vec::with_capacity(n), Vec::with_capacity(n));
         let mut run_ats = Vec::with_capacity(n);
-        for job in jobs {
+        let (mut documents, mut kinds, mut inputs, mut versions, mut keys) = (
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+        );
+        let (mut traceparents, mut tracestates) = (Vec::with_capacity(n), Vec::with_capacity(n));
+        for job in valid.iter().map(|i| &jobs[*i]) {
             let job_id = Uuid::now_v7();
             let event = self.requested_event(job_id, job, now);
             bodies.push(self.codec.encode(&event)?);
@@ -385,15 +458,14 @@ impl Acceptor {
             }
             event_ids.push(event.event_id);
             job_ids.push(job_id);
+            documents.push(job.document_id.as_str());
+            kinds.push(job.kind.as_str());
+            inputs.push(&job.input);
+            versions.push(job.input_version);
+            keys.push(job.idempotency_key.as_deref());
+            traceparents.push(job.trace.as_ref().map(|t| t.traceparent.as_str()));
+            tracestates.push(job.trace.as_ref().and_then(|t| t.tracestate.as_deref()));
         }
-        let documents: Vec<&str> = jobs.iter().map(|j| j.document_id.as_str()).collect();
-        let inputs: Vec<&serde_json::Value> = jobs.iter().map(|j| &j.input).collect();
-        let versions: Vec<i64> = jobs.iter().map(|j| j.input_version).collect();
-        let keys: Vec<Option<&str>> = jobs.iter().map(|j| j.idempotency_key.as_deref()).collect();
-        let traceparents: Vec<Option<&str>> =
-            jobs.iter().map(|j| j.trace.as_ref().map(|t| t.traceparent.as_str())).collect();
-        let tracestates: Vec<Option<&str>> =
-            jobs.iter().map(|j| j.trace.as_ref().and_then(|t| t.tracestate.as_deref())).collect();
         // As in accept_in: scheduled jobs' events go through the outbox, due at run_at.
         let inserted = sqlx::query_scalar!(
             r#"
@@ -449,23 +521,20 @@ impl Acceptor {
         .fetch_all(&mut *tx)
         .await?;
         metrics::counter!(crate::metrics::ACCEPTED_TOTAL).increment(inserted.len() as u64);
-        if inserted.len() == n {
-            return Ok(job_ids
-                .into_iter()
-                .map(|job_id| Accepted { job_id, created: true })
-                .collect());
-        }
-        // Some keys existed (or repeat within the batch): each must ask for the same job.
+        // Keys that existed (or repeat within the batch) must each ask for the same job.
+        let all_inserted = inserted.len() == n;
         let inserted: std::collections::HashSet<Uuid> = inserted.into_iter().collect();
-        let mut accepted = Vec::with_capacity(n);
-        for (job, job_id) in jobs.iter().zip(job_ids) {
-            if inserted.contains(&job_id) {
-                accepted.push(Accepted { job_id, created: true });
+        for (i, job_id) in valid.into_iter().zip(job_ids) {
+            answers[i] = Some(if all_inserted || inserted.contains(&job_id) {
+                Ok(Accepted { job_id, created: true })
             } else {
-                accepted.push(self.existing(tx, job).await?);
-            }
+                match self.existing(tx, &jobs[i]).await {
+                    Err(AcceptError::Database(e)) => return Err(AcceptError::Database(e)),
+                    answer => answer,
+                }
+            });
         }
-        Ok(accepted)
+        Ok(answers.into_iter().flatten().collect())
     }
 
     /// The job an earlier request with `job`'s idempotency key created, if it asked the same.
@@ -514,4 +583,11 @@ impl Acceptor {
             }),
         }
     }
+}
+
+/// A deadlock or serialization failure: two batches met on the same keys in different
+/// orders, and Postgres aborted one. Each job alone cannot meet another batch that way.
+fn is_contention(e: &AcceptError) -> bool {
+    matches!(e, AcceptError::Database(sqlx::Error::Database(d))
+        if matches!(d.code().as_deref(), Some("40P01" | "40001")))
 }

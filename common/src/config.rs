@@ -419,6 +419,9 @@ pub struct Intake {
     pub enabled: bool,
     /// Its consumer group.
     pub group: String,
+    /// Most requests accepted in one transaction: the intake takes what the consumer has
+    /// fetched, up to this many, and accepts them together.
+    pub max_batch: usize,
 }
 
 /// Accepting jobs.
@@ -886,6 +889,9 @@ impl Config {
         }
         if self.intake.group.trim().is_empty() {
             return invalid("intake.group", "must not be empty");
+        }
+        if self.intake.max_batch == 0 || self.intake.max_batch > 10_000 {
+            return invalid("intake.max_batch", "must be between 1 and 10000");
         }
         let p = &self.processor;
         if p.group.trim().is_empty() {

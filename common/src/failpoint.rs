@@ -20,6 +20,9 @@ pub const PROCESSOR_IN_HANDLER: &str = "processor-in-handler";
 pub const PROCESSOR_AFTER_COMPLETION_BEFORE_OFFSET: &str =
     "processor-after-completion-before-offset-store";
 
+/// The intake committed a batch of accepted requests; their offsets are not stored yet.
+pub const INTAKE_AFTER_COMMIT_BEFORE_OFFSET: &str = "intake-after-commit-before-offset-store";
+
 /// The processor's heartbeat task is about to beat (a crash here is the task's, not a
 /// job's: the process must not run on without it).
 pub const PROCESSOR_HEARTBEAT: &str = "processor-heartbeat";

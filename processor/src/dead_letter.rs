@@ -17,9 +17,24 @@ pub async fn store(
     message: Raw<'_>,
     error: &str,
 ) -> Result<(), sqlx::Error> {
+    insert(pool, group, message, error).await?;
+    stored(group, message, error);
+    Ok(())
+}
+
+/// Stores a dead letter (once per group, topic, partition and offset) with `executor`, e.g.
+/// in a transaction; the caller calls [`stored`] once it committed.
+///
+/// # Errors
+/// The database failed.
+pub async fn insert(
+    executor: impl sqlx::PgExecutor<'_>,
+    group: &str,
+    message: Raw<'_>,
+    error: &str,
+) -> Result<(), sqlx::Error> {
     // The reason may quote the message; Postgres text cannot hold U+0000.
     let error = error.replace('\0', "\u{fffd}");
-    let error = error.as_str();
     sqlx::query!(
         r#"
         INSERT INTO dead_letters (consumer_group, topic, kafka_partition, kafka_offset,
@@ -33,12 +48,16 @@ pub async fn store(
         message.at.offset,
         message.key,
         message.payload,
-        error,
+        error.as_str(),
     )
-    .execute(pool)
+    .execute(executor)
     .await?;
-    DeadLettered { at: message.at.coordinates(), group, error }.emit();
     Ok(())
+}
+
+/// Logs and counts a dead letter [`insert`] stored.
+pub fn stored(group: &str, message: Raw<'_>, error: &str) {
+    DeadLettered { at: message.at.coordinates(), group, error }.emit();
 }
 
 /// A message as a dead letter keeps it: where it sits and its raw bytes.
@@ -144,7 +163,8 @@ pub async fn list(pool: &PgPool, filter: &DeadLetterFilter) -> Result<DeadLetter
 /// # Errors
 /// The database failed.
 pub async fn show(pool: &PgPool, id: i64) -> Result<Option<DeadLetterDetail>, sqlx::Error> {
-    let Some(Stored { letter, raw_key: key, raw_value: value }) = stored(pool, id).await? else {
+    let Some(Stored { letter, raw_key: key, raw_value: value }) = stored_letter(pool, id).await?
+    else {
         return Ok(None);
     };
     Ok(Some(DeadLetterDetail {
@@ -163,7 +183,7 @@ struct Stored {
     raw_value: Option<Vec<u8>>,
 }
 
-async fn stored(pool: &PgPool, id: i64) -> Result<Option<Stored>, sqlx::Error> {
+async fn stored_letter(pool: &PgPool, id: i64) -> Result<Option<Stored>, sqlx::Error> {
     // Two reads: a letter deleted between them is not found.
     let Some(letter) = select_dead_letters!("WHERE id = $1", id).fetch_optional(pool).await? else {
         return Ok(None);
@@ -240,7 +260,7 @@ pub async fn reinject(
 ) -> Result<Reinjected, ReinjectError> {
     use rdkafka::producer::{FutureProducer, FutureRecord};
     let Stored { letter, raw_key: key, raw_value: value } =
-        stored(pool, id).await?.ok_or(ReinjectError::NotFound(id))?;
+        stored_letter(pool, id).await?.ok_or(ReinjectError::NotFound(id))?;
     let topic = letter.topic;
     let intake = &config.topics.requests;
     if &topic != intake {

@@ -1,25 +1,33 @@
 //! The intake consumer: upstream producers' `JobRequest`s on `jobfold.job-requests` become
 //! accepted jobs.
 //!
-//! Invariant: a request's offset is stored only after its accept transaction committed (or
-//! its dead letter row did), with `enable.auto.offset.store=false`; messages are handled in
-//! offset order, one partition at a time per consumer. A crash before the store repeats
-//! the request, and the request id — the job's idempotency key `request:<id>` — makes the
-//! repeat return the job already accepted.
+//! Requests are accepted in batches: what the consumer has fetched when a batch starts, up
+//! to `intake.max_batch`, in one transaction (one multi-row insert; the request ids'
+//! dedupe by `ON CONFLICT`), dead letters included. A lone request is not held back to
+//! fill a batch; under load the batches grow by themselves.
+//!
+//! Invariant: a request's offset is stored only after the transaction that accepted it (or
+//! stored its dead letter) committed, with `enable.auto.offset.store=false`; a partition's
+//! messages are accepted in offset order. A crash before the store repeats the request,
+//! and the request id — the job's idempotency key `request:<id>` — makes the repeat return
+//! the job already accepted.
 //!
 //! Bad input loses nothing and blocks nothing: a message that cannot decode, or a request
-//! that is invalid — a bad field, an input over the limit, a U+0000 Postgres cannot store,
-//! any data error Postgres raises about the request's row (SQLSTATE classes 22 and 23) — is
-//! stored in `dead_letters` with its raw key and value, and the partition moves on. Only
-//! failures that may heal (registry or database unreachable) are retried with backoff,
-//! without moving on.
+//! that is invalid — a bad field, an input over the limit, an unknown kind, a reused request
+//! id, a U+0000 Postgres cannot store — is stored in `dead_letters` with its raw key and
+//! value, its batch accepted without it, and the partition moves on. A data error Postgres
+//! raises about one row (SQLSTATE classes 22 and 23) fails the multi-row insert as a
+//! whole: that batch is then accepted one request at a time, so the bad one is
+//! dead-lettered alone. Only failures that may heal (registry or database unreachable) are
+//! retried with backoff, without moving on.
 
 use std::time::Duration;
 
 use crate::dead_letter::Raw;
 use crate::internal_events::{ConsumerFailed, ErrorBackoff, MessageError, MessageRetried};
 use crate::metrics as m;
-use jobfold_common::accept::{Acceptor, NewJob};
+use futures::FutureExt;
+use jobfold_common::accept::{AcceptError, Acceptor, NewJob};
 use jobfold_common::config::Config;
 use jobfold_schemas::event::{TRACEPARENT, TRACESTATE, TraceContext};
 use jobfold_schemas::{Decoder, JobRequest};
@@ -41,6 +49,25 @@ pub enum Handled {
     DeadLettered,
 }
 
+/// What became of a batch's messages.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Counted {
+    pub accepted: usize,
+    /// Request ids accepted before.
+    pub duplicates: usize,
+    pub dead_lettered: usize,
+}
+
+impl Counted {
+    fn add(&mut self, handled: Handled) {
+        match handled {
+            Handled::Accepted => self.accepted += 1,
+            Handled::Duplicate => self.duplicates += 1,
+            Handled::DeadLettered => self.dead_lettered += 1,
+        }
+    }
+}
+
 /// A failure that may heal: the message is tried again, the offset not stored.
 #[derive(Debug, thiserror::Error)]
 #[error("{0}")]
@@ -53,6 +80,7 @@ pub struct Intake {
     acceptor: Acceptor,
     pool: PgPool,
     group: String,
+    max_batch: usize,
 }
 
 impl std::fmt::Debug for Intake {
@@ -80,7 +108,14 @@ impl Intake {
             .set("group.id", &config.intake.group)
             .create()?;
         consumer.subscribe(&[&config.topics.requests])?;
-        Ok(Self { consumer, decoder, acceptor, pool, group: config.intake.group.clone() })
+        Ok(Self {
+            consumer,
+            decoder,
+            acceptor,
+            pool,
+            group: config.intake.group.clone(),
+            max_batch: config.intake.max_batch,
+        })
     }
 
     /// Consumes until `shutdown`, then commits the stored offsets.
@@ -89,54 +124,77 @@ impl Intake {
     /// The consumer failed in a way that retrying cannot fix.
     pub async fn run(self, shutdown: CancellationToken) -> anyhow::Result<()> {
         let mut errors = ErrorBackoff::default();
+        let mut batch = Vec::with_capacity(self.max_batch);
         loop {
-            let message = tokio::select! {
+            let first = tokio::select! {
                 biased;
                 _ = shutdown.cancelled() => break,
                 message = self.consumer.recv() => message,
             };
-            let message = match message {
-                Ok(message) => {
-                    errors.reset();
-                    message
+            // Then whatever else the consumer holds already, without waiting for more.
+            let mut failed = None;
+            match first {
+                Ok(message) => batch.push(message),
+                Err(e) => failed = Some(e),
+            }
+            while failed.is_none() && batch.len() < self.max_batch {
+                match self.consumer.recv().now_or_never() {
+                    Some(Ok(message)) => batch.push(message),
+                    Some(Err(e)) => failed = Some(e),
+                    None => break,
                 }
-                Err(e) => {
-                    let backoff = errors.after_error();
-                    ConsumerFailed { stage: "intake", error: &e, backoff }.emit();
-                    // A fatal error leaves the consumer dead: stop, to be restarted.
-                    if e.rdkafka_error_code() == Some(rdkafka::types::RDKafkaErrorCode::Fatal) {
-                        anyhow::bail!("the intake consumer hit a fatal error: {e}");
-                    }
-                    if !backoff.is_zero() {
-                        tokio::select! {
-                            _ = shutdown.cancelled() => break,
-                            () = tokio::time::sleep(backoff) => {}
+            }
+            if !batch.is_empty() {
+                errors.reset();
+                let mut backoff = RETRY_MIN;
+                loop {
+                    match self.handle_batch(&batch).await {
+                        Ok(handled) => {
+                            tracing::debug!(
+                                messages = batch.len(),
+                                ?handled,
+                                "Intake batch handled."
+                            );
+                            metrics::histogram!(m::TRANSACTION_JOBS, "transaction" => "intake")
+                                .record(batch.len() as f64);
+                            jobfold_common::failpoint::hit(
+                                jobfold_common::failpoint::INTAKE_AFTER_COMMIT_BEFORE_OFFSET,
+                            );
+                            for message in &batch {
+                                // Refused for a partition a rebalance took while the batch
+                                // was gathered: its next owner reads the request again and
+                                // finds it accepted by its request id.
+                                if let Err(e) = self.consumer.store_offset_from_message(message) {
+                                    tracing::debug!(error = %e, partition = message.partition(), offset = message.offset(), "Storing an intake offset was refused.");
+                                }
+                            }
+                            break;
+                        }
+                        Err((message, e)) => {
+                            let error = MessageError::at(&batch[message], e.into());
+                            MessageRetried { error: &error, stage: "intake", backoff }.emit();
+                            tokio::select! {
+                                biased;
+                                _ = shutdown.cancelled() => return self.commit(),
+                                _ = tokio::time::sleep(backoff) => {}
+                            }
+                            backoff = (backoff * 2).min(RETRY_MAX);
                         }
                     }
-                    continue;
                 }
-            };
-            let mut backoff = RETRY_MIN;
-            loop {
-                match self.handle(&message).await {
-                    Ok(handled) => {
-                        tracing::debug!(
-                            ?handled,
-                            offset = message.offset(),
-                            "Intake message handled."
-                        );
-                        self.consumer.store_offset_from_message(&message)?;
-                        break;
-                    }
-                    Err(e) => {
-                        let error = MessageError::at(&message, e.into());
-                        MessageRetried { error: &error, stage: "intake", backoff }.emit();
-                        tokio::select! {
-                            biased;
-                            _ = shutdown.cancelled() => return self.commit(),
-                            _ = tokio::time::sleep(backoff) => {}
-                        }
-                        backoff = (backoff * 2).min(RETRY_MAX);
+                batch.clear();
+            }
+            if let Some(e) = failed {
+                let backoff = errors.after_error();
+                ConsumerFailed { stage: "intake", error: &e, backoff }.emit();
+                // A fatal error leaves the consumer dead: stop, to be restarted.
+                if e.rdkafka_error_code() == Some(rdkafka::types::RDKafkaErrorCode::Fatal) {
+                    anyhow::bail!("the intake consumer hit a fatal error: {e}");
+                }
+                if !backoff.is_zero() {
+                    tokio::select! {
+                        _ = shutdown.cancelled() => break,
+                        () = tokio::time::sleep(backoff) => {}
                     }
                 }
             }
@@ -155,28 +213,89 @@ impl Intake {
         Ok(())
     }
 
-    /// Accepts one message's request, or dead-letters it.
+    /// Accepts a batch of messages' requests in one transaction, dead-lettering those that
+    /// are bad; what became of each, counted.
     ///
     /// # Errors
-    /// [`Transient`]: the registry or the database could not be reached.
-    pub async fn handle(&self, message: &BorrowedMessage<'_>) -> Result<Handled, Transient> {
+    /// [`Transient`], with the index of the message it is about (the first, for the
+    /// batch's transaction): the registry or the database could not be reached.
+    pub async fn handle_batch(
+        &self,
+        messages: &[BorrowedMessage<'_>],
+    ) -> Result<Counted, (usize, Transient)> {
+        let (mut jobs, mut of) = (Vec::with_capacity(messages.len()), Vec::new());
+        let mut rejected = Vec::new();
+        for (i, message) in messages.iter().enumerate() {
+            match self.request(message).await.map_err(|e| (i, e))? {
+                Ok(job) => {
+                    jobs.push(job);
+                    of.push(i);
+                }
+                Err(why) => rejected.push((i, why)),
+            }
+        }
+        let batch = async {
+            let mut tx = self.pool.begin().await?;
+            let each = self.acceptor.accept_each_in(&mut tx, &jobs).await?;
+            Ok::<_, AcceptError>((tx, each))
+        };
+        let (mut tx, each) = match batch.await {
+            Ok(done) => done,
+            // Data Postgres refused in some row: one at a time finds which.
+            Err(e) if e.is_request_fault() => {
+                tracing::debug!(error = %e, messages = messages.len(), "An intake batch failed as a whole; its requests are accepted one by one.");
+                let mut counted = Counted::default();
+                for (i, message) in messages.iter().enumerate() {
+                    counted.add(self.handle(message).await.map_err(|e| (i, e))?);
+                }
+                return Ok(counted);
+            }
+            Err(e) => return Err((0, Transient(e.to_string()))),
+        };
+        let mut counted = Counted::default();
+        for (i, answer) in of.into_iter().zip(each) {
+            match answer {
+                Ok(accepted) if accepted.created => counted.accepted += 1,
+                Ok(_) => counted.duplicates += 1,
+                Err(e) => rejected.push((i, format!("invalid request: {e}"))),
+            }
+        }
+        let transient = |e: sqlx::Error| (0, Transient(format!("storing the dead letters: {e}")));
+        for (i, why) in &rejected {
+            crate::dead_letter::insert(&mut *tx, &self.group, Raw::of(&messages[*i]), why)
+                .await
+                .map_err(transient)?;
+        }
+        tx.commit().await.map_err(|e| (0, Transient(e.to_string())))?;
+        for (i, why) in &rejected {
+            crate::dead_letter::stored(&self.group, Raw::of(&messages[*i]), why);
+        }
+        counted.dead_lettered = rejected.len();
+        metrics::counter!(m::INTAKE_DUPLICATES_TOTAL).increment(counted.duplicates as u64);
+        Ok(counted)
+    }
+
+    /// The job a message asks for, or why it cannot be one (to dead-letter it).
+    ///
+    /// # Errors
+    /// [`Transient`]: the registry could not be reached.
+    async fn request(
+        &self,
+        message: &BorrowedMessage<'_>,
+    ) -> Result<Result<NewJob, String>, Transient> {
         let Some(payload) = message.payload() else {
-            return self.dead_letter(message, "message has no value").await;
+            return Ok(Err("message has no value".into()));
         };
         let request = match self.decoder.decode(payload).await {
             Ok(request) => request,
             Err(e) if e.is_retryable() => return Err(Transient(e.to_string())),
-            Err(e) => return self.dead_letter(message, &format!("undecodable: {e}")).await,
+            Err(e) => return Ok(Err(format!("undecodable: {e}"))),
         };
         let input = match serde_json::from_str(&request.input) {
             Ok(input) => input,
-            Err(e) => {
-                return self
-                    .dead_letter(message, &format!("invalid request: input is not JSON: {e}"))
-                    .await;
-            }
+            Err(e) => return Ok(Err(format!("invalid request: input is not JSON: {e}"))),
         };
-        let job = NewJob {
+        Ok(Ok(NewJob {
             document_id: request.document_id,
             kind: request.job_kind,
             input_version: request.input_version,
@@ -189,6 +308,17 @@ impl Intake {
                 .and_then(|t| TraceContext::from_headers(&t.traceparent, t.tracestate.as_deref()))
                 .or_else(|| header_trace(message)),
             run_at: request.run_at,
+        }))
+    }
+
+    /// Accepts one message's request in a transaction of its own, or dead-letters it.
+    ///
+    /// # Errors
+    /// [`Transient`]: the registry or the database could not be reached.
+    pub async fn handle(&self, message: &BorrowedMessage<'_>) -> Result<Handled, Transient> {
+        let job = match self.request(message).await? {
+            Ok(job) => job,
+            Err(why) => return self.dead_letter(message, &why).await,
         };
         match self.acceptor.accept(&self.pool, &job).await {
             Ok(accepted) if accepted.created => Ok(Handled::Accepted),

@@ -27,8 +27,8 @@ pub const ASSIGNED_PARTITIONS: &str = "jobfold_assigned_partitions";
 pub const COMPLETED_TOTAL: &str = "jobfold_completed_total";
 /// Redelivered dispatch events skipped as duplicates (by their job row), running nothing.
 pub const DUPLICATES_SKIPPED_TOTAL: &str = "jobfold_duplicates_skipped_total";
-/// Jobs per lease or completion transaction (`transaction` = `lease` | `completion`): the
-/// processor decides every dispatch waiting at once in one transaction.
+/// Jobs per lease, completion or intake transaction (`transaction` = `lease` |
+/// `completion` | `intake` | `http`): work waiting at once shares one transaction.
 pub const TRANSACTION_JOBS: &str = "jobfold_transaction_jobs";
 /// Completions discarded because another generation held the job (zombie workers).
 pub const FENCED_COMPLETIONS_TOTAL: &str = "jobfold_fenced_completions_total";
@@ -124,7 +124,7 @@ pub fn describe() {
     describe_histogram!(
         TRANSACTION_JOBS,
         Unit::Count,
-        "Jobs per lease or completion transaction, by transaction."
+        "Jobs per transaction that shares one among the work waiting at once, by transaction."
     );
     describe_counter!(
         FENCED_COMPLETIONS_TOTAL,

@@ -306,10 +306,11 @@ const COUNTERS: [&str; 4] = [
     "jobfold_intake_duplicates_total",
 ];
 
-const PROCESSOR_FAILPOINTS: [&str; 3] = [
+const PROCESSOR_FAILPOINTS: [&str; 4] = [
     failpoint::PROCESSOR_AFTER_LEASE_COMMIT,
     failpoint::PROCESSOR_IN_HANDLER,
     failpoint::PROCESSOR_AFTER_COMPLETION_BEFORE_OFFSET,
+    failpoint::INTAKE_AFTER_COMMIT_BEFORE_OFFSET,
 ];
 
 struct Fleet {

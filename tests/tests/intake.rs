@@ -175,3 +175,126 @@ async fn a_request_postgres_cannot_store_is_dead_lettered_and_the_partition_move
     assert_eq!(committed_total(&it.config.intake.group, &topic, it.config.topics.partitions), sent);
     it.cleanup().await;
 }
+
+/// Produces `requests` to the requests topic, each keyed by its document.
+async fn produce(it: &Installation, requests: &[JobRequest]) {
+    let codec =
+        Codec::<JobRequest>::connect(it.registry(), &it.config.topics.requests).await.unwrap();
+    let producer: FutureProducer =
+        client_config().set("enable.idempotence", "true").set("linger.ms", "20").create().unwrap();
+    let sends = requests.iter().map(|r| {
+        let value = codec.encode(r).unwrap();
+        let producer = producer.clone();
+        let topic = it.config.topics.requests.clone();
+        let key = r.document_id.clone();
+        async move {
+            producer
+                .send(FutureRecord::to(&topic).key(&key).payload(&value), Timeout::Never)
+                .await
+                .map_err(|(e, _)| e)
+                .unwrap();
+        }
+    });
+    futures::future::join_all(sends).await;
+}
+
+/// Requests waiting on the topic are accepted many to a transaction: the intake's
+/// `jobfold_transaction_jobs{transaction="intake"}` histogram holds fewer transactions than
+/// requests, and each request became one job.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiting_requests_are_accepted_many_to_a_transaction() {
+    let it = Installation::new("intakebatch").await;
+    it.create_topics().await;
+    let requests: Vec<JobRequest> =
+        (0..500).map(|i| request(&format!("doc-{}", i % 50), 1 + i / 50)).collect();
+    produce(&it, &requests).await;
+    let env = it.fast_env(&it.config.processor.group);
+    let intake = jobfold_tests::harness::Service::start("jobfold-test-processor", &env);
+    let histogram = |suffix: &'static str| {
+        let intake = &intake;
+        async move {
+            let text = intake.scrape().await?;
+            jobfold_tests::harness::metric_value(
+                &text,
+                &format!("jobfold_transaction_jobs_{suffix}"),
+                &[("transaction", "intake")],
+            )
+        }
+    };
+    eventually(Duration::from_secs(60), "the intake to accept all 500 requests", || async {
+        histogram("sum").await == Some(500.0)
+    })
+    .await;
+    let transactions = histogram("count").await.unwrap();
+    assert!(transactions < 500.0, "{transactions} transactions for 500 requests");
+    assert_eq!(it.count("jobs").await, 500);
+    // A document's versions were accepted in the order they were produced.
+    let out_of_order: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM (SELECT input_version, lag(input_version) OVER \
+         (PARTITION BY document_id ORDER BY job_id) AS before FROM jobs) v \
+         WHERE before >= input_version",
+    )
+    .fetch_one(&it.pool)
+    .await
+    .unwrap();
+    assert_eq!(out_of_order, 0);
+    println!("500 requests in {transactions} intake transactions");
+    it.cleanup().await;
+}
+
+/// Killed after a batch's transaction committed and before its offsets were stored, the
+/// intake reads those requests again after the restart; their request ids make them
+/// duplicates, not second jobs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_between_a_batch_commit_and_its_offsets_the_requests_read_again_make_no_second_job()
+{
+    let it = Installation::new("intakecrash").await;
+    it.create_topics().await;
+    let requests: Vec<JobRequest> =
+        (0..300).map(|i| request(&format!("doc-{}", i % 30), 1 + i / 30)).collect();
+    produce(&it, &requests).await;
+    let mut env = it.fast_env(&it.config.processor.group);
+    env.insert(
+        "JOBFOLD_FAILPOINT".into(),
+        jobfold_common::failpoint::INTAKE_AFTER_COMMIT_BEFORE_OFFSET.into(),
+    );
+    let mut crashing = jobfold_tests::harness::Service::start("jobfold-test-processor", &env);
+    let status = crashing
+        .wait_exit(Duration::from_secs(60))
+        .expect("the intake should abort after its first batch");
+    assert!(!status.success(), "{}", crashing.log_text());
+    let accepted = it.count("jobs").await;
+    assert!(accepted >= 1, "the first batch committed nothing");
+    assert_eq!(
+        committed_total(
+            &it.config.intake.group,
+            &it.config.topics.requests,
+            it.config.topics.partitions
+        ),
+        0,
+        "no offset was committed before the abort"
+    );
+
+    env.remove("JOBFOLD_FAILPOINT");
+    let survivor = jobfold_tests::harness::Service::start("jobfold-test-processor", &env);
+    eventually(Duration::from_secs(60), "the survivor to skip the requests read again", || async {
+        survivor.metric("jobfold_intake_duplicates_total").await.unwrap_or(0.0) >= accepted as f64
+    })
+    .await;
+    eventually(Duration::from_secs(60), "every request to be accepted", || async {
+        it.count("jobs").await == 300
+    })
+    .await;
+    let keys: i64 = sqlx::query_scalar("SELECT count(DISTINCT idempotency_key) FROM jobs")
+        .fetch_one(&it.pool)
+        .await
+        .unwrap();
+    assert_eq!(keys, 300);
+    assert_eq!(
+        survivor.metric("jobfold_intake_duplicates_total").await,
+        Some(accepted as f64),
+        "exactly the committed batch was read again"
+    );
+    println!("the first batch accepted {accepted} requests before the abort");
+    it.cleanup().await;
+}
