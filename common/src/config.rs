@@ -430,6 +430,8 @@ pub struct Intake {
 pub struct Accept {
     /// Largest accepted request body (HTTP) or input (all paths), in bytes.
     pub max_input_bytes: usize,
+    /// Largest body of `POST /v1/jobs/batch`, in bytes.
+    pub max_batch_bytes: usize,
     /// Attempt budget of jobs whose kind has no `[kinds.<kind>] max_attempts`.
     pub default_max_attempts: i32,
     /// Elapsed-time budget from acceptance; none if absent.
@@ -950,6 +952,14 @@ impl Config {
         }
         if self.accept.max_input_bytes < 2 {
             return invalid("accept.max_input_bytes", "must be at least 2");
+        }
+        if self.accept.max_batch_bytes < self.accept.max_input_bytes
+            || self.accept.max_batch_bytes > 1 << 30
+        {
+            return invalid(
+                "accept.max_batch_bytes",
+                "must be at least accept.max_input_bytes and at most 1 GiB",
+            );
         }
         if self.accept.default_max_attempts < 1 {
             return invalid("accept.default_max_attempts", "must be at least 1");

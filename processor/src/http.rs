@@ -1,9 +1,15 @@
 //! The processor's HTTP API.
 //!
-//! - `POST /v1/jobs` accepts a job. An `Idempotency-Key` header makes retries safe: the
-//!   first accept answers 201, a retry of the same request 200 with the same job id, the same
-//!   key with a different request 409. A body over `accept.max_input_bytes` is refused with
-//!   413, an invalid one with 422 naming the field.
+//! - `POST /v1/jobs` accepts a job. An `Idempotency-Key` header (or `idempotency_key` in
+//!   the body) makes retries safe: the first accept answers 201, a retry of the same request
+//!   200 with the same job id, the same key with a different request 409. A body over
+//!   `accept.max_input_bytes` is refused with 413, an invalid one with 422 naming the field.
+//!   Requests arriving together share one transaction (group commit); each is answered once
+//!   its job is durable, and each fails only for itself.
+//! - `POST /v1/jobs/batch` (`{"jobs": [...]}`, 1 to 1,000 jobs of the same shape, each with
+//!   its own `idempotency_key`, a body up to `accept.max_batch_bytes`): one transaction;
+//!   200 with each job's answer in order (`status` 201, 200, or its error's status and
+//!   `error`): one bad job fails only itself.
 //! - `GET /v1/jobs/{id}`: the job as the `jobs` projection holds it (with its quarantine
 //!   reason and owner while quarantined).
 //! - `GET /v1/jobs/{id}/events`: its event history, decoded, in stream order.
@@ -74,6 +80,30 @@ pub struct ApiState {
     pub config: std::sync::Arc<jobfold_common::config::Config>,
     /// Every partition's consumer lag (the overview).
     pub lag: crate::lag::LagReader,
+    /// `POST /v1/jobs`'s group commit: the requests waiting at once share a transaction.
+    accepts: crate::batch::Batcher<NewJob, Result<jobfold_common::accept::Accepted, ApiError>>,
+}
+
+/// Most jobs `POST /v1/jobs/batch` takes.
+pub const MAX_BATCH_JOBS: usize = 1000;
+/// Accept transactions `POST /v1/jobs`'s group commit runs at once: while some commit, the
+/// requests arriving meanwhile gather for the next.
+const ACCEPT_TRANSACTIONS: usize = 4;
+
+/// Accepts each of `jobs` (as [`Acceptor::accept_each`]); a failure of the whole batch
+/// (the database) is each job's.
+async fn accept_each(
+    acceptor: &Acceptor,
+    pool: &PgPool,
+    jobs: &[NewJob],
+) -> Vec<Result<jobfold_common::accept::Accepted, ApiError>> {
+    match acceptor.accept_each(pool, jobs).await {
+        Ok(each) => each.into_iter().map(|answer| answer.map_err(ApiError::from)).collect(),
+        Err(e) => {
+            let error = ApiError::from(e);
+            jobs.iter().map(|_| Err(error.clone())).collect()
+        }
+    }
 }
 
 impl ApiState {
@@ -85,7 +115,22 @@ impl ApiState {
         config: jobfold_common::config::Config,
     ) -> Self {
         let config = std::sync::Arc::new(config);
+        let accepts = {
+            let (acceptor, pool) = (acceptor.clone(), pool.clone());
+            crate::batch::Batcher::start(
+                "http",
+                MAX_BATCH_JOBS,
+                ACCEPT_TRANSACTIONS,
+                move |jobs: Vec<NewJob>| {
+                    let (acceptor, pool) = (acceptor.clone(), pool.clone());
+                    async move {
+                        accept_each(&acceptor, &pool, &jobs).await.into_iter().map(Ok).collect()
+                    }
+                },
+            )
+        };
         Self {
+            accepts,
             pool,
             acceptor,
             events,
@@ -101,6 +146,10 @@ impl ApiState {
 pub fn router(state: ApiState, max_body: usize) -> Router {
     Router::new()
         .route("/v1/jobs", post(submit).get(list_jobs))
+        .route(
+            "/v1/jobs/batch",
+            post(submit_batch).layer(DefaultBodyLimit::max(state.config.accept.max_batch_bytes)),
+        )
         .route("/v1/jobs/{id}", get(job))
         .route("/v1/jobs/{id}/events", get(job_events))
         .route("/v1/jobs/{id}/input", get(job_input))
@@ -221,7 +270,7 @@ pub async fn serve(
 }
 
 /// An API error: a status and a JSON body naming what went wrong.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct ApiError {
     status: StatusCode,
     code: &'static str,
@@ -241,12 +290,20 @@ impl ApiError {
     }
 }
 
-impl IntoResponse for ApiError {
-    fn into_response(self) -> Response {
+impl ApiError {
+    /// The error object: `code`, `message` and the details.
+    fn body(self) -> serde_json::Value {
         let mut error = self.details;
         error.insert("code".into(), self.code.into());
         error.insert("message".into(), self.message.into());
-        (self.status, axum::Json(json!({ "error": error }))).into_response()
+        serde_json::Value::Object(error)
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let status = self.status;
+        (status, axum::Json(json!({ "error": self.body() }))).into_response()
     }
 }
 
@@ -334,6 +391,65 @@ struct SubmitBody {
     /// Not before this long from now (`90s`, `15m`, `2h`): `run_at` relative to the accept.
     #[serde(default)]
     delay: Option<String>,
+    /// Retries of the same request carry the same key (or the `Idempotency-Key` header).
+    #[serde(default)]
+    idempotency_key: Option<String>,
+}
+
+impl SubmitBody {
+    /// The job this body asks for, with `header_key` (the `Idempotency-Key` header) if the
+    /// body names none.
+    fn into_job(
+        self,
+        header_key: Option<String>,
+        trace: Option<TraceContext>,
+    ) -> Result<NewJob, ApiError> {
+        let invalid = |message: String| {
+            ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "invalid_field", message)
+        };
+        let run_at = match (self.run_at, self.delay) {
+            (Some(_), Some(_)) => {
+                return Err(invalid(
+                    "invalid field `delay`: give run_at or delay, not both".into(),
+                ));
+            }
+            (run_at, None) => run_at,
+            (None, Some(delay)) => {
+                let delay = humantime::parse_duration(&delay).map_err(|e| {
+                    invalid(format!("invalid field `delay`: {e} (e.g. 90s, 15m, 2h)"))
+                })?;
+                let delay = chrono::Duration::from_std(delay)
+                    .map_err(|_| invalid("invalid field `delay`: too long".into()))?;
+                chrono::Utc::now().checked_add_signed(delay)
+            }
+        };
+        let idempotency_key = match (self.idempotency_key, header_key) {
+            (Some(body), Some(header)) if body != header => {
+                return Err(invalid(
+                    "invalid field `idempotency_key`: differs from the Idempotency-Key header"
+                        .into(),
+                ));
+            }
+            (body, header) => body.or(header),
+        };
+        Ok(NewJob {
+            document_id: self.document_id,
+            kind: self.kind,
+            input_version: self.input_version,
+            input: self.input,
+            idempotency_key,
+            trace,
+            run_at,
+        })
+    }
+}
+
+/// The body of `POST /v1/jobs/batch`: each job as `POST /v1/jobs` takes it, parsed on its
+/// own so that a malformed one fails only itself.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct BatchBody {
+    jobs: Vec<serde_json::Value>,
 }
 
 #[derive(Debug, Serialize)]
@@ -349,11 +465,12 @@ fn trace_context(headers: &HeaderMap) -> Option<TraceContext> {
     TraceContext::from_headers(traceparent, tracestate)
 }
 
-async fn submit(
-    State(state): State<ApiState>,
-    headers: HeaderMap,
+/// A request body, if it is JSON and within its limit.
+fn json_body(
+    headers: &HeaderMap,
     body: Result<Bytes, BytesRejection>,
-) -> Result<Response, ApiError> {
+    what: &str,
+) -> Result<Bytes, ApiError> {
     let body = body.map_err(|rejection| {
         let status = rejection.status();
         let code =
@@ -368,27 +485,21 @@ async fn submit(
         return Err(ApiError::new(
             StatusCode::UNSUPPORTED_MEDIA_TYPE,
             "unsupported_media_type",
-            "send the job as Content-Type: application/json",
+            format!("send {what} as Content-Type: application/json"),
         ));
     }
+    Ok(body)
+}
+
+async fn submit(
+    State(state): State<ApiState>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let body = json_body(&headers, body, "the job")?;
     let deserializer = &mut serde_json::Deserializer::from_slice(&body);
     let parsed: SubmitBody =
         serde_path_to_error::deserialize(deserializer).map_err(invalid_body)?;
-    let invalid =
-        |message: String| ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "invalid_field", message);
-    let run_at = match (parsed.run_at, parsed.delay) {
-        (Some(_), Some(_)) => {
-            return Err(invalid("invalid field `delay`: give run_at or delay, not both".into()));
-        }
-        (run_at, None) => run_at,
-        (None, Some(delay)) => {
-            let delay = humantime::parse_duration(&delay)
-                .map_err(|e| invalid(format!("invalid field `delay`: {e} (e.g. 90s, 15m, 2h)")))?;
-            let delay = chrono::Duration::from_std(delay)
-                .map_err(|_| invalid("invalid field `delay`: too long".into()))?;
-            chrono::Utc::now().checked_add_signed(delay)
-        }
-    };
     let idempotency_key = match headers.get("idempotency-key") {
         None => None,
         Some(v) => Some(v.to_str().map(str::to_owned).map_err(|_| {
@@ -399,20 +510,86 @@ async fn submit(
             )
         })?),
     };
-    let job = NewJob {
-        document_id: parsed.document_id,
-        kind: parsed.kind,
-        input_version: parsed.input_version,
-        input: parsed.input,
-        idempotency_key,
-        trace: trace_context(&headers),
-        run_at,
-    };
-    let accepted = state.acceptor.accept(&state.pool, &job).await?;
+    let job = parsed.into_job(idempotency_key, trace_context(&headers))?;
+    let accepted = state.accepts.submit(job).await.map_err(|e| {
+        tracing::error!(error = %format!("{e:#}"), "The accept batch failed.");
+        ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "unavailable", "the accept failed")
+    })??;
     let status = if accepted.created { StatusCode::CREATED } else { StatusCode::OK };
     let location = format!("/v1/jobs/{}", accepted.job_id);
     let body = Submitted { job_id: accepted.job_id, created: accepted.created };
     Ok((status, [(header::LOCATION, location)], axum::Json(body)).into_response())
+}
+
+async fn submit_batch(
+    State(state): State<ApiState>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let body = json_body(&headers, body, "the batch")?;
+    let deserializer = &mut serde_json::Deserializer::from_slice(&body);
+    let batch: BatchBody = serde_path_to_error::deserialize(deserializer).map_err(invalid_body)?;
+    if batch.jobs.is_empty() || batch.jobs.len() > MAX_BATCH_JOBS {
+        return Err(ApiError::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "invalid_field",
+            format!(
+                "invalid field `jobs`: must hold 1 to {MAX_BATCH_JOBS} jobs, not {}",
+                batch.jobs.len()
+            ),
+        ));
+    }
+    let trace = trace_context(&headers);
+    let mut answers: Vec<Option<Result<jobfold_common::accept::Accepted, ApiError>>> =
+        Vec::with_capacity(batch.jobs.len());
+    let mut jobs = Vec::with_capacity(batch.jobs.len());
+    for (i, item) in batch.jobs.into_iter().enumerate() {
+        let parsed = serde_path_to_error::deserialize::<_, SubmitBody>(item)
+            .map_err(|e| {
+                let path = e.path().to_string();
+                let field =
+                    if path == "." { format!("jobs[{i}]") } else { format!("jobs[{i}].{path}") };
+                ApiError::new(
+                    StatusCode::UNPROCESSABLE_ENTITY,
+                    "invalid_field",
+                    format!("invalid field `{field}`: {}", e.inner()),
+                )
+            })
+            .and_then(|parsed| parsed.into_job(None, trace.clone()));
+        match parsed {
+            Ok(job) => {
+                jobs.push(job);
+                answers.push(None);
+            }
+            Err(e) => answers.push(Some(Err(e))),
+        }
+    }
+    // A failure of the whole batch (the database) is one answer, as for a single job.
+    let mut accepted = state.acceptor.accept_each(&state.pool, &jobs).await?.into_iter();
+    let (mut created, mut existing, mut failed) = (0, 0, 0);
+    // The jobs that parsed take their answers from accept_each, in order.
+    let results: Vec<serde_json::Value> = answers
+        .into_iter()
+        .filter_map(|answer| answer.or_else(|| Some(accepted.next()?.map_err(ApiError::from))))
+        .map(|answer| match answer {
+            Ok(a) => {
+                if a.created {
+                    created += 1;
+                } else {
+                    existing += 1;
+                }
+                let status = if a.created { 201 } else { 200 };
+                json!({ "status": status, "job_id": a.job_id, "created": a.created })
+            }
+            Err(e) => {
+                failed += 1;
+                json!({ "status": e.status.as_u16(), "error": e.body() })
+            }
+        })
+        .collect();
+    let body =
+        json!({ "created": created, "existing": existing, "failed": failed, "jobs": results });
+    Ok((StatusCode::OK, axum::Json(body)).into_response())
 }
 
 /// `application/json`, with or without parameters (`; charset=utf-8`); not

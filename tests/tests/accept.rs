@@ -232,6 +232,136 @@ async fn ten_thousand_http_accepts_with_concurrent_retries_make_ten_thousand_job
     for table in ["jobs", "job_events"] {
         assert_eq!(it.count(table).await, JOBS as i64, "{table}");
     }
+    // Requests in flight together shared transactions (group commit).
+    let transactions: i64 = sqlx::query_scalar("SELECT count(DISTINCT xid) FROM job_events")
+        .fetch_one(&it.pool)
+        .await
+        .unwrap();
+    assert!(transactions < JOBS as i64, "{transactions} transactions for {JOBS} accepts");
+    println!("{JOBS} accepts (and as many retries) in {transactions} transactions");
+    shutdown.cancel();
+    it.cleanup().await;
+}
+
+/// Among requests committed together, one that Postgres refuses (a constraint), one of an
+/// unknown kind and one reusing a key each fail alone, with their own status; every other
+/// request of their transactions is accepted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bad_request_among_concurrent_ones_fails_only_itself() {
+    let it = Installation::new("httpalone").await;
+    it.refuse_document("forbidden").await;
+    let (url, shutdown) = serve_api(&it).await;
+    let client = reqwest::Client::new();
+    let taken = client
+        .post(format!("{url}/v1/jobs"))
+        .header("Idempotency-Key", "taken")
+        .json(&json!({ "document_id": "doc-t", "kind": "index-document", "input_version": 1, "input": {} }))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(taken.status().as_u16(), 201);
+    let requests = (0..400).map(|i| {
+        let (client, url) = (client.clone(), url.clone());
+        let (document, kind, key, expect) = match i % 40 {
+            0 => ("forbidden".to_owned(), "index-document", format!("k{i}"), "unstorable"),
+            1 => (format!("doc-{i}"), "index-documnet", format!("k{i}"), "unknown_kind"),
+            2 => (format!("doc-{i}"), "index-document", "taken".to_owned(), "idempotency_key_reused"),
+            _ => (format!("doc-{i}"), "index-document", format!("k{i}"), "created"),
+        };
+        async move {
+            let response = client
+                .post(format!("{url}/v1/jobs"))
+                .header("Idempotency-Key", key)
+                .json(&json!({ "document_id": document, "kind": kind, "input_version": 1, "input": { "n": i } }))
+                .send()
+                .await
+                .unwrap();
+            let status = response.status().as_u16();
+            let body: serde_json::Value = response.json().await.unwrap();
+            let got = if status == 201 { "created" } else { body["error"]["code"].as_str().unwrap_or("?") };
+            assert_eq!(got, expect, "request {i}: {status} {body}");
+        }
+    });
+    futures::stream::iter(requests).buffer_unordered(64).collect::<Vec<()>>().await;
+    assert_eq!(it.count("jobs").await, 1 + 400 - 3 * 10);
+    shutdown.cancel();
+    it.cleanup().await;
+}
+
+/// `POST /v1/jobs/batch` accepts up to 1,000 jobs in one transaction and answers each in
+/// order: a malformed job, an unknown kind, an input over the limit, data Postgres refuses
+/// and a reused key each fail only themselves; the same batch again answers 200 with the
+/// same jobs; an empty batch, one over 1,000 jobs and a body over `accept.max_batch_bytes`
+/// are refused whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_batch_endpoint_answers_each_job_and_a_bad_one_fails_only_itself() {
+    let mut it = Installation::new("httpbatch").await;
+    it.config.accept.max_input_bytes = 1000;
+    it.config.accept.max_batch_bytes = 200_000;
+    it.refuse_document("forbidden").await;
+    let (url, shutdown) = serve_api(&it).await;
+    let client = reqwest::Client::new();
+    let good = |i: usize| {
+        json!({ "document_id": format!("doc-{}", i % 7), "kind": "index-document",
+                "input_version": 1 + i / 7, "input": { "n": i }, "idempotency_key": format!("b{i}") })
+    };
+    let mut jobs: Vec<serde_json::Value> = (0..100).map(good).collect();
+    jobs[10] = json!({ "document_id": "d", "kind": "index-document", "input_version": "one", "input": {} });
+    jobs[20]["kind"] = json!("index-documnet");
+    jobs[30]["input"] = json!({ "text": "x".repeat(2000) });
+    jobs[40]["document_id"] = json!("forbidden");
+    jobs[50]["idempotency_key"] = json!("b49"); // b49's key, another request
+    let send =
+        |body: serde_json::Value| client.post(format!("{url}/v1/jobs/batch")).json(&body).send();
+    let answer = send(json!({ "jobs": jobs })).await.unwrap();
+    assert_eq!(answer.status().as_u16(), 200);
+    let first: serde_json::Value = answer.json().await.unwrap();
+    let codes: Vec<(u64, &str)> = first["jobs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|j| (j["status"].as_u64().unwrap(), j["error"]["code"].as_str().unwrap_or("")))
+        .collect();
+    assert_eq!(codes.len(), 100);
+    for (i, code) in codes.iter().enumerate() {
+        let expect = match i {
+            10 => (422, "invalid_field"),
+            20 => (422, "unknown_kind"),
+            30 => (413, "payload_too_large"),
+            40 => (422, "unstorable"),
+            50 => (409, "idempotency_key_reused"),
+            _ => (201, ""),
+        };
+        assert_eq!(*code, expect, "job {i}: {}", first["jobs"][i]);
+    }
+    assert!(
+        first["jobs"][10]["error"]["message"].as_str().unwrap().contains("jobs[10].input_version")
+    );
+    assert_eq!((first["created"].clone(), first["failed"].clone()), (json!(95), json!(5)));
+    assert_eq!(it.count("jobs").await, 95);
+
+    // The same batch again: the same jobs, 200 each.
+    let again: serde_json::Value =
+        send(json!({ "jobs": jobs })).await.unwrap().json().await.unwrap();
+    assert_eq!((again["existing"].clone(), again["failed"].clone()), (json!(95), json!(5)));
+    for i in [0, 1, 99] {
+        assert_eq!(again["jobs"][i]["status"], 200);
+        assert_eq!(again["jobs"][i]["job_id"], first["jobs"][i]["job_id"]);
+    }
+    assert_eq!(it.count("jobs").await, 95);
+
+    // Refused whole: nothing, too many, too large.
+    let status = |body: serde_json::Value| {
+        let send = send(body);
+        async move { send.await.unwrap().status().as_u16() }
+    };
+    assert_eq!(status(json!({ "jobs": [] })).await, 422);
+    let many: Vec<serde_json::Value> = (1000..2001).map(good).collect();
+    assert_eq!(status(json!({ "jobs": many })).await, 422);
+    let large: Vec<serde_json::Value> =
+        (0..300).map(|i| json!({ "document_id": format!("l{i}"), "kind": "index-document", "input_version": 1, "input": { "text": "y".repeat(900) } })).collect();
+    assert_eq!(status(json!({ "jobs": large })).await, 413);
+    assert_eq!(it.count("jobs").await, 95);
     shutdown.cancel();
     it.cleanup().await;
 }
