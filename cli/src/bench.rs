@@ -664,11 +664,62 @@ async fn measure_processing(
     // Throughput: a burst of trivial jobs (what the peers' benchmarks run), accepted in
     // batches, until every job succeeded.
     let relay_pid = relay.child.id().context("the relay's pid")?;
-    let run = Runner { acceptor: &acceptor, pool: &pool, sizes, relay_pid, processor: &a };
-    let trivial = run.burst(offset, &|i| NewJob { kind: TRIVIAL_KIND.into(), ..job(i) }).await?;
+    let requests = Upstream::new(config).await?;
+    let run = Runner {
+        acceptor: &acceptor,
+        pool: &pool,
+        sizes,
+        relay_pid,
+        processor: &a,
+        requests: &requests,
+    };
+    let trivial_job = |i| NewJob { kind: TRIVIAL_KIND.into(), ..job(i) };
+    let trivial = run.burst(offset, Door::InProcess, &trivial_job).await?;
     offset += sizes.e2e_jobs;
     let burst_rate = trivial.rate;
-    rows.push(trivial.row("end to end, trivial handler, burst", "noop: does nothing", limits));
+    rows.push(trivial.row(
+        &format!("end to end, trivial handler, burst (in-process batches of {})", sizes.batch),
+        "noop: does nothing",
+        limits,
+    ));
+    // The same burst through the doors upstream services use.
+    for (door, name, how) in [
+        (Door::Intake, "through the intake topic", "Avro JobRequests produced at once"),
+        (
+            Door::Http { clients: 24 },
+            "over HTTP, 24 clients",
+            "POST /v1/jobs, 24 keep-alive clients",
+        ),
+        (
+            Door::HttpBatch { size: 1000, clients: 2 },
+            "over HTTP in batches of 1,000",
+            "POST /v1/jobs/batch, 1,000 jobs each, 2 clients",
+        ),
+    ] {
+        let burst = run.burst(offset, door, &trivial_job).await?;
+        offset += sizes.e2e_jobs;
+        rows.push(burst.accept_row(&format!("accept {name}"), how, limits));
+        rows.push(
+            burst
+                .row(&format!("end to end, trivial handler, burst {name}"), "noop", limits)
+                .versus(burst.rate, burst_rate, "the in-process burst"),
+        );
+        if let Door::Http { .. } = door {
+            // The same requests one by one at half that rate, each timed from when it was
+            // due (open loop), with the processor running them.
+            let half = (burst.accept_rate / 2.0).max(10.0);
+            let url = format!("http://127.0.0.1:{}/v1/jobs", a.http);
+            let (h, sent) = paced_http(&url, offset, half, sizes.steady_secs, &trivial_job).await?;
+            offset += sent;
+            wait_finished(&pool, offset, Duration::from_secs(300)).await?;
+            rows.push(
+                Row::new(format!("accept over HTTP, half that rate ({half:.0} jobs/s)"))
+                    .rate(half)
+                    .latency(&h)
+                    .note(format!("{sent} POST /v1/jobs arriving one by one, timed from when due")),
+            );
+        }
+    }
     let rss = peak_rss_mib(a_pid)?;
     rows.push(
         Row::new(format!("processor peak RSS, {}-job trivial burst", sizes.e2e_jobs))
@@ -682,7 +733,6 @@ async fn measure_processing(
     // Latency: a steady load at half the burst rate.
     let steady_rate = (burst_rate / 2.0).max(10.0);
     let since = sqlx::query_scalar!(r#"SELECT now() AS "now!""#).fetch_one(&pool).await?;
-    let trivial_job = |i| NewJob { kind: TRIVIAL_KIND.into(), ..job(i) };
     let steady =
         paced(&acceptor, &pool, offset, steady_rate, sizes.steady_secs, &trivial_job).await?;
     offset += steady;
@@ -703,7 +753,7 @@ async fn measure_processing(
 
     // The same burst of index-document jobs: a handler with a business write of its own
     // (one upsert a job in the completion transaction) and a result of a few hundred bytes.
-    let indexing = run.burst(offset, &job).await?;
+    let indexing = run.burst(offset, Door::InProcess, &job).await?;
     offset += sizes.e2e_jobs;
     rows.push(indexing.row(
         "end to end, index-document burst",
@@ -814,12 +864,85 @@ struct Runner<'a> {
     sizes: Sizes,
     relay_pid: u32,
     processor: &'a crate::demo::Process,
+    /// Writes `JobRequest`s to the intake topic as an upstream producer would.
+    requests: &'a Upstream,
+}
+
+/// How a burst's jobs come in.
+#[derive(Debug, Clone, Copy)]
+enum Door {
+    /// `Acceptor::accept_batch` in this process, `sizes.batch` jobs a transaction.
+    InProcess,
+    /// Confluent-framed Avro `JobRequest`s on the intake topic, all serialized before the
+    /// clock starts, then produced at once.
+    Intake,
+    /// `POST /v1/jobs`, one job a request, from this many keep-alive clients.
+    Http { clients: usize },
+    /// `POST /v1/jobs/batch`, `size` jobs a request, from this many clients.
+    HttpBatch { size: usize, clients: usize },
+}
+
+/// An upstream service's producer on the intake topic: the registry's framing, idempotent,
+/// `acks=all`.
+struct Upstream {
+    producer: rdkafka::producer::FutureProducer,
+    codec: Codec<jobfold_schemas::JobRequest>,
+    topic: String,
+}
+
+impl Upstream {
+    async fn new(config: &Config) -> anyhow::Result<Self> {
+        let producer = config
+            .kafka_client_for(
+                jobfold_common::config::KafkaRole::Producer,
+                &[("enable.idempotence", "true"), ("acks", "all"), ("linger.ms", "5")],
+            )
+            .create()?;
+        let codec = Codec::connect(config.registry()?, &config.topics.requests).await?;
+        Ok(Self { producer, codec, topic: config.topics.requests.clone() })
+    }
+
+    /// The request for `job`, encoded, with its key.
+    fn encode(&self, job: &NewJob, i: usize) -> anyhow::Result<(String, Vec<u8>)> {
+        let request = jobfold_schemas::JobRequest {
+            request_id: uuid::Uuid::now_v7(),
+            document_id: job.document_id.clone(),
+            job_kind: job.kind.clone(),
+            input_version: job.input_version,
+            input: job.input.to_string(),
+            requested_at: chrono::Utc::now(),
+            producer: format!("jobfold bench/{i}"),
+            trace: None,
+            run_at: None,
+        };
+        Ok((job.document_id.clone(), self.codec.encode(&request)?))
+    }
+
+    /// Produces every request and waits for each delivery report.
+    async fn produce(&self, requests: &[(String, Vec<u8>)]) -> anyhow::Result<()> {
+        let sends = requests.iter().map(|(key, value)| {
+            self.producer.send(
+                rdkafka::producer::FutureRecord::to(&self.topic).key(key).payload(value),
+                rdkafka::util::Timeout::Never,
+            )
+        });
+        for delivered in futures::future::join_all(sends).await {
+            delivered.map_err(|(e, _)| e)?;
+        }
+        Ok(())
+    }
 }
 
 /// One burst's figures.
 struct Burst {
     jobs: usize,
     rate: f64,
+    /// Jobs a second from the first submit until the last was accepted.
+    accept_rate: f64,
+    /// Each request's time to its answer (the HTTP doors).
+    latency: Option<Histogram<u64>>,
+    /// Accept transactions per job.
+    accept_commits: f64,
     /// CPU per job by component, and how long the machine took to be idle first.
     cpu: String,
     /// Per job: rows written, events logged (each a Kafka message), lease and completion
@@ -830,29 +953,119 @@ struct Burst {
 }
 
 impl Runner<'_> {
-    /// Accepts `sizes.e2e_jobs` jobs made by `make` (from `offset`, the jobs accepted so far,
-    /// every one of them finished) in batches, and waits until all succeeded: the end read
-    /// from the processor's counter, so that waiting loads neither Postgres nor the
-    /// processor's hot path. Its costs per job are read over the burst alone.
+    /// Submits `sizes.e2e_jobs` jobs made by `make` (from `offset`, the jobs accepted so far,
+    /// every one of them finished) through `door`, and waits until all succeeded: the end
+    /// read from the processor's counter, so that waiting loads neither Postgres nor the
+    /// processor's hot path. When the last was accepted is read from the processor's accept
+    /// counter (its API and intake accept; the in-process door's end is its last commit).
+    /// Its costs per job are read over the burst alone.
     async fn burst(
         &self,
         offset: usize,
+        door: Door,
         make: &(dyn Fn(usize) -> NewJob + Sync),
     ) -> anyhow::Result<Burst> {
         let jobs = self.sizes.e2e_jobs;
+        let made: Vec<NewJob> = (offset..offset + jobs).map(make).collect();
+        // What an outside client sends, made before the clock starts.
+        let requests = match door {
+            Door::Intake => made
+                .iter()
+                .zip(offset..)
+                .map(|(job, i)| self.requests.encode(job, i))
+                .collect::<anyhow::Result<Vec<_>>>()?,
+            _ => Vec::new(),
+        };
+        let bodies: Vec<(String, Vec<u8>)> = match door {
+            Door::Http { .. } => made
+                .iter()
+                .map(|job| Ok((job.idempotency_key.clone().unwrap_or_default(), http_body(job)?)))
+                .collect::<anyhow::Result<_>>()?,
+            Door::HttpBatch { size, .. } => made
+                .chunks(size)
+                .map(|chunk| {
+                    let jobs: Vec<serde_json::Value> = chunk
+                        .iter()
+                        .map(|job| {
+                            let mut body =
+                                serde_json::from_slice::<serde_json::Value>(&http_body(job)?)?;
+                            body["idempotency_key"] = json!(job.idempotency_key);
+                            Ok(body)
+                        })
+                        .collect::<anyhow::Result<_>>()?;
+                    Ok((String::new(), serde_json::to_vec(&json!({ "jobs": jobs }))?))
+                })
+                .collect::<anyhow::Result<_>>()?,
+            _ => Vec::new(),
+        };
         let before = per_job_costs(self.pool).await?;
         let counted = succeeded(self.processor.metrics).await;
+        let accepted_before = accepted(self.processor.metrics).await;
         let settled = settle(self.sizes.settle).await;
         let pid = self.processor.child.id().context("the processor's pid")?;
         let cpu = CpuByComponent::now(self.relay_pid, pid);
         let started = Instant::now();
-        for chunk in (offset..offset + jobs).collect::<Vec<_>>().chunks(self.sizes.batch) {
-            let batch: Vec<NewJob> = chunk.iter().map(|i| make(*i)).collect();
-            self.acceptor.accept_batch(self.pool, &batch).await?;
+        // When the processor counted the last accept.
+        let metrics = self.processor.metrics;
+        let all_accepted = tokio::spawn(async move {
+            while accepted(metrics).await < accepted_before + jobs {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            started.elapsed()
+        });
+        let mut latencies = Vec::new();
+        let mut accepted_in = None;
+        match door {
+            Door::InProcess => {
+                for chunk in made.chunks(self.sizes.batch) {
+                    self.acceptor.accept_batch(self.pool, chunk).await?;
+                }
+                accepted_in = Some(started.elapsed());
+            }
+            Door::Intake => self.requests.produce(&requests).await?,
+            Door::Http { clients } | Door::HttpBatch { clients, .. } => {
+                let path = if matches!(door, Door::Http { .. }) { "jobs" } else { "jobs/batch" };
+                let url = format!("http://127.0.0.1:{}/v1/{path}", self.processor.http);
+                let client = reqwest::Client::new();
+                latencies = futures::stream::iter(bodies)
+                    .map(|(key, body)| {
+                        let (client, url) = (client.clone(), url.clone());
+                        async move {
+                            let t = Instant::now();
+                            let mut request = client
+                                .post(url)
+                                .header("content-type", "application/json")
+                                .body(body);
+                            if !key.is_empty() {
+                                request = request.header("idempotency-key", key);
+                            }
+                            let answer = request.send().await?;
+                            let status = answer.status();
+                            let text = answer.text().await?;
+                            anyhow::ensure!(
+                                status.is_success() && !text.contains("\"error\""),
+                                "{status}: {text}"
+                            );
+                            Ok(t.elapsed().as_micros() as u64)
+                        }
+                    })
+                    .buffer_unordered(clients)
+                    .collect::<Vec<anyhow::Result<u64>>>()
+                    .await
+                    .into_iter()
+                    .collect::<anyhow::Result<_>>()?;
+            }
         }
         wait_succeeded(self.processor.metrics, counted + jobs, Duration::from_secs(900)).await?;
         let rate = jobs as f64 / started.elapsed().as_secs_f64();
         let cpu = cpu.zip(CpuByComponent::now(self.relay_pid, pid));
+        let accepted_in = match accepted_in {
+            Some(t) => {
+                all_accepted.abort();
+                t
+            }
+            None => all_accepted.await?,
+        };
         wait_finished(self.pool, offset + jobs, Duration::from_secs(60)).await?;
         let after = per_job_costs(self.pool).await?;
         let mut note = String::new();
@@ -870,19 +1083,32 @@ impl Runner<'_> {
         Ok(Burst {
             jobs,
             rate,
+            accept_rate: jobs as f64 / accepted_in.as_secs_f64(),
+            latency: if latencies.is_empty() { None } else { Some(histogram_of(latencies)?) },
             cpu: note,
             writes: per(before.0, after.0),
             messages: per(before.1, after.1),
             commits: per(before.2, after.2),
+            accept_commits: per(before.3, after.3),
         })
     }
+}
+
+/// A job as `POST /v1/jobs` takes it (its key goes in the header).
+fn http_body(job: &NewJob) -> anyhow::Result<Vec<u8>> {
+    Ok(serde_json::to_vec(&json!({
+        "document_id": job.document_id,
+        "kind": job.kind,
+        "input_version": job.input_version,
+        "input": job.input,
+    }))?)
 }
 
 impl Burst {
     /// The table's row: the rate next to the 16-client commit limit at the commits a job
     /// took, and what a job cost.
     fn row(&self, name: &str, handler: &str, limits: &Limits) -> Row {
-        let Self { jobs, rate, writes, messages, commits, .. } = *self;
+        let Self { jobs, rate, writes, messages, commits, accept_commits, .. } = *self;
         // Lease and completion transactions are shared by the jobs waiting at once.
         Row::new(name)
             .rate(rate)
@@ -894,13 +1120,35 @@ impl Burst {
             .note(format!(
                 "{jobs} jobs accept -> succeeded, 1 processor, {handler}; per job \
                  {messages:.1} Kafka messages ({:.1}% of the raw producer), {writes:.1} rows \
-                 written ({:.1}% of multi-row insert), {commits:.2} lease and completion \
-                 commits{}",
+                 written ({:.1}% of multi-row insert), {accept_commits:.3} accept and \
+                 {commits:.2} lease and completion commits{}",
                 100.0 * rate * messages / limits.producer,
                 100.0 * rate * writes / limits.rows,
                 self.cpu,
             ))
     }
+
+    /// The row of its accepts: how fast the door took the jobs in (while they ran).
+    fn accept_row(&self, name: &str, how: &str, limits: &Limits) -> Row {
+        let mut row = Row::new(name)
+            .rate(self.accept_rate)
+            .versus(2.0 * self.accept_rate, limits.rows, "multi-row insert (2 rows per job)")
+            .note(format!(
+                "{} jobs, first submit -> last accepted, {how}, the processor running them \
+             meanwhile; {:.3} accept commits/job",
+                self.jobs, self.accept_commits
+            ));
+        if let Some(h) = &self.latency {
+            row = row.latency(h);
+        }
+        row
+    }
+}
+
+/// Processor `port`'s `jobfold_accepted_total`: jobs its API and intake accepted.
+async fn accepted(port: u16) -> usize {
+    let done = crate::demo::metric_sum(port, jobfold_common::metrics::ACCEPTED_TOTAL, "").await;
+    done.unwrap_or(0.0) as usize
 }
 
 /// Waits until the machine is idle — less than a tenth of its cores busy over a second —
@@ -960,22 +1208,24 @@ async fn wait_finished(pool: &PgPool, count: usize, timeout: Duration) -> anyhow
     }
 }
 
-/// Rows written (inserted, updated, deleted) in this database, events logged, and the
-/// transactions that leased or completed jobs. Postgres reports row counts a little after the
-/// fact: read until they stop changing.
-async fn per_job_costs(pool: &PgPool) -> anyhow::Result<(f64, f64, f64)> {
+/// Rows written (inserted, updated, deleted) in this database, events logged, the
+/// transactions that leased or completed jobs, and those that accepted them. Postgres
+/// reports row counts a little after the fact: read until they stop changing.
+async fn per_job_costs(pool: &PgPool) -> anyhow::Result<(f64, f64, f64, f64)> {
     let read = || async {
         let r = sqlx::query!(
             r#"SELECT coalesce(sum(n_tup_ins + n_tup_upd + n_tup_del), 0)::float8 AS "rows!",
                       (SELECT count(*) FROM job_events)::float8 AS "events!",
                       (SELECT count(DISTINCT xid) FROM job_events
                        WHERE kind IN ('JobLeased', 'JobSucceeded', 'JobFailed'))::float8
-                          AS "commits!"
+                          AS "commits!",
+                      (SELECT count(DISTINCT xid) FROM job_events
+                       WHERE kind = 'JobRequested')::float8 AS "accepts!"
                FROM pg_stat_user_tables"#,
         )
         .fetch_one(pool)
         .await?;
-        Ok::<_, sqlx::Error>((r.rows, r.events, r.commits))
+        Ok::<_, sqlx::Error>((r.rows, r.events, r.commits, r.accepts))
     };
     let deadline = Instant::now() + Duration::from_secs(15);
     let mut last = read().await?;
@@ -1149,6 +1399,43 @@ async fn paced_singles(
         let (acceptor, pool, job) = (acceptor.clone(), pool.clone(), job(offset + i));
         tasks.push(tokio::spawn(async move {
             acceptor.accept(&pool, &job).await.map(|_| due.elapsed().as_micros() as u64)
+        }));
+    }
+    let mut latencies = Vec::with_capacity(count);
+    for task in tasks {
+        latencies.push(task.await??);
+    }
+    Ok((histogram_of(latencies)?, count))
+}
+
+/// `POST /v1/jobs` requests (one job each, made by `make`) arriving at `rate` a second for
+/// `secs`, each sent when due however many are still running; their latencies, timed from
+/// when each was due, and how many there were.
+async fn paced_http(
+    url: &str,
+    offset: usize,
+    rate: f64,
+    secs: u64,
+    make: &(dyn Fn(usize) -> NewJob + Sync),
+) -> anyhow::Result<(Histogram<u64>, usize)> {
+    let client = reqwest::Client::new();
+    let started = tokio::time::Instant::now();
+    let count = (rate * secs as f64) as usize;
+    let mut tasks = Vec::with_capacity(count);
+    for i in 0..count {
+        let due = started + Duration::from_secs_f64(i as f64 / rate);
+        let job = make(offset + i);
+        let body = http_body(&job)?;
+        tokio::time::sleep_until(due).await;
+        let request = client
+            .post(url)
+            .header("content-type", "application/json")
+            .header("idempotency-key", job.idempotency_key.unwrap_or_default())
+            .body(body);
+        tasks.push(tokio::spawn(async move {
+            let answer = request.send().await?;
+            anyhow::ensure!(answer.status().is_success(), "{}", answer.status());
+            Ok(due.elapsed().as_micros() as u64)
         }));
     }
     let mut latencies = Vec::with_capacity(count);

@@ -45,7 +45,14 @@ fn the_bench_runs_every_measurement() {
         "| relay, full accept load ",
         "| relay, half load ",
         "| relay peak RSS | ",
-        "| end to end, trivial handler, burst | ",
+        "| end to end, trivial handler, burst (in-process batches of 100) | ",
+        "| accept through the intake topic | ",
+        "| end to end, trivial handler, burst through the intake topic | ",
+        "| accept over HTTP, 24 clients | ",
+        "| end to end, trivial handler, burst over HTTP, 24 clients | ",
+        "| accept over HTTP, half that rate ",
+        "| accept over HTTP in batches of 1,000 | ",
+        "| end to end, trivial handler, burst over HTTP in batches of 1,000 | ",
         "| end to end, steady ",
         "| slow jobs, 1 s handler, ",
         "| processor peak RSS | ",
@@ -64,10 +71,14 @@ fn the_bench_runs_every_measurement() {
     let drain = written.lines().find(|l| l.starts_with("| relay, draining")).unwrap();
     assert!(drain.contains("CPU per event") && drain.contains("the raw producer: "), "{drain}");
     // Where each end-to-end job's CPU went, by component (read from /proc).
-    let burst = written.lines().find(|l| l.starts_with("| end to end, trivial")).unwrap();
-    for part in ["CPU per job: ", "µs on the machine (", "Postgres ", "processor ", "relay "] {
-        assert!(burst.contains(part), "no {part:?} in {burst}");
+    for burst in written.lines().filter(|l| l.starts_with("| end to end, trivial")) {
+        for part in ["CPU per job: ", "µs on the machine (", "Postgres ", "processor ", "relay "] {
+            assert!(burst.contains(part), "no {part:?} in {burst}");
+        }
     }
+    // The doors' accepts count their commits; HTTP's are timed per request.
+    let http = written.lines().find(|l| l.starts_with("| accept over HTTP, 24")).unwrap();
+    assert!(http.contains("accept commits/job") && !http.contains("| – | – |"), "{http}");
     // The scratch databases are dropped again.
     assert!(scratch() <= scratch_before, "scratch databases left behind");
 }
