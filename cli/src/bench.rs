@@ -678,8 +678,8 @@ async fn measure_processing(
     offset += sizes.e2e_jobs;
     let burst_rate = trivial.rate;
     rows.push(trivial.row(
-        &format!("end to end, trivial handler, burst (in-process batches of {})", sizes.batch),
-        "noop: does nothing",
+        "end to end, trivial handler, burst",
+        &format!("noop: does nothing, accepted in-process in batches of {}", sizes.batch),
         limits,
     ));
     // The same burst through the doors upstream services use.

@@ -45,7 +45,7 @@ fn the_bench_runs_every_measurement() {
         "| relay, full accept load ",
         "| relay, half load ",
         "| relay peak RSS | ",
-        "| end to end, trivial handler, burst (in-process batches of 100) | ",
+        "| end to end, trivial handler, burst | ",
         "| accept through the intake topic | ",
         "| end to end, trivial handler, burst through the intake topic | ",
         "| accept over HTTP, 24 clients | ",
