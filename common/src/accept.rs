@@ -97,7 +97,26 @@ impl AcceptError {
     pub fn is_request_fault(&self) -> bool {
         !matches!(self, Self::Database(_) | Self::Encode(_))
     }
+
+    /// Whether a batch that failed with this may succeed job by job: one job's data refused
+    /// (which row, Postgres does not say), a key another transaction holds (the lock wait
+    /// timed out: 55P03), or two batches that met on the same keys in different orders
+    /// (a deadlock or serialization failure).
+    pub fn alone_helps(&self) -> bool {
+        match self {
+            Self::Database(sqlx::Error::Database(d)) => {
+                matches!(d.code().as_deref(), Some("55P03" | "40P01" | "40001"))
+            }
+            Self::Database(_) | Self::Encode(_) => false,
+            _ => true,
+        }
+    }
 }
+
+/// Begins a transaction that accepts a batch: it waits at most a second for a row lock
+/// (another transaction inserting the same idempotency key, not committed yet), then fails
+/// with 55P03 ([`AcceptError::alone_helps`]), and its jobs are accepted one by one.
+pub const BEGIN_BATCH: &str = "BEGIN; SET LOCAL lock_timeout = '1s'";
 
 /// The JSON path of the first string or object key in `value` holding U+0000, which
 /// Postgres's `text` and `jsonb` cannot store.
@@ -370,9 +389,10 @@ impl Acceptor {
 
     /// Accepts each of `jobs` that can be, in one transaction of its own: a job that cannot
     /// — a bad field, an unknown kind, a reused idempotency key — gets its own error and
-    /// costs only itself. If Postgres refuses one job's data ([`AcceptError::Unstorable`],
-    /// which cannot say which row), the batch is rolled back and each job is accepted in a
-    /// transaction of its own, so that one is refused alone. Each job of the answer
+    /// costs only itself. If the batch fails as a whole for one job's sake
+    /// ([`AcceptError::alone_helps`]: data Postgres refuses in one row, a key another
+    /// transaction holds), it is rolled back and each job is accepted in a transaction of its
+    /// own, in order, so that only that one is refused or waits. Each job of the answer
     /// (`Ok`) is durable when this returns.
     ///
     /// # Errors
@@ -382,14 +402,8 @@ impl Acceptor {
         pool: &PgPool,
         jobs: &[NewJob],
     ) -> Result<Vec<Result<Accepted, AcceptError>>, AcceptError> {
-        let mut tx = pool.begin().await?;
-        match self.accept_each_in(&mut tx, jobs).await {
-            Ok(each) => {
-                tx.commit().await?;
-                Ok(each)
-            }
-            Err(e) if e.is_request_fault() || is_contention(&e) => {
-                drop(tx);
+        match self.accept_all_at_once(pool, jobs).await {
+            Err(e) if e.alone_helps() => {
                 tracing::debug!(error = %e, jobs = jobs.len(), "A batch failed as a whole; its jobs are accepted one by one.");
                 let mut each = Vec::with_capacity(jobs.len());
                 for job in jobs {
@@ -400,8 +414,26 @@ impl Acceptor {
                 }
                 Ok(each)
             }
-            Err(e) => Err(e),
+            done => done,
         }
+    }
+
+    /// [`Acceptor::accept_each`] in one transaction, without the one-by-one fallback: an
+    /// error is the batch's. A row lock held elsewhere — another transaction accepting a job
+    /// with the same idempotency key, not committed yet — is waited for at most a second
+    /// ([`BEGIN_BATCH`]), so that one key held open cannot hold up the others long.
+    ///
+    /// # Errors
+    /// The batch failed as a whole; nothing was accepted.
+    pub async fn accept_all_at_once(
+        &self,
+        pool: &PgPool,
+        jobs: &[NewJob],
+    ) -> Result<Vec<Result<Accepted, AcceptError>>, AcceptError> {
+        let mut tx = pool.begin_with(BEGIN_BATCH).await?;
+        let each = self.accept_each_in(&mut tx, jobs).await?;
+        tx.commit().await?;
+        Ok(each)
     }
 
     /// [`Acceptor::accept_each`] inside the caller's transaction, without the one-by-one
@@ -583,11 +615,4 @@ impl Acceptor {
             }),
         }
     }
-}
-
-/// A deadlock or serialization failure: two batches met on the same keys in different
-/// orders, and Postgres aborted one. Each job alone cannot meet another batch that way.
-fn is_contention(e: &AcceptError) -> bool {
-    matches!(e, AcceptError::Database(sqlx::Error::Database(d))
-        if matches!(d.code().as_deref(), Some("40P01" | "40001")))
 }

@@ -81,27 +81,41 @@ pub struct ApiState {
     /// Every partition's consumer lag (the overview).
     pub lag: crate::lag::LagReader,
     /// `POST /v1/jobs`'s group commit: the requests waiting at once share a transaction.
-    accepts: crate::batch::Batcher<NewJob, Result<jobfold_common::accept::Accepted, ApiError>>,
+    accepts: crate::batch::Batcher<NewJob, Grouped>,
+}
+
+/// A job's answer from the group commit.
+#[derive(Debug)]
+enum Grouped {
+    Answered(Result<jobfold_common::accept::Accepted, ApiError>),
+    /// Its batch failed for one job's sake (a key another transaction holds, data Postgres
+    /// refused in some row): each request accepts its job alone, so only that one waits or
+    /// is refused, and the batcher goes on.
+    Alone(NewJob),
 }
 
 /// Most jobs `POST /v1/jobs/batch` takes.
 pub const MAX_BATCH_JOBS: usize = 1000;
-/// Accept transactions `POST /v1/jobs`'s group commit runs at once: while some commit, the
-/// requests arriving meanwhile gather for the next.
-const ACCEPT_TRANSACTIONS: usize = 4;
+/// Accept transactions `POST /v1/jobs`'s group commit runs at once: while one commits, the
+/// requests arriving meanwhile gather for the next (fewer, larger transactions cost less
+/// than many small ones; two keep one lock wait, at most a second, from stopping the rest).
+const ACCEPT_TRANSACTIONS: usize = 2;
 
-/// Accepts each of `jobs` (as [`Acceptor::accept_each`]); a failure of the whole batch
-/// (the database) is each job's.
-async fn accept_each(
-    acceptor: &Acceptor,
-    pool: &PgPool,
-    jobs: &[NewJob],
-) -> Vec<Result<jobfold_common::accept::Accepted, ApiError>> {
-    match acceptor.accept_each(pool, jobs).await {
-        Ok(each) => each.into_iter().map(|answer| answer.map_err(ApiError::from)).collect(),
+/// Accepts `jobs` in one transaction (the group commit); a failure of the whole batch is
+/// each job's, or, if it failed for one job's sake, each is sent back to be accepted alone.
+async fn accept_grouped(acceptor: &Acceptor, pool: &PgPool, jobs: Vec<NewJob>) -> Vec<Grouped> {
+    match acceptor.accept_all_at_once(pool, &jobs).await {
+        Ok(each) => each
+            .into_iter()
+            .map(|answer| Grouped::Answered(answer.map_err(ApiError::from)))
+            .collect(),
+        Err(e) if e.alone_helps() => {
+            tracing::debug!(error = %e, jobs = jobs.len(), "An accept batch failed for one job's sake; each is accepted alone.");
+            jobs.into_iter().map(Grouped::Alone).collect()
+        }
         Err(e) => {
             let error = ApiError::from(e);
-            jobs.iter().map(|_| Err(error.clone())).collect()
+            jobs.iter().map(|_| Grouped::Answered(Err(error.clone()))).collect()
         }
     }
 }
@@ -124,7 +138,7 @@ impl ApiState {
                 move |jobs: Vec<NewJob>| {
                     let (acceptor, pool) = (acceptor.clone(), pool.clone());
                     async move {
-                        accept_each(&acceptor, &pool, &jobs).await.into_iter().map(Ok).collect()
+                        accept_grouped(&acceptor, &pool, jobs).await.into_iter().map(Ok).collect()
                     }
                 },
             )
@@ -511,10 +525,14 @@ async fn submit(
         })?),
     };
     let job = parsed.into_job(idempotency_key, trace_context(&headers))?;
-    let accepted = state.accepts.submit(job).await.map_err(|e| {
+    let grouped = state.accepts.submit(job).await.map_err(|e| {
         tracing::error!(error = %format!("{e:#}"), "The accept batch failed.");
         ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "unavailable", "the accept failed")
-    })??;
+    })?;
+    let accepted = match grouped {
+        Grouped::Answered(answer) => answer?,
+        Grouped::Alone(job) => state.acceptor.accept(&state.pool, &job).await?,
+    };
     let status = if accepted.created { StatusCode::CREATED } else { StatusCode::OK };
     let location = format!("/v1/jobs/{}", accepted.job_id);
     let body = Submitted { job_id: accepted.job_id, created: accepted.created };

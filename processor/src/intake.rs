@@ -235,14 +235,15 @@ impl Intake {
             }
         }
         let batch = async {
-            let mut tx = self.pool.begin().await?;
+            let mut tx = self.pool.begin_with(jobfold_common::accept::BEGIN_BATCH).await?;
             let each = self.acceptor.accept_each_in(&mut tx, &jobs).await?;
             Ok::<_, AcceptError>((tx, each))
         };
         let (mut tx, each) = match batch.await {
             Ok(done) => done,
-            // Data Postgres refused in some row: one at a time finds which.
-            Err(e) if e.is_request_fault() => {
+            // Data Postgres refused in some row, or a request id another transaction holds:
+            // one at a time finds which, and only that one waits.
+            Err(e) if e.alone_helps() => {
                 tracing::debug!(error = %e, messages = messages.len(), "An intake batch failed as a whole; its requests are accepted one by one.");
                 let mut counted = Counted::default();
                 for (i, message) in messages.iter().enumerate() {

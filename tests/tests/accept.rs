@@ -7,7 +7,7 @@ use std::time::Duration;
 use futures::StreamExt;
 use jobfold_common::accept::{AcceptError, NewJob};
 use jobfold_processor::http::{ApiState, router};
-use jobfold_tests::harness::{Installation, read_events};
+use jobfold_tests::harness::{Installation, eventually, read_events};
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
@@ -284,6 +284,73 @@ async fn a_bad_request_among_concurrent_ones_fails_only_itself() {
     });
     futures::stream::iter(requests).buffer_unordered(64).collect::<Vec<()>>().await;
     assert_eq!(it.count("jobs").await, 1 + 400 - 3 * 10);
+    shutdown.cancel();
+    it.cleanup().await;
+}
+
+/// A key another transaction holds (accepted there, not committed yet) makes its own
+/// request wait, not the requests around it: with two such requests waiting (one in each of
+/// the group commit's transactions), fifty others are still answered; once the holders
+/// commit, the waiting two get the jobs the holders created.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_held_by_an_open_transaction_holds_up_only_its_own_request() {
+    let it = Installation::new("httpheld").await;
+    let (url, shutdown) = serve_api(&it).await;
+    let acceptor = it.acceptor().await;
+    let client = reqwest::Client::new();
+    let post = |document: String, key: String| {
+        let request = client
+            .post(format!("{url}/v1/jobs"))
+            .header("Idempotency-Key", key)
+            .json(&json!({ "document_id": document, "kind": "index-document",
+                           "input_version": 1, "input": { "text": format!("{document} v1") } }));
+        async move {
+            let answer = request.send().await.unwrap();
+            let status = answer.status().as_u16();
+            (status, answer.json::<serde_json::Value>().await.unwrap())
+        }
+    };
+    // Lock waits of this database's sessions.
+    let waiting = || async {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a USING (pid) \
+             WHERE NOT l.granted AND a.datname = current_database()",
+        )
+        .fetch_one(&it.pool)
+        .await
+        .unwrap()
+    };
+    let (mut holders, mut held, mut requests) = (Vec::new(), Vec::new(), Vec::new());
+    for k in 0..2 {
+        let mut tx = it.pool.begin().await.unwrap();
+        let key = format!("held-{k}");
+        let job = job(&key, 1, Some(&key));
+        holders.push((acceptor.accept_in(&mut tx, &job).await.unwrap().job_id, tx));
+        requests.push(tokio::spawn(post(key.clone(), key)));
+        eventually(Duration::from_secs(30), "the request to wait for the held key", || async {
+            waiting().await > k
+        })
+        .await;
+    }
+    let others =
+        futures::future::join_all((0..50).map(|i| post(format!("free-{i}"), format!("free-{i}"))));
+    let others = tokio::time::timeout(Duration::from_secs(60), others)
+        .await
+        .expect("requests with free keys waited behind the held ones");
+    assert!(others.iter().all(|(status, _)| *status == 201), "{others:?}");
+    assert!(requests.iter().all(|r| !r.is_finished()), "a held request did not wait");
+    for (job_id, tx) in holders.drain(..) {
+        tx.commit().await.unwrap();
+        held.push(job_id);
+    }
+    for (request, job_id) in requests.into_iter().zip(held) {
+        let (status, body) = request.await.unwrap();
+        assert_eq!(
+            (status, body["job_id"].as_str()),
+            (200, Some(job_id.to_string().as_str())),
+            "{body}"
+        );
+    }
     shutdown.cancel();
     it.cleanup().await;
 }
