@@ -479,12 +479,12 @@ fn trace_context(headers: &HeaderMap) -> Option<TraceContext> {
     TraceContext::from_headers(traceparent, tracestate)
 }
 
-/// A request body, if it is JSON and within its limit.
-fn json_body(
+/// A request body, parsed, if it is JSON and within its limit.
+fn json_body<T: serde::de::DeserializeOwned>(
     headers: &HeaderMap,
     body: Result<Bytes, BytesRejection>,
     what: &str,
-) -> Result<Bytes, ApiError> {
+) -> Result<T, ApiError> {
     let body = body.map_err(|rejection| {
         let status = rejection.status();
         let code =
@@ -502,7 +502,8 @@ fn json_body(
             format!("send {what} as Content-Type: application/json"),
         ));
     }
-    Ok(body)
+    let deserializer = &mut serde_json::Deserializer::from_slice(&body);
+    serde_path_to_error::deserialize(deserializer).map_err(invalid_body)
 }
 
 async fn submit(
@@ -510,10 +511,7 @@ async fn submit(
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
-    let body = json_body(&headers, body, "the job")?;
-    let deserializer = &mut serde_json::Deserializer::from_slice(&body);
-    let parsed: SubmitBody =
-        serde_path_to_error::deserialize(deserializer).map_err(invalid_body)?;
+    let parsed: SubmitBody = json_body(&headers, body, "the job")?;
     let idempotency_key = match headers.get("idempotency-key") {
         None => None,
         Some(v) => Some(v.to_str().map(str::to_owned).map_err(|_| {
@@ -544,9 +542,7 @@ async fn submit_batch(
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
-    let body = json_body(&headers, body, "the batch")?;
-    let deserializer = &mut serde_json::Deserializer::from_slice(&body);
-    let batch: BatchBody = serde_path_to_error::deserialize(deserializer).map_err(invalid_body)?;
+    let batch: BatchBody = json_body(&headers, body, "the batch")?;
     if batch.jobs.is_empty() || batch.jobs.len() > MAX_BATCH_JOBS {
         return Err(ApiError::new(
             StatusCode::UNPROCESSABLE_ENTITY,

@@ -57,15 +57,8 @@ async fn requests_become_jobs_once_and_poison_becomes_dead_letters() {
         client_config().set("enable.idempotence", "true").create().unwrap();
     let topic = it.config.topics.requests.clone();
     let send = |key: String, value: Vec<u8>| {
-        let producer = producer.clone();
-        let topic = topic.clone();
-        async move {
-            producer
-                .send(FutureRecord::to(&topic).key(&key).payload(&value), Timeout::Never)
-                .await
-                .map_err(|(e, _)| e)
-                .unwrap();
-        }
+        let (producer, topic) = (producer.clone(), topic.clone());
+        async move { send(&producer, &topic, &key, &value).await }
     };
 
     let requests: Vec<JobRequest> =
@@ -182,20 +175,21 @@ async fn produce(it: &Installation, requests: &[JobRequest]) {
         Codec::<JobRequest>::connect(it.registry(), &it.config.topics.requests).await.unwrap();
     let producer: FutureProducer =
         client_config().set("enable.idempotence", "true").set("linger.ms", "20").create().unwrap();
+    let topic = &it.config.topics.requests;
     let sends = requests.iter().map(|r| {
-        let value = codec.encode(r).unwrap();
-        let producer = producer.clone();
-        let topic = it.config.topics.requests.clone();
-        let key = r.document_id.clone();
-        async move {
-            producer
-                .send(FutureRecord::to(&topic).key(&key).payload(&value), Timeout::Never)
-                .await
-                .map_err(|(e, _)| e)
-                .unwrap();
-        }
+        let (producer, value) = (&producer, codec.encode(r).unwrap());
+        async move { send(producer, topic, &r.document_id, &value).await }
     });
     futures::future::join_all(sends).await;
+}
+
+/// Produces one message and waits for its delivery.
+async fn send(producer: &FutureProducer, topic: &str, key: &str, value: &[u8]) {
+    producer
+        .send(FutureRecord::to(topic).key(key).payload(value), Timeout::Never)
+        .await
+        .map_err(|(e, _)| e)
+        .unwrap();
 }
 
 /// Requests waiting on the topic are accepted many to a transaction: the intake's
