@@ -1583,6 +1583,23 @@ mod tests {
     }
 
     #[test]
+    fn the_accept_batches_are_bounded_naming_the_key() {
+        let mut config = defaults();
+        for bad in [0, 10_001] {
+            config.intake.max_batch = bad;
+            assert!(problem(config.validate()).contains("intake.max_batch"));
+        }
+        config.intake.max_batch = 10_000;
+        assert!(config.validate().is_ok());
+        config.accept.max_batch_bytes = config.accept.max_input_bytes - 1;
+        assert!(problem(config.validate()).contains("accept.max_batch_bytes"));
+        config.accept.max_batch_bytes = (1 << 30) + 1;
+        assert!(problem(config.validate()).contains("accept.max_batch_bytes"));
+        config.accept.max_batch_bytes = config.accept.max_input_bytes;
+        assert!(config.validate().is_ok());
+    }
+
+    #[test]
     fn each_kind_falls_back_to_the_global_settings_and_is_checked_like_them() {
         let mut config = defaults();
         config.kinds.insert(
