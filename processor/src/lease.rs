@@ -111,6 +111,36 @@ pub struct Settings {
     pub owner: String,
     /// The kinds run here (for metric labels).
     pub handlers: crate::handler::Handlers,
+    /// Held by the one lease transaction of this process whose inline runs include a job a
+    /// death found running before (see [`Wary`]).
+    pub wary: Wary,
+}
+
+/// One job at a time, in this process, that a death found running before and that is not a
+/// suspect yet may run inside a lease transaction's window, where its process's death is
+/// counted against every job of the transaction.
+///
+/// A job that aborts its process dies the first time with whatever its lease transaction ran
+/// (up to [`BATCH`] jobs), and all of them are charged one crash. Retried together — their
+/// retries fall due together, their dispatches come in together — they would die with it a
+/// second time, all one death short of `max_crashes` and each a suspect, run one at a time
+/// while holding its document's turn. Kept apart, the next death charges again only the
+/// one that killed, and the jobs beside it at that moment are charged their first crash. The
+/// others wait (a few milliseconds each: the transaction holding the turn ends within its
+/// window); their runs, once started, go on side by side.
+#[derive(Debug, Clone)]
+pub struct Wary(Arc<tokio::sync::Semaphore>);
+
+impl Default for Wary {
+    fn default() -> Self {
+        Self(Arc::new(tokio::sync::Semaphore::new(1)))
+    }
+}
+
+impl Wary {
+    fn try_take(&self) -> Option<tokio::sync::OwnedSemaphorePermit> {
+        Arc::clone(&self.0).try_acquire_owned().ok()
+    }
 }
 
 /// Leases dispatches, several to a transaction.
@@ -276,6 +306,12 @@ async fn lease_batch_recorded(
     // isolated (see `decide::runs_isolated`); one with fewer runs beside the others.
     let leasing: Vec<Uuid> = to_lease.iter().map(|(_, job)| job.job_id).collect();
     let crashed = store::crashed_runs(&mut tx, &leasing).await?;
+    // Held until this transaction ends: its inline runs' record goes with its commit.
+    let mut wary = None;
+    let kept_apart = || {
+        metrics::counter!(pm::CRASHED_KEPT_APART_TOTAL).increment(1);
+        Leased::WaitUntil(now)
+    };
     let to_lease: Vec<(usize, JobRow)> = if crashed.is_empty() {
         to_lease
     } else {
@@ -292,6 +328,17 @@ async fn lease_batch_recorded(
                     isolated.insert(i);
                     kept.push((i, job));
                 }
+                // Died beside others before: inline only while no other such job of this
+                // process is (see `Wary`); else it waits for the next transaction.
+                Some(_) if offers[i].is_some() && wary.is_none() => {
+                    wary = settings.wary.try_take();
+                    if wary.is_some() {
+                        kept.push((i, job));
+                    } else {
+                        decided[i] = kept_apart();
+                    }
+                }
+                Some(_) if offers[i].is_some() => decided[i] = kept_apart(),
                 Some(_) | None => kept.push((i, job)),
             }
         }
@@ -374,6 +421,7 @@ async fn lease_batch_recorded(
         store::inline_runs_end(&mut *tx, run_id).await?;
     }
     tx.commit().await?;
+    drop(wary);
     for (job, outcome) in &ended {
         crate::complete::count(job, outcome, &settings.handlers);
     }

@@ -53,6 +53,10 @@ pub const QUOTA_PAUSED_SECONDS: &str = "jobfold_quota_paused_seconds";
 /// Counter: runs found to have died with their process (a lease transaction's inline runs
 /// whose transaction never committed), each counted as an attempt of its job.
 pub const CRASHED_RUNS_TOTAL: &str = "jobfold_crashed_runs_total";
+/// Counter: dispatches of jobs a death found running before, held for a later lease
+/// transaction because another such job of this process was running inside one
+/// ([`crate::lease::Wary`]).
+pub const CRASHED_KEPT_APART_TOTAL: &str = "jobfold_crashed_kept_apart_total";
 /// Counter, by task: background tasks that ended while the processor ran (it then stops,
 /// exiting non-zero, so that it is restarted).
 pub const TASK_FAILURES_TOTAL: &str = "jobfold_task_failures_total";
@@ -166,6 +170,11 @@ pub fn describe() {
         CRASHED_RUNS_TOTAL,
         Unit::Count,
         "Runs that died with their process before anything of them committed; each counts as an attempt."
+    );
+    describe_counter!(
+        CRASHED_KEPT_APART_TOTAL,
+        Unit::Count,
+        "Dispatches of jobs a death found running before, held for a later lease transaction: one such job at a time runs inside one."
     );
     describe_counter!(
         TASK_FAILURES_TOTAL,

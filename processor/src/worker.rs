@@ -391,6 +391,7 @@ pub async fn run(
         events: events.clone(),
         owner: owner.clone(),
         handlers: handlers.clone(),
+        wary: crate::lease::Wary::default(),
     });
     tracing::info!(kinds = ?handlers, "Handlers registered.");
     let completer =

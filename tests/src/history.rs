@@ -773,13 +773,20 @@ async fn accounts(pool: &PgPool, ids: &[Uuid], observed: &Observed) -> anyhow::R
     let mut out = String::new();
     for id in ids {
         // language=PostgreSQL
-        let (document, version, accepted, finished): (String, i64, Utc, Option<Utc>) =
-            sqlx::query_as(
-                "SELECT document_id, input_version, accepted_at, finished_at FROM jobs WHERE job_id = $1",
-            )
-            .bind(id)
-            .fetch_one(pool)
-            .await?;
+        let (document, version, accepted, finished, error, crashes): (
+            String,
+            i64,
+            Utc,
+            Option<Utc>,
+            Option<String>,
+            Option<i32>,
+        ) = sqlx::query_as(
+            "SELECT document_id, input_version, accepted_at, finished_at, last_error, c.crashes \
+             FROM jobs LEFT JOIN job_counters c USING (job_id) WHERE job_id = $1",
+        )
+        .bind(id)
+        .fetch_one(pool)
+        .await?;
         let finished = finished.unwrap_or_else(chrono::Utc::now);
         let at = |t: Utc| (t - accepted).as_seconds_f64();
         // language=PostgreSQL
@@ -798,10 +805,13 @@ async fn accounts(pool: &PgPool, ids: &[Uuid], observed: &Observed) -> anyhow::R
             .filter(|(t, _)| *t + window >= accepted && *t <= finished)
             .map(|(t, kind)| format!("{kind} {:+.1}", at(*t)))
             .collect();
+        let error: String = error.unwrap_or_default().chars().take(200).collect();
         out.push_str(&format!(
-            "  {document} v{version} ({id}), {:.1} s: {}\n    faults: {}\n",
+            "  {document} v{version} ({id}), {:.1} s: {}\n    last error: {}; crashes: {}\n    faults: {}\n",
             at(finished),
             events.join(", "),
+            if error.is_empty() { "none" } else { &error },
+            crashes.unwrap_or(0),
             if landed.is_empty() { "none".to_owned() } else { landed.join(", ") }
         ));
     }

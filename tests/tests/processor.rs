@@ -1041,6 +1041,7 @@ async fn a_failing_business_write_fails_its_attempt_alone() {
         events: events.clone(),
         owner: "test".into(),
         handlers: jobfold_tests::handlers::handlers(),
+        wary: lease::Wary::default(),
     });
     let mut attempts = Vec::new();
     for job_id in &ids {
@@ -1077,6 +1078,90 @@ async fn a_failing_business_write_fails_its_attempt_alone() {
     let attempt = leased_attempt(&it, &leaser, id, Ok(json!({ "t": "a\u{0}b" }))).await;
     let done = complete::complete_all(&it.config, &it.pool, &events, &handler, &[attempt]).await;
     assert!(matches!(done[0], Ok(Completed::Committed { outcome: "quarantined", .. })), "{done:?}");
+    it.cleanup().await;
+}
+
+/// Jobs a death found running before (one crash, a death short of being suspects) run inside
+/// a lease transaction's window one at a time in a process: dispatched together, one is
+/// offered its run and the others wait for a later transaction, so that the next death —
+/// should one of them have caused the first — charges that one again and not all of them.
+/// Once the transaction holding the turn ends, the next one is offered its run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jobs_a_death_found_running_run_inside_lease_transactions_one_at_a_time() {
+    use jobfold_processor::lease::{self, Dispatch, Inline, Leased, Request};
+    let (it, acceptor) = fast_installation("proc-apart").await;
+    assert_eq!(it.config.processor.max_crashes, 3);
+    let jobs: Vec<NewJob> =
+        (0..5).map(|i| job(&format!("doc-{i}"), 1, json!({ "text": "x" }))).collect();
+    let ids = accept_all(&acceptor, &it, &jobs).await;
+    sqlx::query(
+        "INSERT INTO job_counters (job_id, crashes, last_crash_owner, last_crash_at) \
+         SELECT unnest($1::uuid[]), 1, 'a process that died', now()",
+    )
+    .bind(&ids)
+    .execute(&it.pool)
+    .await
+    .unwrap();
+    let leaser = lease::start(lease::Settings {
+        config: it.config.clone(),
+        pool: it.pool.clone(),
+        events: it.events().await,
+        owner: "test".into(),
+        handlers: jobfold_tests::handlers::handlers(),
+        wary: lease::Wary::default(),
+    });
+    // Each dispatch offers an inline run; one offered is held (never answered), so its
+    // transaction stays open for the whole window and then commits the lease alone.
+    let round = |ids: Vec<Uuid>| {
+        let (leaser, pool) = (leaser.clone(), it.pool.clone());
+        async move {
+            let tasks: Vec<_> = ids
+                .into_iter()
+                .map(|job_id| {
+                    let (leaser, pool) = (leaser.clone(), pool.clone());
+                    tokio::spawn(async move {
+                        let event_id: Uuid =
+                            sqlx::query_scalar("SELECT event_id FROM job_events WHERE job_id = $1")
+                                .bind(job_id)
+                                .fetch_one(&pool)
+                                .await
+                                .unwrap();
+                        let dispatch = Dispatch {
+                            job_id,
+                            event_id,
+                            input_version: 1,
+                            stream_version: 1,
+                            trace: None,
+                        };
+                        let (run, offered) = tokio::sync::oneshot::channel();
+                        let inline = Some(Inline { window: Duration::from_millis(300), run });
+                        let leased = leaser.submit(Request { dispatch, inline }).await.unwrap();
+                        (job_id, leased, offered.await.is_ok())
+                    })
+                })
+                .collect();
+            let mut out = Vec::new();
+            for task in tasks {
+                out.push(task.await.unwrap());
+            }
+            out
+        }
+    };
+    let mut waiting = ids.clone();
+    for left in (1..=5).rev() {
+        let decided = round(waiting).await;
+        let offered: Vec<_> = decided.iter().filter(|(_, _, offered)| *offered).collect();
+        assert_eq!(offered.len(), 1, "one run offered at a time: {decided:?}");
+        assert!(matches!(offered[0].1, Leased::RunOn), "{decided:?}");
+        waiting = decided
+            .iter()
+            .filter(|(_, leased, _)| matches!(leased, Leased::WaitUntil(_)))
+            .map(|(job_id, _, _)| *job_id)
+            .collect();
+        assert_eq!(waiting.len(), left - 1, "the others wait: {decided:?}");
+    }
+    let leased = count_where(&it, "SELECT count(*) FROM jobs WHERE state = 'leased'").await;
+    assert_eq!(leased, 5, "each in turn");
     it.cleanup().await;
 }
 
