@@ -355,6 +355,10 @@ pub struct Processor {
     /// How long a revoked partition's running jobs may take to finish before it is released.
     #[serde(with = "humantime_serde")]
     pub revoke_timeout: Duration,
+    /// On the first SIGTERM (or SIGINT): how long running handlers may go on to finish, their
+    /// tokens untouched, before they are cancelled and their jobs' leases given back.
+    #[serde(with = "humantime_serde")]
+    pub shutdown_timeout: Duration,
     /// How often the reaper looks for expired leases and stalled jobs.
     #[serde(with = "humantime_serde")]
     pub reaper_interval: Duration,
@@ -946,6 +950,9 @@ impl Config {
         }
         if p.max_crashes < 1 {
             return invalid("processor.max_crashes", "must be at least 1");
+        }
+        if self.processor.shutdown_timeout > Duration::from_secs(3600) {
+            return invalid("processor.shutdown_timeout", "must be at most 1h");
         }
         if self.accept.max_schedule_ahead.is_zero() {
             return invalid("accept.max_schedule_ahead", "must be above zero");
@@ -1596,6 +1603,17 @@ mod tests {
         config.accept.max_batch_bytes = (1 << 30) + 1;
         assert!(problem(config.validate()).contains("accept.max_batch_bytes"));
         config.accept.max_batch_bytes = config.accept.max_input_bytes;
+        assert!(config.validate().is_ok());
+    }
+
+    #[test]
+    fn the_graceful_stop_is_bounded_naming_the_key() {
+        let mut config = defaults();
+        assert_eq!(config.processor.shutdown_timeout, Duration::from_secs(25));
+        config.processor.shutdown_timeout = Duration::from_secs(3601);
+        assert!(problem(config.validate()).contains("processor.shutdown_timeout"));
+        // Zero: running handlers are cancelled and given back at once.
+        config.processor.shutdown_timeout = Duration::ZERO;
         assert!(config.validate().is_ok());
     }
 

@@ -41,6 +41,9 @@ pub struct Attempt {
     pub result: Result<Value, HandlerError>,
     /// The dispatch event's trace context, for the events written.
     pub trace: Option<TraceContext>,
+    /// Cut short by its processor's stop, not by the job: the attempt is given back and the
+    /// job is due again at once (outcome `released`).
+    pub released: bool,
 }
 
 /// What became of an attempt.
@@ -235,6 +238,7 @@ impl Batch<'_> {
                     message: e.message.clone(),
                     throttled: e.throttled,
                     snooze: e.snoozed.then(|| self.config.kind(&job.kind).max_snoozes),
+                    released: attempt.released,
                 },
             };
             if let Some(lease) = lease {
@@ -246,7 +250,9 @@ impl Batch<'_> {
                 .await?;
             }
             let error = attempt.result.as_ref().err();
-            let backoff = if error.is_some_and(|e| e.throttled) {
+            let backoff = if attempt.released {
+                std::time::Duration::ZERO
+            } else if error.is_some_and(|e| e.throttled) {
                 // Throttled: its kind's pause (Retry-After, else retry_base), spread over
                 // one retry_base so the jobs throttled together do not come back together.
                 crate::retry::throttled_delay(
@@ -299,7 +305,7 @@ pub struct CommitPanicked(pub String);
 /// Counts a committed outcome; an ended job also records its acceptance-to-end time.
 pub(crate) fn count(job: &JobRow, outcome: &'static str, handlers: &Handlers) {
     metrics::counter!(pm::COMPLETED_TOTAL, "outcome" => outcome).increment(1);
-    if !matches!(outcome, "retry_scheduled" | "throttled" | "snoozed") {
+    if !matches!(outcome, "retry_scheduled" | "throttled" | "snoozed" | "released") {
         let took = (Utc::now() - job.accepted_at).to_std().unwrap_or_default();
         let kind = handlers.label(&job.kind);
         metrics::histogram!(pm::ACCEPT_TO_COMPLETE_SECONDS, "kind" => kind, "outcome" => outcome)

@@ -476,7 +476,7 @@ fn crashed_attempt(
         trace: None,
         deadline: job.deadline,
     };
-    Arc::new(Attempt { job, context, result, trace })
+    Arc::new(Attempt { job, context, result, trace, released: false })
 }
 
 /// The jobs of a lease transaction running before it commits.

@@ -23,7 +23,8 @@ pub const PARTITION_PAUSES_TOTAL: &str = "jobfold_partition_pauses_total";
 pub const WAITING_FOR_HANDLER: &str = "jobfold_waiting_for_handler";
 /// Partitions of the events topic this processor holds in its consumer group.
 pub const ASSIGNED_PARTITIONS: &str = "jobfold_assigned_partitions";
-/// Attempts completed, by outcome: succeeded, retry_scheduled, quarantined, superseded.
+/// Attempts completed, by outcome: succeeded, retry_scheduled, throttled, snoozed, released,
+/// quarantined, superseded.
 pub const COMPLETED_TOTAL: &str = "jobfold_completed_total";
 /// Redelivered dispatch events skipped as duplicates (by their job row), running nothing.
 pub const DUPLICATES_SKIPPED_TOTAL: &str = "jobfold_duplicates_skipped_total";

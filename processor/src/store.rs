@@ -592,19 +592,21 @@ pub enum Outcome {
     /// `throttled`: refused for an outside service's quota (429), so the attempt is given
     /// back to the job's budget when it is retried. `snooze`: deferred, this job alone
     /// ([`crate::handler::HandlerError::snooze`]), with the kind's `max_snoozes`: the attempt
-    /// is given back while the job's snoozes are within it.
+    /// is given back while the job's snoozes are within it. `released`: cut short by its
+    /// processor's stop, the attempt given back.
     Failed {
         class: ErrorClass,
         message: String,
         throttled: bool,
         snooze: Option<i32>,
+        released: bool,
     },
 }
 
 /// Completes an attempt whose fence (state `leased`, same generation) was checked by the
 /// caller in this transaction: result row, state, events; a retryable failure with budget
-/// left schedules a `RetryDue` at `retry_at`. A throttled one, or one snoozed within its
-/// `max_snoozes`, gives its attempt back first: its `JobRetryScheduled` carries the attempt
+/// left schedules a `RetryDue` at `retry_at`. A throttled one, one snoozed within its
+/// `max_snoozes`, or one its processor's stop cut short (released), gives its attempt back first: its `JobRetryScheduled` carries the attempt
 /// count before it, and so does the job.
 ///
 /// # Errors
@@ -629,7 +631,7 @@ pub async fn complete(
             supersede(tx, events, job, newer, trace).await?;
             Ok("superseded")
         }
-        Outcome::Failed { class, message, throttled, snooze } => {
+        Outcome::Failed { class, message, throttled, snooze, released } => {
             let failed = Payload::JobFailed(JobFailed {
                 generation: job.generation,
                 attempt: job.attempt,
@@ -643,7 +645,7 @@ pub async fn complete(
                 }
                 _ => false,
             };
-            let refunded = (throttled || snoozed) && class == ErrorClass::Retryable;
+            let refunded = (throttled || snoozed || released) && class == ErrorClass::Retryable;
             if refunded {
                 job.attempt -= 1;
             }
@@ -672,10 +674,11 @@ pub async fn complete(
                 )
                 .execute(&mut *tx)
                 .await?;
-                return Ok(match (throttled, snoozed) {
-                    (true, _) => "throttled",
-                    (false, true) => "snoozed",
-                    (false, false) => "retry_scheduled",
+                return Ok(match (throttled, snoozed, released) {
+                    (true, _, _) => "throttled",
+                    (false, true, _) => "snoozed",
+                    (false, false, true) => "released",
+                    (false, false, false) => "retry_scheduled",
                 });
             }
             let reason = match class {

@@ -33,8 +33,11 @@
 //! `processor.revoke_timeout` to finish, then its offsets are committed synchronously and it
 //! is released. A new owner resumes from the committed offset and respects live leases.
 //!
-//! Shutdown: consumption stops, running jobs finish (up to `processor.revoke_timeout`), the
-//! stored offsets are committed. Jobs still running then are left to their lease expiry.
+//! Shutdown (the first SIGTERM): consumption stops and nothing new starts; running handlers
+//! go on, their tokens untouched, up to `processor.shutdown_timeout`. Then the tokens fire
+//! and each run cut short completes as `released`: its attempt given back, the job due again
+//! at once, so the partition's next owner runs it without waiting for the lease to run out.
+//! The stored offsets are committed and the consumer leaves the group.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
@@ -96,6 +99,9 @@ pub struct WorkerContext {
     topic: String,
     /// Partitions whose lag this member reported, so it reports 0 once it lost them.
     lag_reported: Mutex<std::collections::BTreeSet<i32>>,
+    /// Set by a graceful stop: revoked partitions go at once, their running jobs finishing
+    /// here meanwhile (their completions need Postgres only).
+    stopping: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl std::fmt::Debug for WorkerContext {
@@ -150,8 +156,13 @@ impl ConsumerContext for WorkerContext {
                 }
                 metrics::gauge!(pm::BUFFERED_MESSAGES).set(buffer.messages() as f64);
             }
-            // Running jobs of these partitions may finish (bounded), so their offsets count.
-            let deadline = std::time::Instant::now() + self.revoke_timeout;
+            // Running jobs of these partitions may finish (bounded), so their offsets count —
+            // unless this processor stops: then its partitions go to the group at once, and
+            // whatever of theirs still runs here finishes (or is given back) on its own,
+            // while their next owner waits only for those jobs' documents.
+            let stopping = self.stopping.load(std::sync::atomic::Ordering::SeqCst);
+            let wait = if stopping { Duration::ZERO } else { self.revoke_timeout };
+            let deadline = std::time::Instant::now() + wait;
             while self.tracker.lock().expect("tracker").in_flight(&partitions) > 0
                 && std::time::Instant::now() < deadline
             {
@@ -326,8 +337,25 @@ struct Shared {
     queues: Arc<Mutex<Queues>>,
     /// Wakes the dispatcher when a document became ready.
     ready: tokio::sync::Notify,
+    /// The graceful stop: no new work starts; running handlers go on.
     shutdown: CancellationToken,
+    /// The hard stop, `processor.shutdown_timeout` after the graceful one (at once when a
+    /// background task failed): running handlers' tokens fire, and what they leave unfinished
+    /// is given back ([`released`]).
+    hard: CancellationToken,
 }
+
+/// How long a handler whose token the hard stop fired may take to return before its run is
+/// dropped and its job given back all the same.
+const RELEASE_GRACE: Duration = Duration::from_secs(2);
+
+/// A dispatch waiting for another worker's live lease looks again after this, doubling up
+/// to [`LOOK_AGAIN_MAX`] (or at the lease's end, if sooner).
+const LOOK_AGAIN_MIN: Duration = Duration::from_millis(250);
+const LOOK_AGAIN_MAX: Duration = Duration::from_secs(8);
+
+/// How long a stopping processor polls for the group to take its partitions.
+const LEAVE_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Runs jobs until `shutdown`.
 ///
@@ -347,6 +375,7 @@ pub async fn run(
         bytes: config.processor.max_buffered_bytes,
     })));
     let queues = Arc::new(Mutex::new(Queues::default()));
+    let stopping = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let context = WorkerContext {
         tracker: Arc::clone(&tracker),
         buffer: Arc::clone(&buffer),
@@ -354,6 +383,7 @@ pub async fn run(
         revoke_timeout: config.processor.revoke_timeout,
         topic: config.topics.events.clone(),
         lag_reported: Mutex::default(),
+        stopping: Arc::clone(&stopping),
     };
     let mut client = config.kafka_client_for(
         jobfold_common::config::KafkaRole::Consumer,
@@ -428,6 +458,7 @@ pub async fn run(
         queues,
         ready: tokio::sync::Notify::new(),
         shutdown: shutdown.clone(),
+        hard: CancellationToken::new(),
     });
     tasks.spawn(
         "reaper",
@@ -530,14 +561,36 @@ pub async fn run(
         }
     }
     dispatcher_stopped.cancel();
-    // Soft stop: running jobs finish, bounded.
+    // Graceful stop: nothing new starts, and the partitions go to the rest of the group
+    // at once; running handlers go on, their tokens untouched, up to `shutdown_timeout` (a
+    // failed background task — the heartbeat, say — stops hard at once: leases may no
+    // longer be renewed).
     let all = shared.config.processor.max_in_flight as u32;
-    let drained = tokio::time::timeout(
-        shared.config.processor.revoke_timeout,
+    if failed.is_none() {
+        stopping.store(true, std::sync::atomic::Ordering::SeqCst);
+        leave_the_group(&shared).await;
+        let finished = tokio::time::timeout(
+            shared.config.processor.shutdown_timeout,
+            shared.slots.acquire_many(all),
+        )
+        .await;
+        if finished.is_err() {
+            tracing::info!(
+                timeout = ?shared.config.processor.shutdown_timeout,
+                "Shutdown: handlers still running are cancelled; their jobs are given back."
+            );
+        }
+    }
+    // Hard stop: the tokens fire; each run cut short is completed as released (its attempt
+    // given back, due again at once), so another processor takes it without waiting for the
+    // lease to run out.
+    shared.hard.cancel();
+    let released = tokio::time::timeout(
+        RELEASE_GRACE + shared.config.processor.revoke_timeout,
         shared.slots.acquire_many(all),
     )
     .await;
-    if drained.is_err() {
+    if released.is_err() {
         tracing::warn!("Shutdown: jobs still running are left to their lease expiry.");
     }
     if let Err(e) = jobfold_common::kafka::commit_stored(&*shared.consumer) {
@@ -545,6 +598,26 @@ pub async fn run(
     }
     tasks.stop().await;
     failed.map_or(Ok(()), Err)
+}
+
+/// Unsubscribes, and polls until the group took this member's partitions (what arrives
+/// meanwhile is left for their next owner), for up to [`LEAVE_TIMEOUT`].
+async fn leave_the_group(shared: &Shared) {
+    shared.consumer.unsubscribe();
+    let deadline = tokio::time::Instant::now() + LEAVE_TIMEOUT;
+    // The revoke runs inside a poll, and after it nothing more arrives: poll in short turns.
+    while shared.tracker.lock().expect("tracker").held() > 0 {
+        if tokio::time::Instant::now() >= deadline {
+            tracing::warn!(
+                "The group did not take the partitions in time; they move when the consumer closes."
+            );
+            return;
+        }
+        let _ = tokio::time::timeout(Duration::from_millis(50), shared.consumer.recv()).await;
+    }
+    tracing::info!(
+        "Stopping: the partitions went to the rest of the group; running jobs finish here."
+    );
 }
 
 /// Pauses (or resumes) fetching `partition`, and counts it. Called with the buffer locked,
@@ -719,6 +792,7 @@ async fn handle(
     mut permit: Option<OwnedSemaphorePermit>,
 ) -> bool {
     let mut backoff = RETRY_MIN;
+    let mut look_again = LOOK_AGAIN_MIN;
     let mut announced = false;
     loop {
         let step = try_handle(shared, message, ticket, &mut permit).await;
@@ -752,8 +826,13 @@ async fn handle(
                 }
             }
             Ok(Step::WaitUntil(until)) => {
-                let wait =
-                    (until - Utc::now()).to_std().unwrap_or_default() + Duration::from_millis(50);
+                // Another worker's live lease ends at its completion, which may come long
+                // before `until` (a stopping processor finishing the jobs of the partitions it
+                // handed over): looked at again sooner at first, then less and less often.
+                let wait = ((until - Utc::now()).to_std().unwrap_or_default()
+                    + Duration::from_millis(50))
+                .min(look_again);
+                look_again = (look_again * 2).min(LOOK_AGAIN_MAX);
                 let wait = wait.min(
                     shared.config.processor.lease_ttl.max(
                         shared
@@ -1049,7 +1128,7 @@ async fn attempt(
             Err(e) => {
                 tracing::warn!(error = %format!("{e:#}"), %job_id, generation, "Completion failed; trying it again.");
                 tokio::select! {
-                    _ = shared.shutdown.cancelled() => return Ok(Step::Interrupted),
+                    _ = shared.hard.cancelled() => return Ok(Step::Interrupted),
                     _ = tokio::time::sleep(backoff) => {}
                 }
                 backoff = (backoff * 2).min(RETRY_MAX);
@@ -1077,7 +1156,7 @@ async fn run_isolated(
     job: JobRow,
 ) -> anyhow::Result<Result<Option<Attempt>, LeaseLost>> {
     let kind = shared.config.kind(&job.kind);
-    let lost = shared.shutdown.child_token();
+    let lost = shared.hard.child_token();
     let waiting = shared.heartbeats.register(
         job.job_id,
         job.generation,
@@ -1087,8 +1166,11 @@ async fn run_isolated(
     );
     let _alone = tokio::select! {
         _ = lost.cancelled() => {
-            if shared.shutdown.is_cancelled() {
-                return Ok(Ok(None));
+            if shared.hard.is_cancelled() {
+                // Stopped before its turn came: given back, as a run cut short is.
+                let mut job = job;
+                let context = context_of(&mut job, None);
+                return Ok(Ok(Some(released(&shared.owner, job, context, event.trace.clone()))));
             }
             tracing::info!(job_id = %job.job_id, generation = job.generation, "A suspect's lease was lost while it waited for its isolated run.");
             return Ok(Err(LeaseLost));
@@ -1159,24 +1241,13 @@ async fn run_handler(
     );
     let handler_trace =
         event.trace.as_ref().zip(span_id.as_deref()).and_then(|(trace, id)| trace.child(id));
-    let context = JobContext {
-        trace: handler_trace,
-        job_id: job.job_id,
-        document_id: job.document_id.clone(),
-        kind: job.kind.clone(),
-        input_version: job.input_version,
-        // The job row's copy of the input is not needed again: the handler's is the only one.
-        input: std::mem::take(&mut job.payload),
-        attempt: job.attempt,
-        generation: job.generation,
-        deadline: job.deadline,
-    };
+    let context = context_of(&mut job, handler_trace);
 
-    // 2. Run, with heartbeats. The handler's token fires when the lease is lost or the
-    //    processor shuts down; the heartbeat stops with the run, whatever the handler does
+    // 2. Run, with heartbeats. The handler's token fires when the lease is lost or at the
+    //    processor's hard stop; the heartbeat stops with the run, whatever the handler does
     //    (returns, panics), as the lease's registration drops.
     let kind = shared.config.kind(&job.kind);
-    let cancel = shared.shutdown.child_token();
+    let cancel = shared.hard.child_token();
     let lease = shared.heartbeats.register(
         job.job_id,
         job.generation,
@@ -1196,14 +1267,24 @@ async fn run_handler(
             None => Some(run.await),
         }
     };
-    let result = match timed.await {
-        Some(Ok(result)) => result,
+    // At the hard stop the token fires; a handler deaf to it is dropped after a grace.
+    let stopped = async {
+        shared.hard.cancelled().await;
+        tokio::time::sleep(RELEASE_GRACE).await;
+    };
+    let ran = tokio::select! {
+        ran = timed => Some(ran),
+        () = stopped => None,
+    };
+    let result = match ran {
+        None => Err(HandlerError::retryable("cut short by its processor's stop")),
+        Some(Some(Ok(result))) => result,
         // A panic costs its own attempt: a retryable failure naming it.
-        Some(Err(panic)) => Err(HandlerError::retryable(format!(
+        Some(Some(Err(panic))) => Err(HandlerError::retryable(format!(
             "the handler panicked: {}",
             panic_message(panic.as_ref())
         ))),
-        None => {
+        Some(None) => {
             cancel.cancel();
             Err(HandlerError::retryable(format!(
                 "the handler ran past its run_timeout ({:?}) and was cancelled",
@@ -1228,14 +1309,42 @@ async fn run_handler(
         let label = shared.handlers.label(&job.kind);
         Box::pin(shared.quotas.throttled(&job.kind, &label, e.retry_after)).await;
     }
-    if result.is_err() && shared.shutdown.is_cancelled() {
-        // Cut short by the shutdown, not the job's fault: no attempt is spent. The lease
-        // runs out and the job runs again (redelivery, or the reaper).
-        tracing::info!(job_id = %job.job_id, "Shutdown cancelled the handler; the job runs again later.");
-        return Ok(None);
+    if result.is_err() && shared.hard.is_cancelled() {
+        // Cut short by the stop, not the job's fault: its lease is given back with its
+        // attempt, and the job is due again at once for whichever processor takes it.
+        tracing::info!(job_id = %job.job_id, "The stop cancelled the handler; the job is given back.");
+        return Ok(Some(released(&shared.owner, job, context, event.trace.clone())));
     }
 
-    Ok(Some(Attempt { job, context, result, trace: event.trace.clone() }))
+    Ok(Some(Attempt { job, context, result, trace: event.trace.clone(), released: false }))
+}
+
+/// What a handler is told of `job`, leased. The job row's copy of the input is not needed
+/// again: the context's is the only one.
+fn context_of(job: &mut JobRow, trace: Option<jobfold_schemas::event::TraceContext>) -> JobContext {
+    JobContext {
+        trace,
+        job_id: job.job_id,
+        document_id: job.document_id.clone(),
+        kind: job.kind.clone(),
+        input_version: job.input_version,
+        input: std::mem::take(&mut job.payload),
+        attempt: job.attempt,
+        generation: job.generation,
+        deadline: job.deadline,
+    }
+}
+
+/// The attempt of a run the processor's stop cut short: given back ([`Attempt::released`]),
+/// naming the process.
+fn released(
+    owner: &str,
+    job: JobRow,
+    context: JobContext,
+    trace: Option<jobfold_schemas::event::TraceContext>,
+) -> Attempt {
+    let message = format!("released: its processor ({owner}) stopped before the run ended");
+    Attempt { job, context, result: Err(HandlerError::retryable(message)), trace, released: true }
 }
 
 /// What a handler returned, made fit to commit and publish: a result larger than

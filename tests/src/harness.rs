@@ -76,6 +76,7 @@ impl Installation {
         p.reaper_interval = Duration::from_millis(500);
         p.reaper_grace = Duration::from_secs(2);
         p.revoke_timeout = Duration::from_secs(5);
+        p.shutdown_timeout = Duration::from_secs(2);
         p.group = unique_name("processors");
     }
 
@@ -151,6 +152,7 @@ impl Installation {
             ("JOBFOLD_PROCESSOR__REAPER_INTERVAL", "500ms"),
             ("JOBFOLD_PROCESSOR__REAPER_GRACE", "2s"),
             ("JOBFOLD_PROCESSOR__REVOKE_TIMEOUT", "5s"),
+            ("JOBFOLD_PROCESSOR__SHUTDOWN_TIMEOUT", "2s"),
             // The broker's minimum session timeout, not 45 s.
             ("JOBFOLD_KAFKA__SESSION_TIMEOUT_MS", "6000"),
         ] {

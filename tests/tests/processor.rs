@@ -975,6 +975,7 @@ async fn leased_attempt(
         context,
         result,
         trace: None,
+        released: false,
     })
 }
 
@@ -1419,8 +1420,9 @@ impl jobfold_processor::handler::Handler for WaitsForCancel {
     }
 }
 
-/// Shutdown cancels a running handler through its token and waits for it; the cut-short
-/// attempt is not counted against the job, which stays leased to run again later.
+/// Shutdown lets a running handler go on for `shutdown_timeout`, then cancels it through its
+/// token and gives the job back: the cut-short attempt is not counted against the job, whose
+/// lease is released and which is due again at once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn shutdown_cancels_a_long_handler() {
     let mut it = Installation::new("proc-cancel").await;
@@ -1442,7 +1444,106 @@ async fn shutdown_cancels_a_long_handler() {
     pipeline.stop().await;
     assert!(cancelled.load(std::sync::atomic::Ordering::SeqCst), "the token fired");
     let (state, attempt) = state_and_attempt(&it, id).await;
-    assert_eq!((state.as_str(), attempt), ("leased", 1), "nothing was completed for it");
+    assert_eq!(attempt, 0, "the attempt is given back");
+    assert_ne!(state, "leased", "the lease is given back");
+    let error: String = sqlx::query_scalar("SELECT last_error FROM jobs WHERE job_id = $1")
+        .bind(id)
+        .fetch_one(&it.pool)
+        .await
+        .unwrap();
+    assert!(error.starts_with("released: its processor"), "{error}");
+    it.cleanup().await;
+}
+
+/// A graceful stop (SIGTERM) hands the partitions to the group at once and lets running
+/// handlers finish for up to `shutdown_timeout`, then gives back what still runs: a job
+/// accepted after the signal is run by the next processor while the stopping one still
+/// drains; a job that ends within the timeout succeeds at its one attempt, run once; a job
+/// waiting on its token and one deaf to it are given back, their attempts not spent, and the
+/// next processor leases them before their first leases (60 s) would have run out — not a
+/// lease TTL later, as after `kill -9`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_graceful_stop_finishes_what_it_can_and_gives_back_the_rest() {
+    let it = Installation::new("proc-graceful").await;
+    it.create_topics().await;
+    let mut env = it.fast_env(&jobfold_tests::kafka::unique_name("graceful"));
+    env.insert("JOBFOLD_PROCESSOR__LEASE_TTL".into(), "60s".into());
+    env.insert("JOBFOLD_PROCESSOR__SHUTDOWN_TIMEOUT".into(), "8s".into());
+    let _relay = Service::start("jobfold-relay", &env);
+    let acceptor = it.acceptor().await;
+    let jobs = [
+        job("doc-short", 1, json!({ "text": "short", "simulate": { "sleep_ms": 1_500 } })),
+        job("doc-long", 1, json!({ "text": "long", "simulate": { "sleep_ms": 12_000 } })),
+        job("doc-deaf", 1, json!({ "text": "deaf", "simulate": { "hang_ms": 12_000 } })),
+    ];
+    let ids = accept_all(&acceptor, &it, &jobs).await;
+    let (short, given_back) = (ids[0], [ids[1], ids[2]]);
+    let mut first = Service::start("jobfold-test-processor", &env);
+    eventually(Duration::from_secs(60), "all three to run", || async {
+        count_where(&it, "SELECT count(*) FROM jobs WHERE state = 'leased'").await == 3
+    })
+    .await;
+    let mut leased_until = Vec::new();
+    for id in given_back {
+        let until: chrono::DateTime<chrono::Utc> =
+            sqlx::query_scalar("SELECT lease_until FROM jobs WHERE job_id = $1")
+                .bind(id)
+                .fetch_one(&it.pool)
+                .await
+                .unwrap();
+        leased_until.push(until);
+    }
+    first.signal("TERM");
+    let _second = Service::start("jobfold-test-processor", &env);
+    let after =
+        accept_all(&acceptor, &it, &[job("doc-after", 1, json!({ "text": "after" }))]).await[0];
+    eventually(Duration::from_secs(60), "the job accepted after the signal to succeed", || async {
+        state_and_attempt(&it, after).await.0 == "succeeded"
+    })
+    .await;
+    assert!(
+        first.wait_exit(Duration::ZERO).is_none(),
+        "the job accepted after the signal ran only once the stopping processor was gone: {}",
+        first.log_text()
+    );
+    let status = first.wait_exit(Duration::from_secs(60)).expect("it stops on its own");
+    let log = first.log_text();
+    assert!(status.success(), "{status}: {log}");
+    assert_eq!(state_and_attempt(&it, short).await, ("succeeded".into(), 1), "{log}");
+    assert_eq!(log.matches("the job is given back").count(), 2, "{log}");
+
+    eventually(Duration::from_secs(120), "the jobs given back to succeed", || async {
+        count_where(&it, "SELECT count(*) FROM jobs WHERE state = 'succeeded'").await == 4
+    })
+    .await;
+    for (id, until) in given_back.iter().zip(leased_until) {
+        // Leased twice, one attempt spent: the first was given back.
+        let leases = count_where(
+            &it,
+            &format!(
+                "SELECT count(*) FROM job_events WHERE job_id = '{id}' AND kind = 'JobLeased'"
+            ),
+        )
+        .await;
+        assert_eq!((leases, state_and_attempt(&it, *id).await.1), (2, 1));
+        let leased_again: chrono::DateTime<chrono::Utc> = sqlx::query_scalar(
+            "SELECT occurred_at FROM job_events WHERE job_id = $1 AND kind = 'JobLeased' \
+             ORDER BY stream_version DESC LIMIT 1",
+        )
+        .bind(id)
+        .fetch_one(&it.pool)
+        .await
+        .unwrap();
+        assert!(leased_again < until, "leased again at {leased_again}, its lease ran to {until}");
+    }
+    let short_leases = count_where(
+        &it,
+        &format!("SELECT count(*) FROM job_events WHERE job_id = '{short}' AND kind = 'JobLeased'"),
+    )
+    .await;
+    assert_eq!(short_leases, 1, "the short job ran once, to its end");
+    assert_exactly_one_write_per_success(&it).await;
+    assert_eq!(fold_mismatches(&it).await, Vec::<String>::new());
     it.cleanup().await;
 }
 
