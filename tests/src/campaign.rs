@@ -17,7 +17,9 @@
 //!   controller, each restarted; a broker paused past its session; a rolling restart of all
 //!   three; two brokers down at once (under `min.insync.replicas`) — see `broker_fault`;
 //! - `restart-postgres`: immediate-mode stop (no checkpoint) and restart;
-//! - `add-processor`, `remove-processor`: consumer group rebalances.
+//! - `add-processor`, `remove-processor`: consumer group rebalances;
+//! - `rolling-restart`: every processor in turn stopped with SIGTERM (its running jobs finish
+//!   within `processor.shutdown_timeout` or are given back) and replaced, as a deploy does.
 //!
 //! A fourth producer mixes in bad jobs ([`crate::bad`]) at random times: results over the
 //! size limit, inputs holding U+0000 on every path, malformed and unknown-schema intake
@@ -49,6 +51,9 @@ use uuid::Uuid;
 
 use crate::harness::{Service, free_port};
 use crate::history::{self, Acknowledged, History};
+
+/// The fault a deploy is: every processor stopped gracefully in turn and replaced.
+const ROLLING_RESTART: &str = "rolling restart of the processors (SIGTERM each, replaced)";
 
 /// What to run.
 #[derive(Debug, Clone)]
@@ -590,6 +595,7 @@ pub async fn run(plan: &Plan) -> anyhow::Result<Outcome> {
         ("JOBFOLD_PROCESSOR__REAPER_INTERVAL", "500ms".into()),
         ("JOBFOLD_PROCESSOR__REAPER_GRACE", "1s".into()),
         ("JOBFOLD_PROCESSOR__REVOKE_TIMEOUT", "3s".into()),
+        ("JOBFOLD_PROCESSOR__SHUTDOWN_TIMEOUT", "3s".into()),
         ("JOBFOLD_PROCESSOR__STALL_AFTER", "2min".into()),
         ("JOBFOLD_PROCESSOR__GAUGE_INTERVAL", "1s".into()),
         // Bad jobs: a result over 16 KiB is refused (the events topic takes 64 KiB), a run
@@ -1118,6 +1124,22 @@ async fn inject(
         80..=84 => {
             refuse_an_event(config, pool, ledger, rng).await?;
             fleet.count(REFUSED_FAULT);
+        }
+        93..=99 if !processors.is_empty() => {
+            // A deploy: each processor in turn stops gracefully (SIGTERM: its running jobs
+            // finish or are given back) and a new one takes its place.
+            for i in processors {
+                fleet.bank(i);
+                if let Some(mut s) = fleet.slots[i].service.take() {
+                    s.signal("TERM");
+                    if s.wait_exit(Duration::from_secs(20)).is_none() {
+                        s.kill9();
+                    }
+                }
+                fleet.replace(i, None);
+            }
+            fleet.count(ROLLING_RESTART);
+            fleet.mark_end(ROLLING_RESTART);
         }
         _ => {
             if processors.len() < 3 {
