@@ -652,7 +652,7 @@ async fn measure_processing(
     let stopped = Instant::now();
     std::process::Command::new("kill").args(["-TERM", &a_pid.to_string()]).status()?;
     a.child.wait().await?;
-    let (mut a, a_pid) = examples(config, &bin, "processor-a2", &logs, &args).await?;
+    let (a, a_pid) = examples(config, &bin, "processor-a2", &logs, &args).await?;
     // Its partitions assigned before the burst starts.
     while crate::demo::metric_sum(a.metrics, pm::ASSIGNED_PARTITIONS, "").await.unwrap_or(0.0)
         < config.topics.partitions as f64
@@ -832,9 +832,85 @@ async fn measure_processing(
     );
     wait_finished(&pool, offset, Duration::from_secs(300)).await?;
 
-    a.child.start_kill()?;
+    // A deploy: both of two processors stopped gracefully in turn (SIGTERM) and replaced,
+    // under a steady load of trivial jobs with 3-second conversation jobs among them.
+    let (b, _) = examples(config, &bin, "processor-b2", &logs, &args).await?;
+    tokio::time::sleep(Duration::from_secs(5)).await; // the group settles on two members
+    let mixed = |i: usize| {
+        if i.is_multiple_of(40) {
+            NewJob {
+                kind: "summarize-conversation".into(),
+                input: conversation("deploy"),
+                ..job(i)
+            }
+        } else {
+            NewJob { kind: TRIVIAL_KIND.into(), ..job(i) }
+        }
+    };
+    // A baseline first, then the deploy, the load running on through it.
+    let baseline = sizes.steady_secs.clamp(2, 8);
+    let (rate, secs) = (200.0, baseline + 20);
+    let since = sqlx::query_scalar!(r#"SELECT now() AS "now!""#).fetch_one(&pool).await?;
+    let deploy = async {
+        tokio::time::sleep(Duration::from_secs(baseline)).await;
+        let from = sqlx::query_scalar!(r#"SELECT now() AS "now!""#).fetch_one(&pool).await?;
+        let mut replaced = Vec::new();
+        for (old, name) in [(a, "processor-a3"), (b, "processor-b3")] {
+            graceful_stop(old).await?;
+            replaced.push(examples(config, &bin, name, &logs, &args).await?.0);
+        }
+        let to = sqlx::query_scalar!(r#"SELECT now() AS "now!""#).fetch_one(&pool).await?;
+        anyhow::Ok((from, to, replaced))
+    };
+    let (sent, deployed) =
+        tokio::join!(paced(&acceptor, &pool, offset, rate, secs, &mixed), deploy);
+    let ((from, to, replaced), sent) = (deployed?, sent?);
+    offset += sent;
+    wait_finished(&pool, offset, Duration::from_secs(300)).await?;
+    // Trivial jobs' accept -> end: before the deploy, and accepted while it ran.
+    let spans = sqlx::query!(
+        r#"SELECT accepted_at < $2 AS "before!",
+                  EXTRACT(EPOCH FROM finished_at - accepted_at)::float8 * 1e6 AS "micros!"
+           FROM jobs WHERE kind = $4 AND accepted_at >= date_trunc('milliseconds', $1::timestamptz)
+             AND accepted_at < $3"#,
+        since,
+        from,
+        to,
+        TRIVIAL_KIND,
+    )
+    .fetch_all(&pool)
+    .await?;
+    let before = histogram_of(spans.iter().filter(|s| s.before).map(|s| s.micros as u64))?;
+    let during = histogram_of(spans.iter().filter(|s| !s.before).map(|s| s.micros as u64))?;
+    let released = sqlx::query_scalar!(
+        r#"SELECT count(*) AS "count!" FROM jobs
+           WHERE accepted_at >= $1 AND last_error LIKE 'released:%'"#,
+        since,
+    )
+    .fetch_one(&pool)
+    .await?;
+    let added = (ms(&during, 0.99) - ms(&before, 0.99)).max(0.0) / 1e3;
+    rows.push(
+        Row::new("rolling restart of 2 of 2 processors (SIGTERM each, replaced)")
+            .latency(&during)
+            .versus(added, 1.0, "1 s added at p99")
+            .note(format!(
+                "{rate:.0} jobs/s for {secs} s, one in 40 a 3 s conversation job; trivial jobs \
+                 accepted during the {:.1} s deploy: p99 {:.0} ms, longest {:.0} ms, against \
+                 p99 {:.0} ms before it (added {added:.2} s); {} jobs given back at a stop",
+                (to - from).as_seconds_f64(),
+                ms(&during, 0.99),
+                during.max() as f64 / 1e3,
+                ms(&before, 0.99),
+                released,
+            )),
+    );
+
+    for mut process in replaced {
+        process.child.start_kill()?;
+        process.child.wait().await?;
+    }
     relay.child.start_kill()?;
-    a.child.wait().await?;
     relay.child.wait().await?;
     pool.close().await;
     Ok(())
@@ -842,6 +918,18 @@ async fn measure_processing(
 
 /// Starts `jobfold-examples` (beside this binary in `bin`) as `name`, logging to `logs`, and
 /// waits until it is ready; the process and its pid.
+/// Sends a processor SIGTERM and waits for it to exit (its graceful stop, bounded by its
+/// `processor.shutdown_timeout`).
+async fn graceful_stop(mut process: crate::demo::Process) -> anyhow::Result<()> {
+    let pid = process.child.id().context("the processor's pid")?;
+    std::process::Command::new("kill").args(["-TERM", &pid.to_string()]).status()?;
+    let status = tokio::time::timeout(Duration::from_secs(120), process.child.wait())
+        .await
+        .context("the processor did not stop")??;
+    anyhow::ensure!(status.success(), "the processor stopped with {status}");
+    Ok(())
+}
+
 async fn examples(
     config: &Config,
     bin: &std::path::Path,

@@ -58,6 +58,7 @@ fn the_bench_runs_every_measurement() {
         "| processor peak RSS | ",
         "| relay peak RSS, end to end | ",
         "| recovery after kill -9 of 1 of 2 processors | ",
+        "| rolling restart of 2 of 2 processors (SIGTERM each, replaced) | ",
     ] {
         let line = written.lines().find(|l| l.starts_with(row));
         let line = line.unwrap_or_else(|| panic!("no row {row:?} in:\n{written}"));
@@ -79,6 +80,9 @@ fn the_bench_runs_every_measurement() {
     // The doors' accepts count their commits; HTTP's are timed per request.
     let http = written.lines().find(|l| l.starts_with("| accept over HTTP, 24")).unwrap();
     assert!(http.contains("accept commits/job") && !http.contains("| – | – |"), "{http}");
+    // A deploy's cost is the delay it adds, next to the same load's before it.
+    let deploy = written.lines().find(|l| l.starts_with("| rolling restart")).unwrap();
+    assert!(deploy.contains("against p99") && deploy.contains("given back"), "{deploy}");
     // The scratch databases are dropped again.
     assert!(scratch() <= scratch_before, "scratch databases left behind");
 }
