@@ -149,6 +149,11 @@ enum Command {
         #[arg(long, default_value_t = jobfold_cli::analytics::DEFAULT_DEDUPE_WINDOW)]
         dedupe_window: usize,
     },
+    /// Kinds: list them with their pauses; pause or resume one for the whole group.
+    Kinds {
+        #[command(subcommand)]
+        command: KindCommand,
+    },
     /// Quarantined jobs: list them, replay one.
     Quarantine {
         #[command(subcommand)]
@@ -332,6 +337,38 @@ enum QuarantineCommand {
 }
 
 #[derive(Debug, Subcommand)]
+enum KindCommand {
+    /// Every kind a processor registered or an operator paused: paused or running, by whom,
+    /// since when, why, and the jobs waiting for its resume.
+    List {
+        /// Print JSON lines instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Pause a kind in every processor (within a second): its jobs wait unleased, their
+    /// attempts unspent; what runs finishes.
+    Pause {
+        kind: String,
+        /// Why, recorded with the pause.
+        #[arg(long)]
+        reason: Option<String>,
+        /// Who asks, recorded with the pause.
+        #[arg(long, env = "USER", default_value = "operator")]
+        by: String,
+    },
+    /// Resume a paused kind: the jobs that waited are dispatched again.
+    Resume {
+        kind: String,
+        /// Why, recorded with the resume.
+        #[arg(long)]
+        reason: Option<String>,
+        /// Who asks, recorded with the resume.
+        #[arg(long, env = "USER", default_value = "operator")]
+        by: String,
+    },
+}
+
+#[derive(Debug, Subcommand)]
 enum DeadLetterCommand {
     /// List dead letters, oldest first.
     List {
@@ -495,6 +532,7 @@ async fn run(config: Config, command: Command) -> anyhow::Result<()> {
         Command::DeadLetters { command } => dead_letters(config, command).await?,
         Command::Events { job_id, json } => events(config, job_id, json).await?,
         Command::Stats { totals } => stats(config, totals).await?,
+        Command::Kinds { command } => kinds(config, command).await?,
         Command::Quarantine { command } => quarantine(config, command).await?,
         Command::Parked { command } => parked(config, command).await?,
         Command::Replay { from, since, verify, export, jobs, no_progress, dedupe_window } => {
@@ -656,6 +694,57 @@ async fn cli_events(config: &Config) -> anyhow::Result<jobfold_processor::store:
         topic: config.topics.events.clone(),
         producer: "jobfold-cli".into(),
     })
+}
+
+async fn kinds(config: Config, command: KindCommand) -> anyhow::Result<()> {
+    use jobfold_processor::store::kinds::{self, KindControl};
+    match command {
+        KindCommand::List { json } => {
+            let pool = db::connect(&config, 1).await?;
+            let listed = kinds::kinds(&pool).await?;
+            if json {
+                for kind in &listed {
+                    println!("{}", serde_json::to_string(kind)?);
+                }
+                return Ok(());
+            }
+            println!(
+                "{:<24}  {:<7}  {:>7}  {:<19}  {:<16}  reason",
+                "kind", "state", "waiting", "since", "by"
+            );
+            for k in &listed {
+                let since = k.paused_at.map(|at| at.format("%Y-%m-%d %H:%M:%S").to_string());
+                println!(
+                    "{:<24.24}  {:<7}  {:>7}  {:<19}  {:<16.16}  {}",
+                    k.kind,
+                    if k.paused { "paused" } else { "running" },
+                    k.waiting,
+                    since.unwrap_or_default(),
+                    k.paused_by.as_deref().unwrap_or(""),
+                    k.reason.as_deref().unwrap_or(""),
+                );
+            }
+        }
+        KindCommand::Pause { kind, reason, by } => {
+            let pool = db::connect_and_migrate(&config, 1).await?;
+            let request = KindControl { requested_by: Some(by), reason };
+            let changed = kinds::pause(&pool, &kind, request).await?;
+            if changed.was_paused {
+                println!("{kind} was already paused");
+            } else {
+                println!("{kind} paused: its jobs wait until `jobfold kinds resume {kind}`");
+            }
+        }
+        KindCommand::Resume { kind, reason, by } => {
+            let pool = db::connect_and_migrate(&config, 1).await?;
+            let events = cli_events(&config).await?;
+            let request = KindControl { requested_by: Some(by), reason };
+            let changed = kinds::resume(&pool, &events, &kind, request).await?;
+            let state = if changed.was_paused { "resumed" } else { "was not paused" };
+            println!("{kind} {state}; {} jobs that waited dispatched again", changed.dispatched);
+        }
+    }
+    Ok(())
 }
 
 fn print_jobs(page: &status::JobPage, json: bool) -> anyhow::Result<()> {

@@ -22,6 +22,11 @@
 //!   open job ends `cancelled` (a running one's handler is cancelled within a heartbeat and
 //!   its completion fenced); 200 (again for a job already cancelled, `was`
 //!   `cancelled`, nothing appended), or 409 with the state if it ended otherwise.
+//! - `GET /v1/kinds`: every kind with its pause (who, when, why) and the jobs waiting for
+//!   its resume. `POST /v1/kinds/{kind}/pause` and `POST /v1/kinds/{kind}/resume`
+//!   (`{"reason": "...", "requested_by": "..."}`, optional): pause or resume a kind for the
+//!   whole group; 200 with `paused`, `was_paused` and (resume) `dispatched`; 404 for a kind
+//!   no processor registered. A paused kind's jobs wait unleased, their attempts unspent.
 //! - `POST /v1/quarantine/replay`: replays the quarantined jobs a filter selects (`owner`,
 //!   `kind`, `reason`, `since`, `until`), `batch_size` to a transaction, at most `limit`;
 //!   `"dry_run": true` only counts them.
@@ -172,6 +177,9 @@ pub fn router(state: ApiState, max_body: usize) -> Router {
         .route("/v1/auth", post(|| async { StatusCode::NO_CONTENT }))
         .route("/v1/jobs/{id}/replay", post(replay))
         .route("/v1/jobs/{id}/cancel", post(cancel))
+        .route("/v1/kinds", get(kinds))
+        .route("/v1/kinds/{kind}/pause", post(pause_kind))
+        .route("/v1/kinds/{kind}/resume", post(resume_kind))
         .route("/v1/quarantine", get(quarantine))
         .route("/v1/quarantine/replay", post(replay_matching))
         .route("/v1/dead-letters", get(dead_letters))
@@ -789,6 +797,48 @@ async fn cancel(
     }
     let body = json!({ "job_id": job.job_id, "state": job.state.as_str(), "was": was.as_str() });
     Ok((StatusCode::OK, axum::Json(body)).into_response())
+}
+
+async fn kinds(State(state): State<ApiState>) -> Result<axum::Json<serde_json::Value>, ApiError> {
+    let kinds = crate::store::kinds::kinds(&state.pool).await?;
+    Ok(axum::Json(json!({ "kinds": kinds })))
+}
+
+async fn pause_kind(
+    State(state): State<ApiState>,
+    Path(kind): Path<String>,
+    body: Bytes,
+) -> Result<axum::Json<crate::store::kinds::KindChanged>, ApiError> {
+    let request = optional_body(&body)?;
+    let changed = crate::store::kinds::pause(&state.pool, &kind, request).await;
+    changed.map(axum::Json).map_err(kind_error)
+}
+
+async fn resume_kind(
+    State(state): State<ApiState>,
+    Path(kind): Path<String>,
+    body: Bytes,
+) -> Result<axum::Json<crate::store::kinds::KindChanged>, ApiError> {
+    let request = optional_body(&body)?;
+    let changed = crate::store::kinds::resume(&state.pool, &state.events, &kind, request).await;
+    changed.map(axum::Json).map_err(kind_error)
+}
+
+fn kind_error(e: crate::store::kinds::KindError) -> ApiError {
+    use crate::store::kinds::KindError;
+    match e {
+        KindError::Unknown { .. } => {
+            ApiError::new(StatusCode::NOT_FOUND, "unknown_kind", e.to_string())
+        }
+        KindError::TooLong { .. } => {
+            ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "invalid_field", e.to_string())
+        }
+        KindError::Database(e) => e.into(),
+        KindError::Other(e) => {
+            tracing::error!(error = %format!("{e:#}"), "Resuming a kind failed.");
+            ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", "resume failed")
+        }
+    }
 }
 
 async fn replay_matching(

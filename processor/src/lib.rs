@@ -46,6 +46,7 @@ pub mod lag;
 pub mod lease;
 pub mod metrics;
 pub mod offsets;
+pub mod pauses;
 pub mod quota;
 pub mod reaper;
 pub mod remote;

@@ -58,6 +58,14 @@ pub const CRASHED_RUNS_TOTAL: &str = "jobfold_crashed_runs_total";
 /// transaction because another such job of this process was running inside one
 /// ([`crate::lease::Wary`]).
 pub const CRASHED_KEPT_APART_TOTAL: &str = "jobfold_crashed_kept_apart_total";
+/// Gauge, by kind this processor runs: 1 while an operator has it paused (as last read from
+/// `kind_pauses`), else 0.
+pub const KIND_PAUSED: &str = "jobfold_kind_paused";
+/// Counter, by kind: dispatches passed over because their kind was paused (each job waits,
+/// its attempt unspent, to be dispatched again on resume).
+pub const PAUSED_PASSED_OVER_TOTAL: &str = "jobfold_paused_passed_over_total";
+/// Counter: jobs passed over while paused and dispatched again once their kind resumed.
+pub const RESUMED_DISPATCHES_TOTAL: &str = "jobfold_resumed_dispatches_total";
 /// Counter, by task: background tasks that ended while the processor ran (it then stops,
 /// exiting non-zero, so that it is restarted).
 pub const TASK_FAILURES_TOTAL: &str = "jobfold_task_failures_total";
@@ -171,6 +179,17 @@ pub fn describe() {
         CRASHED_RUNS_TOTAL,
         Unit::Count,
         "Runs that died with their process before anything of them committed; each counts as an attempt."
+    );
+    describe_gauge!(KIND_PAUSED, Unit::Count, "1 while an operator has the kind paused.");
+    describe_counter!(
+        PAUSED_PASSED_OVER_TOTAL,
+        Unit::Count,
+        "Dispatches passed over because their kind was paused; each job waits for the resume."
+    );
+    describe_counter!(
+        RESUMED_DISPATCHES_TOTAL,
+        Unit::Count,
+        "Jobs passed over while their kind was paused, dispatched again after the resume."
     );
     describe_counter!(
         CRASHED_KEPT_APART_TOTAL,

@@ -7,6 +7,10 @@
 //! look, re-checked under the lock) keep them from dispatching the same job twice in one round. A second dispatch would
 //! be harmless anyway: the lease transaction skips what is already running or done.
 //!
+//! A queued job of a paused kind is not stalled: it waits for the resume. Each round
+//! dispatches jobs passed over while their kind was paused that a resume left (its request
+//! cut short), up to a batch ([`crate::store::kinds::dispatch_passed_over`]).
+//!
 //! Each round also deletes the records of inline runs that died with their process and whose
 //! jobs have all ended since ([`crate::store::sweep_inline_runs`]).
 //!
@@ -43,6 +47,14 @@ pub async fn run(config: Config, pool: PgPool, events: Events, shutdown: Cancell
             Ok(n) => tracing::info!(dispatched = n, "Reaper dispatched jobs again."),
             Err(e) => tracing::warn!(error = %format!("{e:#}"), "Reaper round failed."),
         }
+        match crate::store::kinds::dispatch_passed_over(&pool, &events, None).await {
+            Ok(0) => {}
+            Ok(n) => tracing::info!(
+                dispatched = n,
+                "Jobs passed over while their kind was paused, dispatched again after its resume."
+            ),
+            Err(e) => tracing::warn!(error = %format!("{e:#}"), "Dispatching resumed jobs failed."),
+        }
         match crate::store::sweep_inline_runs(&pool).await {
             Ok(0) => {}
             Ok(n) => tracing::info!(
@@ -70,7 +82,8 @@ pub async fn reap(config: &Config, pool: &PgPool, events: &Events) -> anyhow::Re
         WHERE finished_at IS NULL
           AND ((state = 'leased' AND lease_until < now() - make_interval(secs => $1))
             OR (state = 'queued'
-                AND coalesce(run_at, accepted_at) < now() - make_interval(secs => $2)))
+                AND coalesce(run_at, accepted_at) < now() - make_interval(secs => $2)
+                AND NOT EXISTS (SELECT 1 FROM kind_pauses p WHERE p.kind = jobs.kind)))
           AND coalesce(next_attempt_at, '-infinity') < now()
         ORDER BY accepted_at LIMIT $3
         "#,
@@ -103,7 +116,8 @@ async fn dispatch(
           AND finished_at IS NULL
           AND ((state = 'leased' AND lease_until < now() - make_interval(secs => $1))
             OR (state = 'queued'
-                AND coalesce(run_at, accepted_at) < now() - make_interval(secs => $2)))
+                AND coalesce(run_at, accepted_at) < now() - make_interval(secs => $2)
+                AND NOT EXISTS (SELECT 1 FROM kind_pauses p WHERE p.kind = jobs.kind)))
           AND coalesce(next_attempt_at, '-infinity') < now()
         FOR UPDATE SKIP LOCKED
         "#,

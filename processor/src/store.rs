@@ -16,6 +16,7 @@
 //! The pure decision of the lease transaction is [`crate::lease::decide()`].
 
 pub mod events;
+pub mod kinds;
 pub mod operator;
 
 pub use events::Events;

@@ -332,6 +332,8 @@ struct Shared {
     heartbeats: Heartbeats,
     /// The kinds' rate limits and 429 pauses, shared with the group's other processors.
     quotas: Arc<crate::quota::Quotas>,
+    /// The kinds an operator paused, group-wide.
+    pauses: Arc<crate::pauses::Pauses>,
     tracker: Arc<Mutex<Tracker>>,
     /// The documents with messages in memory, and those waiting for a slot.
     queues: Arc<Mutex<Queues>>,
@@ -437,6 +439,11 @@ pub async fn run(
     tasks.spawn("heartbeat", beat);
     let quotas = crate::quota::Quotas::new(&config, pool.clone());
     tasks.spawn("quota poll", Arc::clone(&quotas).poll(shutdown.clone()));
+    // Read before anything is consumed: a processor started while a kind is paused runs none
+    // of its jobs.
+    let kinds = handlers.kinds().map(str::to_owned).collect();
+    let pauses = Arc::new(crate::pauses::Pauses::load(pool.clone(), kinds).await?);
+    tasks.spawn("pause poll", Arc::clone(&pauses).poll(shutdown.clone()));
     let shared = Arc::new(Shared {
         config: config.clone(),
         pool,
@@ -454,6 +461,7 @@ pub async fn run(
         owner,
         heartbeats,
         quotas,
+        pauses,
         tracker,
         queues,
         ready: tokio::sync::Notify::new(),
@@ -924,6 +932,17 @@ async fn try_handle(
     let Some(handler) = shared.handlers.get(&event.job_kind).cloned() else {
         return Ok(Step::NoHandler(event.job_kind));
     };
+    // A paused kind's job is passed over, noted to be dispatched again on resume: it is not
+    // leased, spends no attempt, and holds neither a slot nor its document's turn.
+    if shared.pauses.holds(&event.job_kind)
+        && Box::pin(crate::store::kinds::pass_over(&shared.pool, event.job_id, &event.job_kind))
+            .await?
+    {
+        let label = shared.handlers.label(&event.job_kind);
+        metrics::counter!(pm::PAUSED_PASSED_OVER_TOTAL, "kind" => label).increment(1);
+        tracing::debug!(job_id = %event.job_id, kind = event.job_kind, "Passed over: its kind is paused.");
+        return Ok(Step::Done);
+    }
     // A slot (the kind's, then the process's) from here to the completion; a revoke or the
     // shutdown while waiting leaves the message for redelivery.
     let revoked = shared.tracker.lock().expect("tracker").revoked(ticket);

@@ -302,6 +302,8 @@ pub fn binary(name: &str) -> PathBuf {
 pub struct Running {
     _relay: Service,
     pub processor: Service,
+    /// The processor's binary.
+    binary: &'static str,
     env: HashMap<String, String>,
     pub http: u16,
     token: String,
@@ -310,6 +312,21 @@ pub struct Running {
 impl Running {
     /// Starts them with the test timings ([`Installation::fast_env`]) and `extra` variables.
     pub fn start(it: &Installation, token: &str, extra: &[(&str, &str)]) -> Self {
+        Self::start_with("jobfold-test-processor", it, token, extra)
+    }
+
+    /// [`Running::start`] with `jobfold-examples` (the design's jobs and `noop`) as the
+    /// processor.
+    pub fn start_examples(it: &Installation, token: &str, extra: &[(&str, &str)]) -> Self {
+        Self::start_with("jobfold-examples", it, token, extra)
+    }
+
+    fn start_with(
+        binary: &'static str,
+        it: &Installation,
+        token: &str,
+        extra: &[(&str, &str)],
+    ) -> Self {
         let mut env = it.fast_env(&it.config.processor.group);
         env.insert("JOBFOLD_API_TOKEN".into(), token.into());
         for (k, v) in extra {
@@ -318,14 +335,14 @@ impl Running {
         let http = free_port();
         env.insert("JOBFOLD_HTTP_ADDR".into(), format!("127.0.0.1:{http}"));
         let relay = Service::start("jobfold-relay", &env);
-        let processor = Service::start("jobfold-test-processor", &env);
-        Self { _relay: relay, processor, env, http, token: token.into() }
+        let processor = Service::start(binary, &env);
+        Self { _relay: relay, processor, binary, env, http, token: token.into() }
     }
 
     /// Kills the processor with SIGKILL and starts another on the same port.
     pub fn restart_processor(&mut self) {
         self.processor.kill9();
-        self.processor = Service::start("jobfold-test-processor", &self.env);
+        self.processor = Service::start(self.binary, &self.env);
     }
 
     pub fn url(&self, path: &str) -> String {

@@ -710,3 +710,122 @@ async fn a_dead_letter_reinjected_after_its_cause_is_fixed_is_accepted_once() {
     assert_eq!(running.get(&format!("/v1/dead-letters/{id}")).await.0, 404);
     it.cleanup().await;
 }
+
+/// Pausing a kind holds its jobs in every processor — passed over unleased, their attempts
+/// unspent, their documents' other jobs not held behind them — until it resumes; then each
+/// runs once. The pause and the resume are logged with who and why; repeating either
+/// changes nothing; an unknown kind is 404 naming the known ones; without the token, 401.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_paused_kind_waits_unleased_while_its_documents_other_jobs_run_then_runs_once() {
+    let (it, acceptor) = installation("ops-pause").await;
+    let running = Running::start_examples(&it, TOKEN, &[("JOBFOLD_PROCESSOR__STALL_AFTER", "1s")]);
+    running.ready().await;
+    eventually(Duration::from_secs(60), "the examples' kinds to be registered", || async {
+        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM job_kinds WHERE kind = 'noop'")
+            .fetch_one(&it.pool)
+            .await
+            .unwrap()
+            == 1
+    })
+    .await;
+
+    let unauthorized = client().post(running.url("/v1/kinds/noop/pause")).send().await.unwrap();
+    assert_eq!(unauthorized.status().as_u16(), 401);
+    let (status, body) = running.post("/v1/kinds/no-such-kind/pause", json!({})).await;
+    assert_eq!((status, body["error"]["code"].as_str()), (404, Some("unknown_kind")), "{body}");
+    assert!(body["error"]["message"].as_str().unwrap().contains("\"noop\""), "{body}");
+    let control = json!({ "reason": "the provider is down", "requested_by": "ops test" });
+    let (status, body) = running.post("/v1/kinds/noop/pause", control.clone()).await;
+    assert_eq!((status, &body["paused"], &body["was_paused"]), (200, &json!(true), &json!(false)));
+    let (status, body) = running.post("/v1/kinds/noop/pause", control).await;
+    assert_eq!((status, &body["was_paused"]), (200, &json!(true)), "a pause repeated: {body}");
+    eventually(Duration::from_secs(30), "the processor to hold noop paused", || async {
+        let text = running.processor.scrape().await.unwrap_or_default();
+        metric_value(&text, "jobfold_kind_paused", &[("kind", "noop")]) == Some(1.0)
+    })
+    .await;
+
+    // Each document gets a noop job, then an index-document job behind it.
+    let mut paused = Vec::new();
+    let mut others = Vec::new();
+    for i in 0..20 {
+        let document = format!("doc-pause-{i}");
+        let mut noop = job(&document, json!({}));
+        noop.kind = "noop".into();
+        paused.push(acceptor.accept(&it.pool, &noop).await.unwrap().job_id);
+        others.push(acceptor.accept(&it.pool, &job(&document, json!({ "text": "t" }))).await);
+    }
+    let others: Vec<Uuid> = others.into_iter().map(|a| a.unwrap().job_id).collect();
+    eventually(Duration::from_secs(60), "every noop dispatch to be passed over", || async {
+        let text = running.processor.scrape().await.unwrap_or_default();
+        metric_value(&text, "jobfold_paused_passed_over_total", &[("kind", "noop")]).unwrap_or(0.0)
+            >= 20.0
+    })
+    .await;
+    eventually(Duration::from_secs(60), "the documents' other jobs to succeed", || async {
+        for job_id in &others {
+            if state(&it, *job_id).await != "succeeded" {
+                return false;
+            }
+        }
+        true
+    })
+    .await;
+    for job_id in &paused {
+        assert_eq!(it.state_and_attempt(*job_id).await, ("queued".into(), 0), "{job_id}");
+    }
+    let (status, body) = running.get("/v1/kinds").await;
+    assert_eq!(status, 200);
+    let noop = body["kinds"].as_array().unwrap().iter().find(|k| k["kind"] == "noop").unwrap();
+    assert_eq!(
+        (&noop["paused"], &noop["waiting"], &noop["paused_by"], &noop["reason"]),
+        (&json!(true), &json!(20), &json!("ops test"), &json!("the provider is down")),
+        "{body}"
+    );
+
+    // Resumed from the command line: each waiting job is dispatched again and runs once.
+    let said = cli(&it, &["kinds", "resume", "noop", "--reason", "it is back", "--by", "cli"]);
+    assert!(said.contains("noop resumed; 20 jobs that waited dispatched again"), "{said}");
+    eventually(Duration::from_secs(60), "the paused jobs to succeed", || async {
+        for job_id in &paused {
+            if state(&it, *job_id).await != "succeeded" {
+                return false;
+            }
+        }
+        true
+    })
+    .await;
+    for job_id in &paused {
+        assert_eq!(it.state_and_attempt(*job_id).await.1, 1, "{job_id} ran more than once");
+        assert_eq!(
+            count(
+                &it,
+                "SELECT count(*) FROM job_events WHERE job_id = $1 AND kind = 'JobFailed'",
+                *job_id
+            )
+            .await,
+            0
+        );
+    }
+    let said = cli(&it, &["kinds", "resume", "noop"]);
+    assert!(said.contains("noop was not paused; 0 jobs"), "{said}");
+    let listed = cli(&it, &["kinds", "list"]);
+    assert!(listed.lines().any(|l| l.starts_with("noop ") && l.contains("running")), "{listed}");
+    let log: Vec<(String, String, Option<String>)> = sqlx::query_as(
+        "SELECT action, by_whom, reason FROM kind_pause_log WHERE kind = 'noop' ORDER BY id",
+    )
+    .fetch_all(&it.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        log,
+        [
+            ("pause".into(), "ops test".into(), Some("the provider is down".into())),
+            ("resume".into(), "cli".into(), Some("it is back".into())),
+        ]
+    );
+    assert_eq!(it.count("paused_dispatches").await, 0);
+    let mismatches = jobfold_tests::harness::fold_mismatches(&it).await;
+    assert!(mismatches.is_empty(), "{mismatches:?}");
+    it.cleanup().await;
+}
