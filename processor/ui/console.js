@@ -210,6 +210,7 @@ function route() {
   if (section === 'overview') overviewPage();
   else if (section === 'jobs' && parts[1]) jobPage(parts[1]);
   else if (section === 'jobs') jobsPage(params);
+  else if (section === 'kinds') kindsPage();
   else if (section === 'quarantine') quarantinePage(params);
   else if (section === 'dead-letters' && parts[1]) deadLetterPage(parts[1]);
   else if (section === 'dead-letters') deadLettersPage(params);
@@ -626,6 +627,53 @@ async function act(method, path, body, done, then) {
     toast(`Refused: ${e.message}${e.status ? ` (${e.status})` : ''}`, 'error');
     return false;
   }
+}
+
+// -- Kinds --
+
+function kindsPage() {
+  append(main(), [
+    el('h1', { text: 'Kinds' }),
+    el('p', { class: 'note', text: 'Pausing a kind holds its jobs in every processor: they wait unleased, their attempts unspent, until it resumes; what runs finishes.' }),
+    errorLine('kinds-error'),
+    table('Kinds', ['Kind', 'State', 'Waiting', 'Since', 'By', 'Reason', ''], 'kinds'),
+  ]);
+  every(5000, async () => {
+    let data;
+    try {
+      ({ data } = await api('GET', '/v1/kinds'));
+    } catch (e) {
+      showError('kinds-error', e);
+      return;
+    }
+    showError('kinds-error', null);
+    const body = document.getElementById('kinds');
+    if (!body) return false;
+    // A reason being typed is kept: the rows are redrawn only when nothing has the focus there.
+    if (body.contains(document.activeElement)) return;
+    body.replaceChildren();
+    if (!data.kinds.length) body.append(el('tr', {}, el('td', { colspan: 7, class: 'empty', text: 'No kinds registered yet.' })));
+    for (const k of data.kinds) {
+      const path = `/v1/kinds/${encodeURIComponent(k.kind)}`;
+      const reason = el('input', { type: 'text', 'aria-label': `Why pause ${k.kind}`, placeholder: 'why', 'data-reason': k.kind, maxlength: 2000 });
+      const action = k.paused
+        ? el('button', { type: 'button', class: 'small', 'data-resume': k.kind, text: 'Resume',
+          onclick: () => act('POST', `${path}/resume`, { requested_by: 'console' },
+            (d) => `Resumed ${d.kind}: ${count(d.dispatched)} waiting ${d.dispatched === 1 ? 'job' : 'jobs'} dispatched again.`) })
+        : el('span', { class: 'inline' }, reason,
+          el('button', { type: 'button', class: 'small danger', 'data-pause': k.kind, text: 'Pause',
+            onclick: () => act('POST', `${path}/pause`, { requested_by: 'console', reason: reason.value.trim() || undefined },
+              (d) => `Paused ${d.kind} in every processor.`) }));
+      body.append(el('tr', { 'data-kind': k.kind },
+        el('td', { text: k.kind }),
+        el('td', {}, el('span', { class: `badge ${k.paused ? 'state-quarantined' : 'state-succeeded'}`, 'data-kind-state': k.paused ? 'paused' : 'running', text: k.paused ? 'paused' : 'running' })),
+        el('td', { class: 'num', 'data-waiting': k.waiting, text: count(k.waiting) }),
+        el('td', { class: 'time', text: k.paused_at ? time(k.paused_at) : '' }),
+        el('td', { text: k.paused_by || '' }),
+        el('td', { class: 'error-text', text: k.reason || '' }),
+        el('td', {}, action)));
+    }
+  });
 }
 
 // -- Quarantine --

@@ -2,7 +2,8 @@
 //! (Postgres, Kafka, the registry, a relay and a processor as processes): the overview shows
 //! what the API returns for a seeded workload and keeps its layout as it refreshes; a job is
 //! found by document and by id; a quarantined job is replayed from its page and succeeds,
-//! once; a bulk replay counts first and asks; a scheduled job is cancelled once confirmed; a dead letter is shown, re-injected and
+//! once; a bulk replay counts first and asks; a scheduled job is cancelled once confirmed; a kind is paused with a reason (its new job
+//! waits, counted) and resumed (the job runs once); a dead letter is shown, re-injected and
 //! deleted; HTML and script in user data are shown as text; a change without the token, with
 //! a wrong one, or from another origin is refused; the pages fit a phone and are reachable by
 //! keyboard. Screenshots of each page go to `target/console/`.
@@ -13,7 +14,9 @@ use chrono::Utc;
 use fantoccini::key::Key;
 use jobfold_schemas::{Codec, JobRequest};
 use jobfold_tests::browser::Browser;
-use jobfold_tests::harness::{Installation, Running, eventually, http_client, index_job};
+use jobfold_tests::harness::{
+    Installation, Running, eventually, http_client, index_job, metric_value,
+};
 use serde_json::{Value, json};
 use uuid::Uuid;
 
@@ -365,6 +368,53 @@ async fn the_console_shows_finds_fixes_and_escapes_in_a_real_browser() {
         )
         .await;
     assert_eq!(state(&it, later).await, "cancelled");
+
+    // --- Kinds: paused with a reason, its job waiting unleased, then resumed. ---
+    browser.goto(&format!("{ui}#/kinds")).await;
+    browser
+        .until("the kinds", "return document.querySelector(\"[data-pause='index-document']\");")
+        .await;
+    browser.fill("[data-reason='index-document']", "the index is rebuilt").await;
+    browser.click("[data-pause='index-document']").await;
+    browser
+        .until(
+            "the kind shown paused",
+            "const s = document.querySelector(\"tr[data-kind='index-document'] [data-kind-state]\"); return s && s.dataset.kindState === 'paused';",
+        )
+        .await;
+    let (by, reason): (String, Option<String>) =
+        sqlx::query_as("SELECT paused_by, reason FROM kind_pauses WHERE kind = 'index-document'")
+            .fetch_one(&it.pool)
+            .await
+            .unwrap();
+    assert_eq!((by.as_str(), reason.as_deref()), ("console", Some("the index is rebuilt")));
+    eventually(Duration::from_secs(30), "the processor to hold the kind paused", || async {
+        let text = running.processor.scrape().await.unwrap_or_default();
+        metric_value(&text, "jobfold_kind_paused", &[("kind", "index-document")]) == Some(1.0)
+    })
+    .await;
+    let held = index_job("doc-held", 1, json!({ "text": "held" }));
+    let held = it.acceptor().await.accept(&it.pool, &held).await.unwrap().job_id;
+    browser
+        .until(
+            "the held job counted as waiting",
+            "const w = document.querySelector(\"tr[data-kind='index-document'] [data-waiting]\"); return w && w.dataset.waiting === '1';",
+        )
+        .await;
+    assert_eq!(state(&it, held).await, "queued", "a paused kind's job is not leased");
+    browser.screenshot("kinds").await;
+    browser.click("[data-resume='index-document']").await;
+    browser
+        .until(
+            "the resume answer",
+            "return document.getElementById('toast').textContent.includes('1 waiting job dispatched again');",
+        )
+        .await;
+    eventually(Duration::from_secs(60), "the held job to run once resumed", || async {
+        state(&it, held).await == "succeeded"
+    })
+    .await;
+    assert_eq!(writes(&it, held).await, 1);
 
     // --- Dead letters: shown as text, re-injected once its cause is fixed, deleted. ---
     browser.goto(&format!("{ui}#/dead-letters")).await;
