@@ -19,7 +19,9 @@
 //! - `restart-postgres`: immediate-mode stop (no checkpoint) and restart;
 //! - `add-processor`, `remove-processor`: consumer group rebalances;
 //! - `rolling-restart`: every processor in turn stopped with SIGTERM (its running jobs finish
-//!   within `processor.shutdown_timeout` or are given back) and replaced, as a deploy does.
+//!   within `processor.shutdown_timeout` or are given back) and replaced, as a deploy does;
+//! - `pause-resume`: an operator pauses the test kind for 1–6 s (its dispatches passed over,
+//!   noted), then resumes it (the noted jobs dispatched again).
 //!
 //! A fourth producer mixes in bad jobs ([`crate::bad`]) at random times: results over the
 //! size limit, inputs holding U+0000 on every path, malformed and unknown-schema intake
@@ -54,6 +56,10 @@ use crate::history::{self, Acknowledged, History};
 
 /// The fault a deploy is: every processor stopped gracefully in turn and replaced.
 const ROLLING_RESTART: &str = "rolling restart of the processors (SIGTERM each, replaced)";
+
+/// The fault an operator's pause is: the test kind paused in every processor for a few
+/// seconds, then resumed.
+const PAUSE_RESUME: &str = "the kind paused for seconds, then resumed (operator)";
 
 /// What to run.
 #[derive(Debug, Clone)]
@@ -966,6 +972,53 @@ async fn set_events_limit(config: &Config, bytes: usize) -> anyhow::Result<()> {
 /// which lz4 cannot shrink under it), then, once the relay parked it (or after 30 s), the
 /// limit raised back and every parked event retried, as an operator would (`jobfold parked
 /// retry --all`). The job must then succeed, and no other document may wait on it meanwhile.
+/// Pauses the test kind (its dispatches are passed over in every processor, its running
+/// jobs finish), waits 1–6 s tending the fleet, and resumes it (what waited is dispatched
+/// again). Each step is tried for a while: Postgres may be back from an earlier fault.
+async fn pause_then_resume(
+    fleet: &mut Fleet,
+    config: &Config,
+    pool: &PgPool,
+    rng: &mut StdRng,
+) -> anyhow::Result<()> {
+    use jobfold_processor::store::kinds::{self, KindControl};
+    let control = || KindControl {
+        requested_by: Some("campaign".into()),
+        reason: Some("a fault: an operator's pause".into()),
+    };
+    let kind = crate::handlers::KIND;
+    let mut paused = None;
+    for _ in 0..100 {
+        match kinds::pause(pool, kind, control()).await {
+            Ok(done) => {
+                paused = Some(done);
+                break;
+            }
+            Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
+        }
+    }
+    anyhow::ensure!(paused.is_some(), "pausing {kind} failed for 20 s");
+    let paused_for = Duration::from_millis(rng.random_range(1_000..6_000));
+    fleet.wait(rng, paused_for).await;
+    let codec = Codec::connect(config.registry()?, &config.topics.events).await?;
+    let events = jobfold_processor::store::Events {
+        codec,
+        topic: config.topics.events.clone(),
+        producer: "campaign".into(),
+    };
+    let mut last = None;
+    for _ in 0..100 {
+        match kinds::resume(pool, &events, kind, control()).await {
+            Ok(_) => return Ok(()),
+            Err(e) => {
+                last = Some(e);
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        }
+    }
+    Err(anyhow::anyhow!("resuming {kind} failed for 20 s: {last:?}"))
+}
+
 async fn refuse_an_event(
     config: &Config,
     pool: &PgPool,
@@ -1124,6 +1177,11 @@ async fn inject(
         80..=84 => {
             refuse_an_event(config, pool, ledger, rng).await?;
             fleet.count(REFUSED_FAULT);
+        }
+        88..=92 => {
+            pause_then_resume(fleet, config, pool, rng).await?;
+            fleet.count(PAUSE_RESUME);
+            fleet.mark_end(PAUSE_RESUME);
         }
         93..=99 if !processors.is_empty() => {
             // A deploy: each processor in turn stops gracefully (SIGTERM: its running jobs
