@@ -68,6 +68,9 @@ enum Command {
         #[arg(long, env = "USER", default_value = "operator")]
         by: String,
     },
+    /// Run a scheduled job, or one waiting to retry, now: it is dispatched at once, no attempt
+    /// spent or given.
+    RunNow { job_id: uuid::Uuid },
     /// List jobs in acceptance order, filtered, a page at a time (keyset: `--after` the last
     /// id shown).
     Jobs {
@@ -509,6 +512,19 @@ async fn run(config: Config, command: Command) -> anyhow::Result<()> {
                 println!("{job_id} was already cancelled");
             } else {
                 println!("{job_id} cancelled (was {was})");
+            }
+        }
+        Command::RunNow { job_id } => {
+            use jobfold_processor::store::Waited;
+            let pool = db::connect_and_migrate(&config, 1).await?;
+            let events = cli_events(&config).await?;
+            let mut tx = pool.begin().await?;
+            let (_, waited) = jobfold_processor::store::run_now(&mut tx, &events, job_id).await?;
+            tx.commit().await?;
+            match waited {
+                Waited::Scheduled => println!("{job_id} was scheduled for later: dispatched now"),
+                Waited::Retry => println!("{job_id} was waiting to retry: dispatched now"),
+                Waited::Due => println!("{job_id} is already due: its dispatch is on its way"),
             }
         }
         Command::Jobs { state, kind, document, since, after, limit, desc, json, explain } => {

@@ -27,6 +27,10 @@
 //!   (`{"reason": "...", "requested_by": "..."}`, optional): pause or resume a kind for the
 //!   whole group; 200 with `paused`, `was_paused` and (resume) `dispatched`; 404 for a kind
 //!   no processor registered. A paused kind's jobs wait unleased, their attempts unspent.
+//! - `POST /v1/jobs/{id}/run-now`: a scheduled job, or one waiting to retry, is due now and
+//!   dispatched at once (no attempt spent or given); 200 with what it `waited` for
+//!   (`scheduled`, `retry`, or `due`: a queued job already due, nothing done), 409 with the
+//!   state for any other.
 //! - `POST /v1/quarantine/replay`: replays the quarantined jobs a filter selects (`owner`,
 //!   `kind`, `reason`, `since`, `until`), `batch_size` to a transaction, at most `limit`;
 //!   `"dry_run": true` only counts them.
@@ -177,6 +181,7 @@ pub fn router(state: ApiState, max_body: usize) -> Router {
         .route("/v1/auth", post(|| async { StatusCode::NO_CONTENT }))
         .route("/v1/jobs/{id}/replay", post(replay))
         .route("/v1/jobs/{id}/cancel", post(cancel))
+        .route("/v1/jobs/{id}/run-now", post(run_now))
         .route("/v1/kinds", get(kinds))
         .route("/v1/kinds/{kind}/pause", post(pause_kind))
         .route("/v1/kinds/{kind}/resume", post(resume_kind))
@@ -796,6 +801,35 @@ async fn cancel(
         crate::internal_events::JobCancelled { job_id: job.job_id, was: was.as_str() }.emit();
     }
     let body = json!({ "job_id": job.job_id, "state": job.state.as_str(), "was": was.as_str() });
+    Ok((StatusCode::OK, axum::Json(body)).into_response())
+}
+
+async fn run_now(
+    State(state): State<ApiState>,
+    Path(id): Path<String>,
+) -> Result<Response, ApiError> {
+    use crate::store::RunNowError;
+    let job_id = Uuid::parse_str(&id).map_err(|_| not_found(&id))?;
+    let mut tx = state.pool.begin().await?;
+    let (job, waited) = match crate::store::run_now(&mut tx, &state.events, job_id).await {
+        Ok(done) => done,
+        Err(RunNowError::NotFound(_)) => return Err(not_found(&id)),
+        Err(e @ RunNowError::NotWaiting { state, .. }) => {
+            return Err(ApiError::new(StatusCode::CONFLICT, "not_waiting", e.to_string())
+                .with("state", state.as_str()));
+        }
+        Err(RunNowError::Database(e)) => return Err(e.into()),
+        Err(RunNowError::Other(e)) => {
+            tracing::error!(error = %format!("{e:#}"), %job_id, "Run-now failed.");
+            return Err(ApiError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "internal",
+                "run-now failed",
+            ));
+        }
+    };
+    tx.commit().await?;
+    let body = json!({ "job_id": job.job_id, "state": job.state.as_str(), "waited": waited });
     Ok((StatusCode::OK, axum::Json(body)).into_response())
 }
 

@@ -598,6 +598,10 @@ function renderJobActions(job) {
         el('label', {}, el('span', { text: 'New input (JSON)' }), input)),
     ]);
   }
+  if ((job.state === 'queued' && job.run_at && new Date(job.run_at) > new Date()) || job.state === 'retry_wait') {
+    append(box, el('button', { type: 'button', id: 'run-now', class: 'secondary', text: 'Run now',
+      onclick: () => act('POST', `/v1/jobs/${id}/run-now`, undefined, 'Due now: it is dispatched at once.') }));
+  }
   if (OPEN_STATES.has(job.state) || job.state === 'quarantined') {
     append(box, confirmButton('cancel', 'Cancel job', 'Cancel this job? A running handler is stopped and nothing it did is committed.',
       'Yes, cancel it', () => act('POST', `/v1/jobs/${id}/cancel`, { requested_by: 'console' }, 'Cancelled.')));

@@ -1,8 +1,9 @@
 //! What operators do to jobs, against the real services: cancel in every state (a running
 //! handler stopped and nothing committed), scheduled jobs (not leased before their time,
 //! across a processor restart), finding jobs page by page while more are accepted (and the
-//! indexes behind each filter), replaying a thousand quarantined jobs in bulk, and fixing a
-//! dead letter by sending it back to the intake.
+//! indexes behind each filter), replaying a thousand quarantined jobs in bulk, fixing a
+//! dead letter by sending it back to the intake, pausing and resuming a kind, and running a
+//! scheduled or retry-waiting job now.
 
 use std::collections::HashSet;
 use std::time::Duration;
@@ -825,6 +826,58 @@ async fn a_paused_kind_waits_unleased_while_its_documents_other_jobs_run_then_ru
         ]
     );
     assert_eq!(it.count("paused_dispatches").await, 0);
+    let mismatches = jobfold_tests::harness::fold_mismatches(&it).await;
+    assert!(mismatches.is_empty(), "{mismatches:?}");
+    it.cleanup().await;
+}
+
+/// Run-now brings a job scheduled an hour away, and one whose retry is an hour away, forward:
+/// each runs at once and once (no attempt spent on the way), the dispatches that waited for
+/// the old times go out early and are passed over. Any other state is 409 naming it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn run_now_brings_a_scheduled_job_and_a_waiting_retry_forward_each_once() {
+    let (it, acceptor) = installation("ops-run-now").await;
+    let running = Running::start(&it, TOKEN, &[]);
+    running.ready().await;
+    let in_an_hour = || Some(Utc::now() + chrono::Duration::hours(1));
+    let mut scheduled = job("doc-now-1", json!({ "text": "scheduled" }));
+    scheduled.run_at = in_an_hour();
+    let scheduled = acceptor.accept(&it.pool, &scheduled).await.unwrap().job_id;
+    // Scheduled too, so that no processor leases it before it waits to retry.
+    let mut retry = job("doc-now-2", json!({ "text": "retry" }));
+    retry.run_at = in_an_hour();
+    let retry = acceptor.accept(&it.pool, &retry).await.unwrap().job_id;
+    into_retry_wait(&it, retry).await;
+    assert_eq!(it.state_and_attempt(scheduled).await, ("queued".into(), 0));
+    assert_eq!(it.state_and_attempt(retry).await, ("retry_wait".into(), 1));
+
+    let unauthorized =
+        client().post(running.url(&format!("/v1/jobs/{scheduled}/run-now"))).send().await.unwrap();
+    assert_eq!(unauthorized.status().as_u16(), 401);
+    let (status, body) = running.post(&format!("/v1/jobs/{scheduled}/run-now"), json!({})).await;
+    assert_eq!((status, &body["waited"]), (200, &json!("scheduled")), "{body}");
+    let said = cli(&it, &["run-now", &retry.to_string()]);
+    assert!(said.contains("was waiting to retry: dispatched now"), "{said}");
+
+    for (job_id, attempts) in [(scheduled, 1), (retry, 2)] {
+        eventually(Duration::from_secs(60), "the job brought forward to succeed", || async {
+            state(&it, job_id).await == "succeeded"
+        })
+        .await;
+        assert_eq!(it.state_and_attempt(job_id).await.1, attempts, "{job_id}");
+        let writes = count(&it, "SELECT count(*) FROM index_writes WHERE job_id = $1", job_id);
+        assert_eq!(writes.await, 1, "{job_id} committed more than once");
+    }
+    let (status, body) = running.post(&format!("/v1/jobs/{scheduled}/run-now"), json!({})).await;
+    assert_eq!((status, body["error"]["state"].as_str()), (409, Some("succeeded")), "{body}");
+    let (status, _) =
+        running.post(&format!("/v1/jobs/{}/run-now", Uuid::now_v7()), json!({})).await;
+    assert_eq!(status, 404);
+    // The dispatches that waited for the old times went out early, behind nothing.
+    eventually(Duration::from_secs(60), "the delayed dispatches on Kafka", || async {
+        it.unpublished().await == 0
+    })
+    .await;
     let mismatches = jobfold_tests::harness::fold_mismatches(&it).await;
     assert!(mismatches.is_empty(), "{mismatches:?}");
     it.cleanup().await;

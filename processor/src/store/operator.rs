@@ -325,3 +325,67 @@ async fn unquarantine(tx: &mut PgConnection, job_id: Uuid) -> Result<(), sqlx::E
     sqlx::query!("DELETE FROM job_counters WHERE job_id = $1", job_id).execute(&mut *tx).await?;
     Ok(())
 }
+
+/// Why a run-now was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum RunNowError {
+    #[error("no job {0}")]
+    NotFound(Uuid),
+    /// Only a job that waits for a time — scheduled, or waiting to retry — is brought forward.
+    #[error("job {job_id} is {state}: only a scheduled job or one waiting to retry runs now")]
+    NotWaiting { job_id: Uuid, state: Status },
+    #[error(transparent)]
+    Database(#[from] sqlx::Error),
+    #[error(transparent)]
+    Other(#[from] anyhow::Error),
+}
+
+/// What a run-now found the job waiting for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Waited {
+    /// A scheduled job, due later (`run_at`).
+    Scheduled,
+    /// A retry, due later.
+    Retry,
+    /// Nothing: a queued job already due, whose dispatch is on its way; nothing was written.
+    Due,
+}
+
+/// Brings a scheduled job, or one waiting to retry, forward to now, in the caller's
+/// transaction: its due time becomes now (`run_at`, or the retry's `next_attempt_at`) and a
+/// `RetryDue` due now dispatches it. The dispatch waiting for the old time is passed over when
+/// it comes (the job ran, or waits for this newer dispatch). No attempt is spent or given.
+///
+/// # Errors
+/// [`RunNowError`]; nothing was written.
+pub async fn run_now(
+    tx: &mut PgConnection,
+    events: &Events,
+    job_id: Uuid,
+) -> Result<(JobRow, Waited), RunNowError> {
+    let mut job = lock_job(tx, job_id).await?.ok_or(RunNowError::NotFound(job_id))?;
+    let now = Utc::now();
+    let (waited, reason) = match job.state {
+        Status::Queued if job.run_at.is_some_and(|at| at > now) => {
+            (Waited::Scheduled, DispatchReason::Stalled)
+        }
+        Status::Queued => return Ok((job, Waited::Due)),
+        Status::RetryWait => (Waited::Retry, DispatchReason::Backoff),
+        state => return Err(RunNowError::NotWaiting { job_id, state }),
+    };
+    let due = Payload::RetryDue(jobfold_schemas::event::RetryDue { due_at: now, reason });
+    events.append(tx, &mut job, due, None, None).await?;
+    sqlx::query!(
+        "UPDATE jobs SET run_at = CASE WHEN state = 'queued' THEN $2 ELSE run_at END, \
+         next_attempt_at = $2 WHERE job_id = $1",
+        job_id,
+        now,
+    )
+    .execute(&mut *tx)
+    .await?;
+    if waited == Waited::Scheduled {
+        job.run_at = Some(now);
+    }
+    Ok((job, waited))
+}
