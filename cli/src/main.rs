@@ -60,7 +60,28 @@ enum Command {
     /// Cancel an open job: queued, scheduled, waiting to retry and quarantined jobs end at
     /// once; a running one's handler is cancelled within a heartbeat and commits nothing.
     Cancel {
-        job_id: uuid::Uuid,
+        /// The job; or select open jobs by --kind, --document, --state, --since, --until.
+        #[arg(required_unless_present_any = ["kind", "document", "state", "since", "until"])]
+        job_id: Option<uuid::Uuid>,
+        #[arg(long, conflicts_with = "job_id")]
+        kind: Option<String>,
+        #[arg(long, conflicts_with = "job_id")]
+        document: Option<String>,
+        /// queued, leased or retry_wait.
+        #[arg(long, conflicts_with = "job_id")]
+        state: Option<String>,
+        /// Accepted at or after this time (RFC 3339).
+        #[arg(long, conflicts_with = "job_id")]
+        since: Option<chrono::DateTime<chrono::Utc>>,
+        /// Accepted before this time.
+        #[arg(long, conflicts_with = "job_id")]
+        until: Option<chrono::DateTime<chrono::Utc>>,
+        /// Count what the filter selects; cancel nothing.
+        #[arg(long, conflicts_with = "job_id")]
+        dry_run: bool,
+        /// Jobs cancelled by this command at most.
+        #[arg(long, default_value_t = jobfold_processor::store::BULK_LIMIT_MAX)]
+        limit: usize,
         /// Why, recorded in the JobCancelled event.
         #[arg(long)]
         reason: Option<String>,
@@ -500,7 +521,43 @@ async fn run(config: Config, command: Command) -> anyhow::Result<()> {
             println!("{} {what}", accepted.job_id);
         }
         Command::Status { job_id, json } => status(config, job_id, json).await?,
-        Command::Cancel { job_id, reason, by } => {
+        Command::Cancel {
+            job_id: None,
+            kind,
+            document,
+            state,
+            since,
+            until,
+            dry_run,
+            limit,
+            reason,
+            by,
+        } => {
+            let pool = db::connect_and_migrate(&config, 1).await?;
+            let events = cli_events(&config).await?;
+            let request = jobfold_processor::store::BulkCancel {
+                kind,
+                document_id: document,
+                state,
+                since,
+                until,
+                dry_run,
+                batch_size: None,
+                limit: Some(limit),
+                requested_by: Some(by),
+                reason,
+            };
+            let done = jobfold_processor::store::cancel_matching(&pool, &events, request).await?;
+            if done.dry_run {
+                println!("{} open jobs match; nothing cancelled (--dry-run)", done.matched);
+            } else {
+                println!(
+                    "{} of {} jobs cancelled in {} transactions; {} still match",
+                    done.cancelled, done.matched, done.batches, done.remaining
+                );
+            }
+        }
+        Command::Cancel { job_id: Some(job_id), reason, by, .. } => {
             let pool = db::connect_and_migrate(&config, 1).await?;
             let events = cli_events(&config).await?;
             let request = jobfold_processor::store::Cancel { requested_by: Some(by), reason };

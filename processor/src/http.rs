@@ -27,6 +27,9 @@
 //!   (`{"reason": "...", "requested_by": "..."}`, optional): pause or resume a kind for the
 //!   whole group; 200 with `paused`, `was_paused` and (resume) `dispatched`; 404 for a kind
 //!   no processor registered. A paused kind's jobs wait unleased, their attempts unspent.
+//! - `POST /v1/jobs/cancel`: cancels the open jobs a filter selects (`kind`, `document_id`,
+//!   `state`, `since`, `until`; at least one), `batch_size` to a transaction, at most
+//!   `limit`; `"dry_run": true` only counts them; 422 without a filter.
 //! - `POST /v1/jobs/{id}/run-now`: a scheduled job, or one waiting to retry, is due now and
 //!   dispatched at once (no attempt spent or given); 200 with what it `waited` for
 //!   (`scheduled`, `retry`, or `due`: a queued job already due, nothing done), 409 with the
@@ -173,6 +176,7 @@ pub fn router(state: ApiState, max_body: usize) -> Router {
             "/v1/jobs/batch",
             post(submit_batch).layer(DefaultBodyLimit::max(state.config.accept.max_batch_bytes)),
         )
+        .route("/v1/jobs/cancel", post(cancel_matching))
         .route("/v1/jobs/{id}", get(job))
         .route("/v1/jobs/{id}/events", get(job_events))
         .route("/v1/jobs/{id}/input", get(job_input))
@@ -802,6 +806,25 @@ async fn cancel(
     }
     let body = json!({ "job_id": job.job_id, "state": job.state.as_str(), "was": was.as_str() });
     Ok((StatusCode::OK, axum::Json(body)).into_response())
+}
+
+async fn cancel_matching(
+    State(state): State<ApiState>,
+    body: Bytes,
+) -> Result<axum::Json<crate::store::BulkCancelled>, ApiError> {
+    use crate::store::BulkCancelError;
+    let request: crate::store::BulkCancel = optional_body(&body)?;
+    match crate::store::cancel_matching(&state.pool, &state.events, request).await {
+        Ok(done) => Ok(axum::Json(done)),
+        Err(e @ (BulkCancelError::NoFilter | BulkCancelError::State(_))) => {
+            Err(ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "invalid_field", e.to_string()))
+        }
+        Err(BulkCancelError::Database(e)) => Err(e.into()),
+        Err(BulkCancelError::Other(e)) => {
+            tracing::error!(error = %format!("{e:#}"), "Bulk cancel failed.");
+            Err(ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", "bulk cancel failed"))
+        }
+    }
 }
 
 async fn run_now(

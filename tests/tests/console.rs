@@ -2,7 +2,7 @@
 //! (Postgres, Kafka, the registry, a relay and a processor as processes): the overview shows
 //! what the API returns for a seeded workload and keeps its layout as it refreshes; a job is
 //! found by document and by id; a quarantined job is replayed from its page and succeeds,
-//! once; a bulk replay counts first and asks; a scheduled job is cancelled once confirmed; a kind is paused with a reason (its new job
+//! once; a bulk replay counts first and asks; a scheduled job is cancelled once confirmed, another run now; a kind is paused with a reason (its new job
 //! waits, counted) and resumed (the job runs once); a dead letter is shown, re-injected and
 //! deleted; HTML and script in user data are shown as text; a change without the token, with
 //! a wrong one, or from another origin is refused; the pages fit a phone and are reachable by
@@ -368,6 +368,19 @@ async fn the_console_shows_finds_fixes_and_escapes_in_a_real_browser() {
         )
         .await;
     assert_eq!(state(&it, later).await, "cancelled");
+
+    // --- Run now: a job scheduled for later, brought forward from its page. ---
+    let mut soon = index_job("doc-soon", 1, json!({ "text": "now, please" }));
+    soon.run_at = Some(Utc::now() + chrono::Duration::hours(1));
+    let soon = it.acceptor().await.accept(&it.pool, &soon).await.unwrap().job_id;
+    browser.goto(&format!("{ui}#/jobs/{soon}")).await;
+    browser.until("the run-now button", "return document.getElementById('run-now');").await;
+    browser.click("#run-now").await;
+    eventually(Duration::from_secs(60), "the job brought forward to run", || async {
+        state(&it, soon).await == "succeeded"
+    })
+    .await;
+    assert_eq!(writes(&it, soon).await, 1);
 
     // --- Kinds: paused with a reason, its job waiting unleased, then resumed. ---
     browser.goto(&format!("{ui}#/kinds")).await;

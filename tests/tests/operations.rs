@@ -882,3 +882,84 @@ async fn run_now_brings_a_scheduled_job_and_a_waiting_retry_forward_each_once() 
     assert!(mismatches.is_empty(), "{mismatches:?}");
     it.cleanup().await;
 }
+
+/// A bad deploy's 300 jobs cancelled by their kind: a dry run counts them and changes
+/// nothing; a bulk cancel takes them 100 to a transaction up to its limit and says what is
+/// left; the command line takes the rest. Each gets one `JobCancelled`; the other kinds' jobs
+/// run untouched. No filter, or a state that is not open, is 422.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_bulk_cancel_by_kind_counts_first_then_cancels_each_open_job_once() {
+    let (it, acceptor) = installation("ops-bulk-cancel").await;
+    sqlx::query("INSERT INTO job_kinds (kind, registered_by) VALUES ('wrong-kind', 'bad deploy')")
+        .execute(&it.pool)
+        .await
+        .unwrap();
+    let running = Running::start(&it, TOKEN, &[]);
+    running.ready().await;
+    let wrong: Vec<NewJob> = (0..300)
+        .map(|i| {
+            let mut j = job(&format!("doc-wrong-{i}"), json!({}));
+            j.kind = "wrong-kind".into();
+            j
+        })
+        .collect();
+    for chunk in wrong.chunks(100) {
+        acceptor.accept_batch(&it.pool, chunk).await.unwrap();
+    }
+    let mut right = Vec::new();
+    for i in 0..5 {
+        let j = job(&format!("doc-right-{i}"), json!({ "text": "right" }));
+        right.push(acceptor.accept(&it.pool, &j).await.unwrap().job_id);
+    }
+    let cancelled = || async {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT count(*) FROM job_events e JOIN jobs j USING (job_id) \
+             WHERE j.kind = 'wrong-kind' AND e.kind = 'JobCancelled'",
+        )
+        .fetch_one(&it.pool)
+        .await
+        .unwrap()
+    };
+
+    let (status, body) = running.post("/v1/jobs/cancel", json!({})).await;
+    assert_eq!((status, body["error"]["code"].as_str()), (422, Some("invalid_field")), "{body}");
+    let (status, _) = running.post("/v1/jobs/cancel", json!({ "state": "succeeded" })).await;
+    assert_eq!(status, 422);
+    let (status, body) =
+        running.post("/v1/jobs/cancel", json!({ "kind": "wrong-kind", "dry_run": true })).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!((&body["matched"], &body["cancelled"]), (&json!(300), &json!(0)), "{body}");
+    assert_eq!(cancelled().await, 0, "a dry run cancelled something");
+
+    let request = json!({
+        "kind": "wrong-kind", "batch_size": 100, "limit": 250,
+        "reason": "a bad deploy", "requested_by": "ops test",
+    });
+    let (status, body) = running.post("/v1/jobs/cancel", request).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(
+        (&body["matched"], &body["cancelled"], &body["batches"], &body["remaining"]),
+        (&json!(300), &json!(250), &json!(3), &json!(50)),
+        "{body}"
+    );
+    let said = cli(&it, &["cancel", "--kind", "wrong-kind", "--reason", "a bad deploy"]);
+    assert!(said.contains("50 of 50 jobs cancelled"), "{said}");
+    assert!(said.contains("0 still match"), "{said}");
+    assert_eq!(cancelled().await, 300, "each wrong job cancelled exactly once");
+    let open: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM jobs WHERE kind = 'wrong-kind' AND state <> 'cancelled'",
+    )
+    .fetch_one(&it.pool)
+    .await
+    .unwrap();
+    assert_eq!(open, 0);
+    for job_id in right {
+        eventually(Duration::from_secs(60), "the other kind's job to succeed", || async {
+            state(&it, job_id).await == "succeeded"
+        })
+        .await;
+    }
+    let mismatches = jobfold_tests::harness::fold_mismatches(&it).await;
+    assert!(mismatches.is_empty(), "{mismatches:?}");
+    it.cleanup().await;
+}

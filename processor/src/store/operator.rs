@@ -294,8 +294,21 @@ pub async fn cancel(
     request: Cancel,
 ) -> Result<(JobRow, Status), CancelError> {
     let mut job = lock_job(tx, job_id).await?.ok_or(CancelError::NotFound(job_id))?;
+    let was = cancel_locked(tx, events, &mut job, request).await?;
+    Ok((job, was))
+}
+
+/// [`cancel`] of a job the caller locked (`lock_job` or `lock_jobs`, `fresh_xid` set);
+/// returns the state it was in.
+async fn cancel_locked(
+    tx: &mut PgConnection,
+    events: &Events,
+    job: &mut JobRow,
+    request: Cancel,
+) -> Result<Status, CancelError> {
+    let job_id = job.job_id;
     if job.state == Status::Cancelled {
-        return Ok((job, Status::Cancelled));
+        return Ok(Status::Cancelled);
     }
     if job.state.is_final() {
         return Err(CancelError::Ended { job_id, state: job.state });
@@ -305,7 +318,7 @@ pub async fn cancel(
         requested_by: request.requested_by.unwrap_or_else(|| "unknown".into()),
         reason: request.reason.unwrap_or_default().replace('\0', "\u{fffd}"),
     });
-    events.append(tx, &mut job, payload, None, None).await?;
+    events.append(tx, job, payload, None, None).await?;
     sqlx::query!(
         "UPDATE jobs SET state = $2::text::job_state, finished_at = now(), lease_until = NULL, \
          lease_owner = NULL, next_attempt_at = NULL WHERE job_id = $1",
@@ -315,7 +328,188 @@ pub async fn cancel(
     .execute(&mut *tx)
     .await?;
     unquarantine(tx, job_id).await?;
-    Ok((job, was))
+    Ok(was)
+}
+
+/// A cancel of every open job (queued, running or waiting to retry) a filter selects: a
+/// bad deploy's jobs, say. At least one filter is required.
+#[derive(Debug, Clone, Default, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BulkCancel {
+    pub kind: Option<String>,
+    pub document_id: Option<String>,
+    /// `queued`, `leased` or `retry_wait`; any of them if absent.
+    pub state: Option<String>,
+    /// Accepted at or after.
+    pub since: Option<DateTime<Utc>>,
+    /// Accepted before.
+    pub until: Option<DateTime<Utc>>,
+    /// Count what matches; cancel nothing.
+    #[serde(default)]
+    pub dry_run: bool,
+    /// Jobs cancelled per transaction (default 100, at most [`BULK_BATCH_MAX`]).
+    #[serde(default)]
+    pub batch_size: Option<usize>,
+    /// Jobs cancelled by this request at most (default and at most [`BULK_LIMIT_MAX`]);
+    /// `remaining` in the answer says what is left for the next.
+    #[serde(default)]
+    pub limit: Option<usize>,
+    /// Who asks and why, recorded in each `JobCancelled`.
+    #[serde(default)]
+    pub requested_by: Option<String>,
+    #[serde(default)]
+    pub reason: Option<String>,
+}
+
+/// What a bulk cancel did.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
+pub struct BulkCancelled {
+    pub dry_run: bool,
+    /// Open jobs the filter matched when the request began.
+    pub matched: i64,
+    /// Jobs cancelled (each once: its `JobCancelled` and its state commit together, under
+    /// the job's lock).
+    pub cancelled: u64,
+    /// Transactions it took.
+    pub batches: u32,
+    /// Matching jobs still open afterwards (over `limit`, or accepted meanwhile).
+    pub remaining: i64,
+}
+
+/// Why a bulk cancel was refused before it began.
+#[derive(Debug, thiserror::Error)]
+pub enum BulkCancelError {
+    #[error("a filter is required (kind, document_id, state, since or until)")]
+    NoFilter,
+    #[error("state must be queued, leased or retry_wait, not {0:?}")]
+    State(String),
+    #[error(transparent)]
+    Database(#[from] sqlx::Error),
+    #[error(transparent)]
+    Other(#[from] anyhow::Error),
+}
+
+/// `sqlx::$macro!` over the open jobs a [`BulkCancel`] selects: `$head`, then `FROM jobs WHERE`
+/// the filter (`$1` kind, `$2` document, `$3` state, `$4` since, `$5` until), then `$tail`,
+/// with further arguments from `$6` on.
+macro_rules! open_match {
+    ($macro:ident!([$($out:path)?] $head:literal, $tail:literal, $f:expr $(, $arg:expr)* $(,)?)) => {
+        sqlx::$macro!(
+            $($out,)?
+            $head + "
+            FROM jobs
+            WHERE finished_at IS NULL
+              AND ($1::text IS NULL OR kind = $1)
+              AND ($2::text IS NULL OR document_id = $2)
+              AND ($3::text IS NULL OR state::text = $3)
+              AND ($4::timestamptz IS NULL OR accepted_at >= $4)
+              AND ($5::timestamptz IS NULL OR accepted_at < $5)
+            " + $tail,
+            $f.kind.as_deref(),
+            $f.document_id.as_deref(),
+            $f.state.as_deref(),
+            $f.since,
+            $f.until
+            $(, $arg)*
+        )
+    };
+}
+
+/// Cancels the open jobs `request` selects, `batch_size` to a transaction, in job id order;
+/// or, with `dry_run`, only counts them. A job that ended meanwhile is left as it is.
+///
+/// # Errors
+/// [`BulkCancelError`]; batches committed before stay.
+pub async fn cancel_matching(
+    pool: &sqlx::PgPool,
+    events: &Events,
+    request: BulkCancel,
+) -> Result<BulkCancelled, BulkCancelError> {
+    let f = &request;
+    if f.kind.is_none()
+        && f.document_id.is_none()
+        && f.state.is_none()
+        && f.since.is_none()
+        && f.until.is_none()
+    {
+        return Err(BulkCancelError::NoFilter);
+    }
+    if let Some(state) = &f.state
+        && !matches!(state.as_str(), "queued" | "leased" | "retry_wait")
+    {
+        return Err(BulkCancelError::State(state.chars().take(40).collect()));
+    }
+    let count =
+        || open_match!(query_scalar!([] r#"SELECT count(*) AS "count!""#, "", f)).fetch_one(pool);
+    let matched = count().await?;
+    let mut done = BulkCancelled { dry_run: f.dry_run, matched, ..Default::default() };
+    if f.dry_run {
+        done.remaining = matched;
+        return Ok(done);
+    }
+    let batch = f.batch_size.unwrap_or(100).clamp(1, BULK_BATCH_MAX);
+    let limit = f.limit.unwrap_or(BULK_LIMIT_MAX).clamp(1, BULK_LIMIT_MAX);
+    let asked = || Cancel {
+        requested_by: Some(f.requested_by.clone().unwrap_or_else(|| "unknown".into())),
+        reason: f.reason.clone(),
+    };
+    let mut after = Uuid::nil();
+    while (done.cancelled as usize) < limit {
+        let take = batch.min(limit - done.cancelled as usize);
+        let ids = open_match!(query_scalar!(
+            [] "SELECT job_id",
+            "AND job_id > $6 ORDER BY job_id LIMIT $7",
+            f,
+            after,
+            i64::try_from(take).unwrap_or(i64::MAX),
+        ))
+        .fetch_all(pool)
+        .await?;
+        let Some(last) = ids.last() else { break };
+        after = *last;
+        let mut tx = pool.begin().await?;
+        let mut locked = lock_jobs(&mut tx, &ids).await?;
+        // A job written meanwhile by a later transaction cannot be appended to in this one
+        // (see JobRow::fresh_xid): it gets a transaction of its own after this one.
+        let mut alone = Vec::new();
+        let mut cancelled = Vec::new();
+        for job in &mut locked {
+            if !job.fresh_xid {
+                alone.push(job.job_id);
+                continue;
+            }
+            if job.state.is_final() {
+                continue;
+            }
+            match cancel_locked(&mut tx, events, job, asked()).await {
+                Ok(was) => cancelled.push((job.job_id, was)),
+                Err(CancelError::Database(e)) => return Err(e.into()),
+                Err(CancelError::Other(e)) => return Err(e.into()),
+                Err(CancelError::NotFound(_) | CancelError::Ended { .. }) => {}
+            }
+        }
+        tx.commit().await?;
+        done.batches += 1;
+        for job_id in alone {
+            let mut tx = pool.begin().await?;
+            match cancel(&mut tx, events, job_id, asked()).await {
+                Ok((_, was)) if was != Status::Cancelled => {
+                    tx.commit().await?;
+                    done.batches += 1;
+                    cancelled.push((job_id, was));
+                }
+                Ok(_) | Err(CancelError::NotFound(_) | CancelError::Ended { .. }) => {}
+                Err(CancelError::Database(e)) => return Err(e.into()),
+                Err(CancelError::Other(e)) => return Err(e.into()),
+            }
+        }
+        done.cancelled += cancelled.len() as u64;
+        for (job_id, was) in cancelled {
+            crate::internal_events::JobCancelled { job_id, was: was.as_str() }.emit();
+        }
+    }
+    done.remaining = count().await?;
+    Ok(done)
 }
 
 /// Removes the job's quarantine row, if any: it is quarantined no more, and its snoozes and
