@@ -173,6 +173,13 @@ enum Command {
         #[arg(long, default_value_t = jobfold_cli::analytics::DEFAULT_DEDUPE_WINDOW)]
         dedupe_window: usize,
     },
+    /// The periodic schedules of the configuration (`[periodic.<name>]`): next tick, last
+    /// tick and its job, the processor holding them.
+    Periodic {
+        /// Print JSON lines instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
     /// Kinds: list them with their pauses; pause or resume one for the whole group.
     Kinds {
         #[command(subcommand)]
@@ -479,7 +486,7 @@ async fn main() -> ExitCode {
         }
     };
     telemetry::init_tracing_at(config.log_json, "warn");
-    match run(config, args.command).await {
+    match Box::pin(run(config, args.command)).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("jobfold: {e:#}");
@@ -606,6 +613,7 @@ async fn run(config: Config, command: Command) -> anyhow::Result<()> {
         Command::Events { job_id, json } => events(config, job_id, json).await?,
         Command::Stats { totals } => stats(config, totals).await?,
         Command::Kinds { command } => kinds(config, command).await?,
+        Command::Periodic { json } => Box::pin(periodic(config, json)).await?,
         Command::Quarantine { command } => quarantine(config, command).await?,
         Command::Parked { command } => parked(config, command).await?,
         Command::Replay { from, since, verify, export, jobs, no_progress, dedupe_window } => {
@@ -767,6 +775,43 @@ async fn cli_events(config: &Config) -> anyhow::Result<jobfold_processor::store:
         topic: config.topics.events.clone(),
         producer: "jobfold-cli".into(),
     })
+}
+
+async fn periodic(config: Config, json: bool) -> anyhow::Result<()> {
+    let pool = db::connect(&config, 1).await?;
+    let schedules = jobfold_processor::periodic::schedules(&config, &pool).await?;
+    let at = |t: Option<chrono::DateTime<chrono::Utc>>| {
+        t.map(|t| t.format("%Y-%m-%d %H:%M:%S").to_string()).unwrap_or_default()
+    };
+    if !json {
+        println!(
+            "{:<20}  {:<20}  {:<16}  {:<19}  {:<19}  last job / error",
+            "schedule", "kind", "cron", "next tick (UTC)", "last tick (UTC)"
+        );
+    }
+    for s in &schedules {
+        if json {
+            println!("{}", serde_json::to_string(s)?);
+            continue;
+        }
+        let last = match (&s.last_error, s.last_job_id) {
+            (Some(error), _) => error.clone(),
+            (None, Some(job_id)) => job_id.to_string(),
+            (None, None) => String::new(),
+        };
+        println!(
+            "{:<20.20}  {:<20.20}  {:<16.16}  {:<19}  {:<19}  {last}",
+            s.name,
+            s.kind,
+            s.cron,
+            at(s.next_tick),
+            at(s.last_tick)
+        );
+    }
+    if !json && schedules.is_empty() {
+        println!("no [periodic.<name>] schedules in this configuration");
+    }
+    Ok(())
 }
 
 async fn kinds(config: Config, command: KindCommand) -> anyhow::Result<()> {

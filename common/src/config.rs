@@ -197,6 +197,9 @@ pub struct Config {
     /// Settings per job kind, `[kinds.<kind>]`; see [`Kind`].
     #[serde(default)]
     pub kinds: BTreeMap<String, Kind>,
+    /// Jobs accepted on a schedule, `[periodic.<name>]`; see [`Periodic`].
+    #[serde(default)]
+    pub periodic: BTreeMap<String, Periodic>,
     /// librdkafka options passed to every client, e.g. `"security.protocol" = "SASL_SSL"`.
     /// Values of secret options (`sasl.password`, `ssl.key.password`, ...) are redacted
     /// wherever the configuration is shown.
@@ -451,6 +454,76 @@ pub struct Accept {
     /// How far ahead a job may be scheduled.
     #[serde(with = "humantime_serde")]
     pub max_schedule_ahead: Duration,
+}
+
+/// A job accepted on a schedule, `[periodic.<name>]`: one job per tick of `cron` (read in
+/// `time_zone`), accepted by whichever processor holds the group's schedule lease; the tick
+/// is the job's idempotency key, so no tick has two jobs across restarts and rebalances.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct Periodic {
+    /// The kind of the jobs.
+    pub kind: String,
+    /// A cron pattern: five fields (minute hour day-of-month month day-of-week), or six with
+    /// seconds first; `@hourly`, `@daily` and the like.
+    pub cron: String,
+    /// The IANA time zone the pattern is read in (`Europe/Paris`); UTC if absent.
+    #[serde(default = "utc")]
+    pub time_zone: String,
+    /// Each job's input (any JSON; a TOML table here); `{}` if absent.
+    #[serde(default)]
+    pub input: Option<serde_json::Value>,
+    /// A tick passed by less than this (the schedule's holder died, a deploy) still gets its
+    /// job, late; at most an hour.
+    #[serde(default = "default_catch_up", with = "humantime_serde")]
+    pub catch_up: Duration,
+    /// Ticks passed by more than `catch_up` (no processor ran): `skip` them, or `run_once`
+    /// for all of them together (one job, for the newest).
+    #[serde(default)]
+    pub missed: Missed,
+}
+
+fn utc() -> String {
+    "UTC".into()
+}
+
+fn default_catch_up() -> Duration {
+    Duration::from_secs(60)
+}
+
+/// What a periodic schedule does with ticks passed by more than its `catch_up`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Missed {
+    #[default]
+    Skip,
+    RunOnce,
+}
+
+/// Longest name of a periodic schedule, in bytes (it is part of its jobs' document id and
+/// idempotency keys).
+pub const MAX_PERIODIC_NAME_BYTES: usize = 200;
+
+impl Periodic {
+    /// The pattern, parsed (seconds optional).
+    ///
+    /// # Errors
+    /// It does not parse.
+    pub fn schedule(&self) -> Result<croner::Cron, String> {
+        croner::parser::CronParser::builder()
+            .seconds(croner::parser::Seconds::Optional)
+            .build()
+            .parse(&self.cron)
+            .map_err(|e| e.to_string())
+    }
+
+    /// The time zone, parsed.
+    ///
+    /// # Errors
+    /// It names no IANA zone.
+    pub fn zone(&self) -> Result<chrono_tz::Tz, String> {
+        self.time_zone.parse::<chrono_tz::Tz>().map_err(|e| e.to_string())
+    }
 }
 
 /// The settings of one job kind, `[kinds.<kind>]`: each one absent falls back to the global
@@ -1000,6 +1073,9 @@ impl Config {
         for name in self.kinds.keys() {
             self.validate_kind(name)?;
         }
+        for name in self.periodic.keys() {
+            self.validate_periodic(name)?;
+        }
         self.validate_kafka_options()?;
         self.validate_kafka_combination()
     }
@@ -1072,6 +1148,36 @@ impl Config {
             {
                 return invalid("url", "must be an http:// or https:// URL with a host");
             }
+        }
+        Ok(())
+    }
+
+    fn validate_periodic(&self, name: &str) -> Result<(), ConfigError> {
+        let p = &self.periodic[name];
+        let invalid = |key: &str, problem: &str| {
+            Err(ConfigError::Named {
+                key: format!("key `periodic.{name}.{key}`"),
+                problem: problem.to_owned(),
+            })
+        };
+        if name.trim().is_empty() || name.len() > MAX_PERIODIC_NAME_BYTES || name.contains('/') {
+            return invalid("", "a schedule's name must have 1 to 200 bytes and no /");
+        }
+        if p.kind.trim().is_empty() || p.kind.len() > MAX_NAME_BYTES {
+            return invalid("kind", "must have 1 to 512 bytes");
+        }
+        if let Err(e) = p.schedule() {
+            return invalid("cron", &format!("not a cron pattern: {e}"));
+        }
+        if p.zone().is_err() {
+            return invalid("time_zone", "must name an IANA time zone, such as Europe/Paris");
+        }
+        if p.catch_up.is_zero() || p.catch_up > Duration::from_secs(3600) {
+            return invalid("catch_up", "must be above zero and at most 1h");
+        }
+        let input = serde_json::to_vec(p.input.as_ref().unwrap_or(&serde_json::json!({})));
+        if input.map_or(true, |bytes| bytes.len() > self.accept.max_input_bytes) {
+            return invalid("input", "must be JSON within accept.max_input_bytes");
         }
         Ok(())
     }
@@ -1615,6 +1721,40 @@ mod tests {
         // Zero: running handlers are cancelled and given back at once.
         config.processor.shutdown_timeout = Duration::ZERO;
         assert!(config.validate().is_ok());
+    }
+
+    #[test]
+    fn a_periodic_schedule_is_checked_naming_its_key() {
+        let mut config = defaults();
+        let good = Periodic {
+            kind: "noop".into(),
+            cron: "*/5 * * * * *".into(),
+            time_zone: "Europe/Paris".into(),
+            input: Some(serde_json::json!({ "a": 1 })),
+            catch_up: Duration::from_secs(60),
+            missed: Missed::RunOnce,
+        };
+        config.periodic.insert("every-5s".into(), good.clone());
+        assert!(config.validate().is_ok());
+        for (broken, key) in [
+            (Periodic { cron: "61 * * * *".into(), ..good.clone() }, "periodic.every-5s.cron"),
+            (
+                Periodic { time_zone: "Mars/Olympus".into(), ..good.clone() },
+                "periodic.every-5s.time_zone",
+            ),
+            (Periodic { kind: " ".into(), ..good.clone() }, "periodic.every-5s.kind"),
+            (Periodic { catch_up: Duration::ZERO, ..good.clone() }, "periodic.every-5s.catch_up"),
+            (
+                Periodic { catch_up: Duration::from_secs(3601), ..good.clone() },
+                "periodic.every-5s.catch_up",
+            ),
+        ] {
+            config.periodic.insert("every-5s".into(), broken);
+            assert!(problem(config.validate()).contains(key), "{key}");
+        }
+        config.periodic.clear();
+        config.periodic.insert("a/b".into(), good);
+        assert!(problem(config.validate()).contains("periodic.a/b"));
     }
 
     #[test]

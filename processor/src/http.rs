@@ -34,6 +34,8 @@
 //!   dispatched at once (no attempt spent or given); 200 with what it `waited` for
 //!   (`scheduled`, `retry`, or `due`: a queued job already due, nothing done), 409 with the
 //!   state for any other.
+//! - `GET /v1/periodic`: the periodic schedules (`[periodic.<name>]`) with their next tick,
+//!   the last one decided, its job or error, and the processor holding the schedules.
 //! - `POST /v1/quarantine/replay`: replays the quarantined jobs a filter selects (`owner`,
 //!   `kind`, `reason`, `since`, `until`), `batch_size` to a transaction, at most `limit`;
 //!   `"dry_run": true` only counts them.
@@ -187,6 +189,7 @@ pub fn router(state: ApiState, max_body: usize) -> Router {
         .route("/v1/jobs/{id}/cancel", post(cancel))
         .route("/v1/jobs/{id}/run-now", post(run_now))
         .route("/v1/kinds", get(kinds))
+        .route("/v1/periodic", get(periodic))
         .route("/v1/kinds/{kind}/pause", post(pause_kind))
         .route("/v1/kinds/{kind}/resume", post(resume_kind))
         .route("/v1/quarantine", get(quarantine))
@@ -854,6 +857,13 @@ async fn run_now(
     tx.commit().await?;
     let body = json!({ "job_id": job.job_id, "state": job.state.as_str(), "waited": waited });
     Ok((StatusCode::OK, axum::Json(body)).into_response())
+}
+
+async fn periodic(
+    State(state): State<ApiState>,
+) -> Result<axum::Json<serde_json::Value>, ApiError> {
+    let schedules = crate::periodic::schedules(&state.config, &state.pool).await?;
+    Ok(axum::Json(json!({ "schedules": schedules })))
 }
 
 async fn kinds(State(state): State<ApiState>) -> Result<axum::Json<serde_json::Value>, ApiError> {

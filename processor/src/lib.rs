@@ -47,6 +47,7 @@ pub mod lease;
 pub mod metrics;
 pub mod offsets;
 pub mod pauses;
+pub mod periodic;
 pub mod quota;
 pub mod reaper;
 pub mod remote;
@@ -208,6 +209,16 @@ async fn serve(
             codec.decoder().clone(),
             events,
             handlers,
+            shutdown.clone(),
+        ));
+    }
+    if !config.periodic.is_empty() {
+        let owner = format!("{}/{}", worker::hostname(), std::process::id());
+        parts.spawn(periodic::run(
+            config.clone(),
+            pool.clone(),
+            acceptor.clone(),
+            owner,
             shutdown.clone(),
         ));
     }

@@ -64,6 +64,13 @@ pub const KIND_PAUSED: &str = "jobfold_kind_paused";
 /// Counter, by kind: dispatches passed over because their kind was paused (each job waits,
 /// its attempt unspent, to be dispatched again on resume).
 pub const PAUSED_PASSED_OVER_TOTAL: &str = "jobfold_paused_passed_over_total";
+/// Gauge: 1 while this processor holds the periodic schedules' lease.
+pub const PERIODIC_HOLDER: &str = "jobfold_periodic_holder";
+/// Counter, by schedule: periodic jobs accepted (one per tick).
+pub const PERIODIC_JOBS_TOTAL: &str = "jobfold_periodic_jobs_total";
+/// Counter, by schedule: ticks whose job accept refused (its kind unknown, its input
+/// invalid); each is passed, its error in `periodic_schedules.last_error`.
+pub const PERIODIC_REFUSED_TOTAL: &str = "jobfold_periodic_refused_total";
 /// Counter: jobs passed over while paused and dispatched again once their kind resumed.
 pub const RESUMED_DISPATCHES_TOTAL: &str = "jobfold_resumed_dispatches_total";
 /// Counter, by task: background tasks that ended while the processor ran (it then stops,
@@ -179,6 +186,21 @@ pub fn describe() {
         CRASHED_RUNS_TOTAL,
         Unit::Count,
         "Runs that died with their process before anything of them committed; each counts as an attempt."
+    );
+    describe_gauge!(
+        PERIODIC_HOLDER,
+        Unit::Count,
+        "1 while this processor holds the periodic schedules' lease."
+    );
+    describe_counter!(
+        PERIODIC_JOBS_TOTAL,
+        Unit::Count,
+        "Periodic jobs accepted, one per tick, by schedule."
+    );
+    describe_counter!(
+        PERIODIC_REFUSED_TOTAL,
+        Unit::Count,
+        "Ticks whose periodic job was refused (kind unknown, input invalid); each is passed."
     );
     describe_gauge!(KIND_PAUSED, Unit::Count, "1 while an operator has the kind paused.");
     describe_counter!(

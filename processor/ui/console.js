@@ -638,10 +638,34 @@ async function act(method, path, body, done, then) {
 function kindsPage() {
   append(main(), [
     el('h1', { text: 'Kinds' }),
-    el('p', { class: 'note', text: 'Pausing a kind holds its jobs in every processor: they wait unleased, their attempts unspent, until it resumes; what runs finishes.' }),
+    el('p', { class: 'note', text: 'Pausing a kind holds its jobs in every processor: they wait unleased, their attempts unspent, until it resumes; what runs finishes. Periodic jobs are listed below.' }),
     errorLine('kinds-error'),
     table('Kinds', ['Kind', 'State', 'Waiting', 'Since', 'By', 'Reason', ''], 'kinds'),
+    el('h2', { text: 'Periodic jobs' }),
+    table('Periodic schedules', ['Schedule', 'Kind', 'Pattern', 'Time zone', 'Next tick', 'Last tick', 'Last job or error'], 'periodic'),
   ]);
+  every(5000, async () => {
+    let data;
+    try {
+      ({ data } = await api('GET', '/v1/periodic'));
+    } catch (e) {
+      showError('kinds-error', e);
+      return;
+    }
+    const body = document.getElementById('periodic');
+    if (!body) return false;
+    body.replaceChildren();
+    if (!data.schedules.length) body.append(el('tr', {}, el('td', { colspan: 7, class: 'empty', text: 'No [periodic.<name>] schedules in this processor\'s configuration.' })));
+    for (const p of data.schedules) {
+      body.append(el('tr', { 'data-schedule': p.name },
+        el('td', { text: p.name }), el('td', { text: p.kind }), el('td', { class: 'mono', text: p.cron }),
+        el('td', { text: p.time_zone }),
+        el('td', { class: 'time', 'data-next': p.next_tick || '', text: p.next_tick ? time(p.next_tick) : '' }),
+        el('td', { class: 'time', text: p.last_tick ? time(p.last_tick) : '' }),
+        el('td', {}, p.last_error ? el('span', { class: 'error-text', text: p.last_error })
+          : p.last_job_id ? el('a', { class: 'mono', href: `#/jobs/${p.last_job_id}`, text: p.last_job_id }) : '')));
+    }
+  });
   every(5000, async () => {
     let data;
     try {

@@ -963,3 +963,112 @@ async fn a_bulk_cancel_by_kind_counts_first_then_cancels_each_open_job_once() {
     assert!(mismatches.is_empty(), "{mismatches:?}");
     it.cleanup().await;
 }
+
+/// A schedule of every second, run by two processors, through a kill -9 of the one holding
+/// it: exactly one job per tick, none missing and none twice — the survivor takes the
+/// schedules once the dead one's lease runs out and accepts the ticks passed meanwhile,
+/// late. The API and the command line show the next tick. `JOBFOLD_PERIODIC_TEST_SECS`
+/// runs it longer (20 s by default).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_schedule_of_every_second_makes_one_job_per_tick_through_a_kill_of_its_holder() {
+    use jobfold_tests::harness::{Service, free_port, http_client};
+    let (it, _) = installation("ops-periodic").await;
+    let file = std::env::temp_dir().join(format!("periodic-{}.toml", Uuid::new_v4().simple()));
+    std::fs::write(
+        &file,
+        "[periodic.tick]\nkind = \"index-document\"\ncron = \"* * * * * *\"\n\
+         input = { text = \"tick\" }\n",
+    )
+    .unwrap();
+    let mut env = it.fast_env(&it.config.processor.group);
+    env.insert("JOBFOLD_CONFIG".into(), file.display().to_string());
+    let _relay = Service::start("jobfold-relay", &env);
+    let start = |env: &std::collections::HashMap<String, String>| {
+        let mut env = env.clone();
+        let http = free_port();
+        env.insert("JOBFOLD_HTTP_ADDR".into(), format!("127.0.0.1:{http}"));
+        (Service::start("jobfold-test-processor", &env), http)
+    };
+    let mut processors = vec![start(&env), start(&env)];
+    let secs: u64 =
+        std::env::var("JOBFOLD_PERIODIC_TEST_SECS").ok().and_then(|s| s.parse().ok()).unwrap_or(20);
+    let ticks = || async {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT input_version FROM jobs WHERE document_id = 'periodic/tick' \
+             ORDER BY input_version",
+        )
+        .fetch_all(&it.pool)
+        .await
+        .unwrap()
+    };
+    let holder = || async {
+        sqlx::query_scalar::<_, String>("SELECT holder FROM periodic_leader WHERE id = 1")
+            .fetch_optional(&it.pool)
+            .await
+            .unwrap()
+            .and_then(|h| h.rsplit('/').next().and_then(|pid| pid.parse::<u32>().ok()))
+    };
+    eventually(Duration::from_secs(60), "the first ticks' jobs", || async {
+        ticks().await.len() >= 3
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(secs / 2)).await;
+    let pid = holder().await.expect("a holder");
+    let dead = processors.iter().position(|(p, _)| p.pid() == pid).expect("the holder is ours");
+    let (mut killed, _) = processors.remove(dead);
+    killed.kill9();
+    let killed_at = Utc::now().timestamp();
+    let (survivor, http) = &processors[0];
+    eventually(Duration::from_secs(60), "the survivor to hold the schedules", || async {
+        holder().await == Some(survivor.pid())
+    })
+    .await;
+    // Past the dead holder's lease (3 s here) and then some: ticks it never saw.
+    eventually(Duration::from_secs(60), "jobs for ticks after the kill", || async {
+        ticks().await.last().is_some_and(|t| *t >= killed_at + 6)
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(secs / 2)).await;
+
+    let ticks = ticks().await;
+    assert!(ticks.len() as u64 >= secs, "{} ticks in {secs} s", ticks.len());
+    for pair in ticks.windows(2) {
+        assert_eq!(
+            pair[1] - pair[0],
+            1,
+            "ticks {} then {}: one missing or twice",
+            pair[0],
+            pair[1]
+        );
+    }
+    let keys: i64 = sqlx::query_scalar(
+        "SELECT count(DISTINCT idempotency_key) FROM jobs WHERE document_id = 'periodic/tick'",
+    )
+    .fetch_one(&it.pool)
+    .await
+    .unwrap();
+    assert_eq!(keys as usize, ticks.len(), "each tick's job has its tick's key");
+    let answer: Value = http_client()
+        .get(format!("http://127.0.0.1:{http}/v1/periodic"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let schedule = &answer["schedules"][0];
+    assert_eq!(schedule["name"], "tick", "{answer}");
+    let next: DateTime<Utc> = schedule["next_tick"].as_str().unwrap().parse().unwrap();
+    assert!(next > Utc::now() - chrono::Duration::seconds(1), "{answer}");
+    assert!(schedule["holder"].as_str().unwrap().ends_with(&format!("/{}", survivor.pid())));
+    let listed = jobfold_tests::harness::jobfold_cli()
+        .envs(it.env())
+        .env("JOBFOLD_CONFIG", &file)
+        .arg("periodic")
+        .output()
+        .unwrap();
+    let listed = String::from_utf8_lossy(&listed.stdout);
+    assert!(listed.lines().any(|l| l.starts_with("tick ")), "{listed}");
+    std::fs::remove_file(&file).ok();
+    it.cleanup().await;
+}
