@@ -20,8 +20,9 @@
 //! - `add-processor`, `remove-processor`: consumer group rebalances;
 //! - `rolling-restart`: every processor in turn stopped with SIGTERM (its running jobs finish
 //!   within `processor.shutdown_timeout` or are given back) and replaced, as a deploy does;
-//! - `pause-resume`: an operator pauses the test kind for 1–6 s (its dispatches passed over,
-//!   noted), then resumes it (the noted jobs dispatched again).
+//! - `pause-resume`: once a run, after the broker's refusal, an operator pauses the test
+//!   kind for 1–6 s (its dispatches passed over, noted), then resumes it (the noted jobs
+//!   dispatched again).
 //!
 //! A fourth producer mixes in bad jobs ([`crate::bad`]) at random times: results over the
 //! size limit, inputs holding U+0000 on every path, malformed and unknown-schema intake
@@ -748,6 +749,13 @@ pub async fn run(plan: &Plan) -> anyhow::Result<Outcome> {
             fleet.landing = Some(chrono::Utc::now());
             refuse_an_event(&config, &pool, &ledger, &mut rng).await?;
             fleet.count(REFUSED_FAULT);
+            // An operator's pause, once a run, after it: its own random numbers, so the
+            // seed's plan of the other faults stays what it was without it.
+            let mut pausing = StdRng::seed_from_u64(plan.seed ^ 0x7061_7573_65);
+            fleet.landing = Some(chrono::Utc::now());
+            pause_then_resume(&mut fleet, &config, &pool, &mut pausing).await?;
+            fleet.count(PAUSE_RESUME);
+            fleet.mark_end(PAUSE_RESUME);
         } else {
             inject(
                 &mut fleet,
@@ -1177,11 +1185,6 @@ async fn inject(
         80..=84 => {
             refuse_an_event(config, pool, ledger, rng).await?;
             fleet.count(REFUSED_FAULT);
-        }
-        88..=92 => {
-            pause_then_resume(fleet, config, pool, rng).await?;
-            fleet.count(PAUSE_RESUME);
-            fleet.mark_end(PAUSE_RESUME);
         }
         93..=99 if !processors.is_empty() => {
             // A deploy: each processor in turn stops gracefully (SIGTERM: its running jobs
