@@ -751,7 +751,8 @@ pub async fn run(plan: &Plan) -> anyhow::Result<Outcome> {
             fleet.count(REFUSED_FAULT);
             // An operator's pause, once a run, after it: its own random numbers, so the
             // seed's plan of the other faults stays what it was without it.
-            let mut pausing = StdRng::seed_from_u64(plan.seed ^ 0x7061_7573_65);
+            let mut pausing =
+                StdRng::seed_from_u64(plan.seed ^ u64::from_be_bytes(*b"\0\0\0pause"));
             fleet.landing = Some(chrono::Utc::now());
             pause_then_resume(&mut fleet, &config, &pool, &mut pausing).await?;
             fleet.count(PAUSE_RESUME);
