@@ -207,17 +207,9 @@ pub async fn replay_matching(
         .await?;
         let Some(last) = ids.last() else { break };
         after = *last;
-        let mut tx = pool.begin().await?;
-        let mut locked = lock_jobs(&mut tx, &ids).await?;
-        // A job written meanwhile by a later transaction cannot be appended to in this one
-        // (see JobRow::fresh_xid): it gets a transaction of its own after this one.
-        let mut alone = Vec::new();
+        let (mut tx, mut fresh, alone) = lock_page(pool, &ids).await?;
         let mut replayed = 0;
-        for job in &mut locked {
-            if !job.fresh_xid {
-                alone.push(job.job_id);
-                continue;
-            }
+        for job in &mut fresh {
             let request = Replay { requested_by: Some(by.clone()), ..Default::default() };
             match replay_locked(&mut tx, events, policy, job, request).await {
                 Ok(()) => replayed += 1,
@@ -245,6 +237,19 @@ pub async fn replay_matching(
     crate::internal_events::JobsReplayed { count: done.replayed, how: "bulk" }.emit();
     done.remaining = count().await?;
     Ok(done)
+}
+
+/// A page of a bulk operation: `ids` locked in a transaction of their own, split into the
+/// jobs it may append to and those a later transaction wrote meanwhile (see
+/// [`JobRow::fresh_xid`]), each of which then needs a transaction of its own.
+async fn lock_page(
+    pool: &sqlx::PgPool,
+    ids: &[Uuid],
+) -> Result<(sqlx::Transaction<'static, sqlx::Postgres>, Vec<JobRow>, Vec<Uuid>), sqlx::Error> {
+    let mut tx = pool.begin().await?;
+    let (fresh, late): (Vec<_>, Vec<_>) =
+        lock_jobs(&mut tx, ids).await?.into_iter().partition(|job| job.fresh_xid);
+    Ok((tx, fresh, late.into_iter().map(|job| job.job_id).collect()))
 }
 
 /// Why a cancel was refused.
@@ -467,17 +472,9 @@ pub async fn cancel_matching(
         .await?;
         let Some(last) = ids.last() else { break };
         after = *last;
-        let mut tx = pool.begin().await?;
-        let mut locked = lock_jobs(&mut tx, &ids).await?;
-        // A job written meanwhile by a later transaction cannot be appended to in this one
-        // (see JobRow::fresh_xid): it gets a transaction of its own after this one.
-        let mut alone = Vec::new();
+        let (mut tx, mut fresh, alone) = lock_page(pool, &ids).await?;
         let mut cancelled = Vec::new();
-        for job in &mut locked {
-            if !job.fresh_xid {
-                alone.push(job.job_id);
-                continue;
-            }
+        for job in &mut fresh {
             if job.state.is_final() {
                 continue;
             }
