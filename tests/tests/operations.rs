@@ -967,7 +967,7 @@ async fn a_bulk_cancel_by_kind_counts_first_then_cancels_each_open_job_once() {
 /// A schedule of every second, run by two processors, through a kill -9 of the one holding
 /// it: exactly one job per tick, none missing and none twice — the survivor takes the
 /// schedules once the dead one's lease runs out and accepts the ticks passed meanwhile,
-/// late. The API and the command line show the next tick. `JOBFOLD_PERIODIC_TEST_SECS`
+/// late. The API and the command line show the next tick. `PERIODIC_TEST_SECS`
 /// runs it longer (20 s by default).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_schedule_of_every_second_makes_one_job_per_tick_through_a_kill_of_its_holder() {
@@ -991,7 +991,7 @@ async fn a_schedule_of_every_second_makes_one_job_per_tick_through_a_kill_of_its
     };
     let mut processors = vec![start(&env), start(&env)];
     let secs: u64 =
-        std::env::var("JOBFOLD_PERIODIC_TEST_SECS").ok().and_then(|s| s.parse().ok()).unwrap_or(20);
+        std::env::var("PERIODIC_TEST_SECS").ok().and_then(|s| s.parse().ok()).unwrap_or(20);
     let ticks = || async {
         sqlx::query_scalar::<_, i64>(
             "SELECT input_version FROM jobs WHERE document_id = 'periodic/tick' \
