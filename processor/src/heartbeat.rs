@@ -6,7 +6,8 @@
 //! statement, each lease whose kind's heartbeat has come round, by that kind's TTL. It is
 //! fenced by generation and state as a single lease's heartbeat would be: a lease the
 //! statement finds lost (another generation leased the job, an operator cancelled it, it
-//! ended) fires its token, so the handler stops. A row another transaction holds is not
+//! ended) fires its token, so the handler stops; a lease whose transaction has not committed
+//! yet (a run inside its lease transaction's window) is not lost. A row another transaction holds is not
 //! waited for but tried again at the next beat, and a statement that fails is tried again
 //! at the next beat: a lease's TTL is at least two heartbeats.
 //!

@@ -325,15 +325,20 @@ pub async fn write_leases(
 pub struct Renewed {
     /// Extended by their TTL from now.
     pub renewed: Vec<(Uuid, i64)>,
-    /// Still held by their generation, but their row was locked by another transaction (a
-    /// completion, a cancel, a lease by another generation not yet committed): not renewed
-    /// this time, tried again at the next beat rather than waited for.
+    /// Not renewed this time, tried again at the next beat rather than waited for: still held
+    /// by their generation, but their row was locked by another transaction (a completion, a
+    /// cancel, a lease by another generation not yet committed); or their own lease is not
+    /// committed yet (a run inside its lease transaction's window, or one whose lease
+    /// transaction failed and is being taken again): the row still shows an earlier
+    /// generation of an open job.
     pub busy: Vec<(Uuid, i64)>,
 }
 
 /// Extends each of `leases` (job, generation, TTL) whose generation still holds the job
 /// leased, in one statement; a lease neither renewed nor busy is lost (another generation
-/// took the job, or it was cancelled or ended).
+/// took the job, or it was cancelled or ended). A lease whose generation the row does not
+/// show yet is busy, not lost: taking it for lost would cancel a run its lease transaction
+/// is about to commit, and that run's error would then be charged as an attempt.
 ///
 /// # Errors
 /// The database failed.
@@ -366,16 +371,18 @@ pub async fn heartbeat(
     if renewed.len() == leases.len() {
         return Ok(Renewed { renewed, busy: Vec::new() });
     }
-    // The rest: still held (locked just now), or lost. A plain read does not wait for locks.
+    // The rest: still held (locked just now), not committed yet, or lost. A plain read does
+    // not wait for locks.
     let done: std::collections::HashSet<&(Uuid, i64)> = renewed.iter().collect();
     let missing: Vec<(Uuid, i64)> =
         leases.iter().map(|l| (l.0, l.1)).filter(|l| !done.contains(l)).collect();
     let (ids, generations): (Vec<Uuid>, Vec<i64>) = missing.iter().copied().unzip();
     let busy = sqlx::query!(
-        "SELECT j.job_id, j.generation FROM jobs j \
+        "SELECT j.job_id, w.generation AS \"generation!\" FROM jobs j \
          JOIN unnest($1::uuid[], $2::bigint[]) AS w(job_id, generation) \
-           ON j.job_id = w.job_id AND j.generation = w.generation \
-         WHERE j.state = 'leased'",
+           ON j.job_id = w.job_id \
+         WHERE (j.generation = w.generation AND j.state = 'leased') \
+            OR (j.generation < w.generation AND j.state IN ('queued', 'leased', 'retry_wait'))",
         &ids,
         &generations,
     )

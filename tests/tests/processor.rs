@@ -785,6 +785,47 @@ async fn one_heartbeat_statement_keeps_every_lease_alive_and_a_locked_row_holds_
     .await;
     assert_eq!(tokens.iter().filter(|t| t.is_cancelled()).count(), 1);
 
+    // A run inside its lease transaction (an inline window, or a lease taken again after its
+    // transaction failed): the row shows generation 2 until generation 3 commits. Its beats
+    // neither renew nor cancel it; once it commits they renew it.
+    let pending = CancellationToken::new();
+    let mut lease_tx = it.pool.begin().await.unwrap();
+    sqlx::query(
+        "UPDATE jobs SET generation = 3, attempt = 3, lease_until = now() + interval '2 seconds' \
+         WHERE job_id = $1",
+    )
+    .bind(ids[1])
+    .execute(&mut *lease_tx)
+    .await
+    .unwrap();
+    let third = beats.register(
+        ids[1],
+        3,
+        Duration::from_millis(300),
+        Duration::from_secs(2),
+        pending.clone(),
+    );
+    // Three renewals of the others after it was registered: at least two beats had it due.
+    for _ in 0..3 {
+        let seen = until(vec![ids[2]]).await[&ids[2]];
+        eventually(Duration::from_secs(10), "a beat", || async {
+            until(vec![ids[2]]).await[&ids[2]] > seen
+        })
+        .await;
+    }
+    assert!(
+        !pending.is_cancelled(),
+        "a lease its transaction had not committed yet was taken as lost"
+    );
+    lease_tx.commit().await.unwrap();
+    let committed = until(vec![ids[1]]).await[&ids[1]];
+    eventually(Duration::from_secs(10), "the committed lease to be renewed", || async {
+        until(vec![ids[1]]).await[&ids[1]] > committed
+    })
+    .await;
+    assert!(!pending.is_cancelled());
+    drop(third);
+
     // Registrations dropped: their leases are left to run out.
     leases.truncate(100);
     tokio::time::sleep(Duration::from_millis(700)).await;
