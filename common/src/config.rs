@@ -84,15 +84,16 @@ impl<T> Serialize for Sensitive<T> {
     }
 }
 
-/// The schema registry's URL. Credentials in it (`https://user:secret@host/...`) are shown
-/// as `*********` by `Debug`, `Display` and `Serialize`, and are sent as basic
-/// authentication, never as part of a URL an error message could repeat
-/// ([`Config::registry`]).
+/// A URL setting that may hold secrets: the schema registry's, a kind's handler's.
+/// Credentials in it (`https://user:secret@host/...`) and the values of its query
+/// (`?token=...`) are shown as `*********` by `Debug`, `Display` and `Serialize`; the
+/// registry's credentials are sent as basic authentication, never as part of a URL an error
+/// message could repeat ([`Config::registry`]).
 #[derive(Clone, PartialEq, Eq, Deserialize)]
 #[serde(transparent)]
-pub struct RegistryUrl(String);
+pub struct SecretUrl(String);
 
-impl RegistryUrl {
+impl SecretUrl {
     pub fn new(url: impl Into<String>) -> Self {
         Self(url.into())
     }
@@ -119,9 +120,44 @@ impl RegistryUrl {
         }
     }
 
-    /// The URL as shown: credentials replaced by `*********` — in one that does not parse
-    /// too, whatever its authority holds before an `@`.
+    /// The URL as shown: credentials and query values replaced by `*********` — in one
+    /// that does not parse too, whatever its authority holds before an `@`.
     fn shown(&self) -> String {
+        redacted(&self.0)
+    }
+}
+
+/// `url` fit to log or show: credentials and the values of its query replaced by
+/// `*********` — in one that does not parse too, whatever its authority holds before an `@`
+/// and whatever follows a `?`.
+pub fn redacted(url: &str) -> String {
+    let hidden = SecretUrl(url.to_owned()).without_credentials_shown();
+    match hidden.split_once('?') {
+        None => hidden,
+        Some((base, query)) => {
+            let (query, fragment) = match query.split_once('#') {
+                Some((q, f)) => (q, Some(f)),
+                None => (query, None),
+            };
+            let shown: Vec<String> = query
+                .split('&')
+                .map(|pair| match pair.split_once('=') {
+                    Some((key, _)) => format!("{key}=*********"),
+                    None => pair.to_owned(),
+                })
+                .collect();
+            let mut out = format!("{base}?{}", shown.join("&"));
+            if let Some(f) = fragment {
+                out.push('#');
+                out.push_str(f);
+            }
+            out
+        }
+    }
+}
+
+impl SecretUrl {
+    fn without_credentials_shown(&self) -> String {
         match self.split_credentials() {
             (bare, Some(_)) => match url::Url::parse(&bare) {
                 Ok(mut parsed) => {
@@ -142,19 +178,19 @@ impl RegistryUrl {
     }
 }
 
-impl fmt::Debug for RegistryUrl {
+impl fmt::Debug for SecretUrl {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{:?}", self.shown())
     }
 }
 
-impl fmt::Display for RegistryUrl {
+impl fmt::Display for SecretUrl {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(&self.shown())
     }
 }
 
-impl Serialize for RegistryUrl {
+impl Serialize for SecretUrl {
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         s.serialize_str(&self.shown())
     }
@@ -169,7 +205,7 @@ pub struct Config {
     /// Kafka bootstrap servers, comma separated.
     pub kafka_brokers: String,
     /// Base URL of the Confluent-compatible schema registry API.
-    pub schema_registry_url: RegistryUrl,
+    pub schema_registry_url: SecretUrl,
     /// User for the registry's basic authentication (with `schema_registry_password`).
     #[serde(default)]
     pub schema_registry_username: Option<String>,
@@ -191,9 +227,13 @@ pub struct Config {
     pub processor: Processor,
     /// What is deleted, and after how long; nothing by default.
     pub retention: Retention,
-    /// Bearer token the HTTP API requires on every mutating request (`POST`); none: open.
+    /// One bearer token with the `admin` role, named `api_token` (see [`Http::tokens`] for
+    /// several, with roles, stored hashed); none and no `http.tokens`: the API is open.
     #[serde(default)]
     pub api_token: Option<Sensitive<String>>,
+    /// Who may call the HTTP API: tokens and their roles, the hosts it answers to.
+    #[serde(default)]
+    pub http: Http,
     /// Settings per job kind, `[kinds.<kind>]`; see [`Kind`].
     #[serde(default)]
     pub kinds: BTreeMap<String, Kind>,
@@ -240,6 +280,96 @@ impl fmt::Debug for KafkaOptions {
 impl Serialize for KafkaOptions {
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         self.shown().serialize(s)
+    }
+}
+
+/// What a token may do on the HTTP API, each role all that the one before it may.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    /// Everything the console shows: jobs (their inputs and results), events, dead letters,
+    /// quarantine, kinds, schedules, the overview, the audit trail.
+    Read,
+    /// `read`, and accept jobs (`POST /v1/jobs`, `/v1/jobs/batch`): an upstream service.
+    Submit,
+    /// `submit`, and change jobs: cancel, replay, run now, pause and resume kinds,
+    /// re-inject dead letters.
+    Operate,
+    /// `operate`, and delete (dead letters).
+    Admin,
+}
+
+impl Role {
+    pub const ALL: [Role; 4] = [Role::Read, Role::Submit, Role::Operate, Role::Admin];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::Read => "read",
+            Role::Submit => "submit",
+            Role::Operate => "operate",
+            Role::Admin => "admin",
+        }
+    }
+}
+
+impl fmt::Display for Role {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A token the HTTP API takes: its secret is stored as the SHA-256 of the secret, in hex
+/// (`jobfold token new` makes one), so the configuration holds nothing that signs in.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct ApiToken {
+    /// Who uses it: recorded in the audit trail of each change it makes.
+    pub name: String,
+    pub role: Role,
+    /// SHA-256 of the secret, 64 hex digits.
+    pub sha256: String,
+}
+
+/// The HTTP API's access settings, `[http]`.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct Http {
+    /// `Host` names (optionally `:port`; `*.example.com` for a domain's names; `*` for any)
+    /// the API answers to; any other gets 421 before a handler runs, so a page that rebinds
+    /// its own name to this address reaches nothing. Besides these: `localhost`,
+    /// `127.0.0.1`, `[::1]` and `http_addr`'s address.
+    #[serde(default)]
+    pub allowed_hosts: Vec<String>,
+    /// Tokens and their roles; with one (or `api_token`) configured, every route but
+    /// `/healthz`, `/readyz`, the console's page and (unless `open_metrics = false`)
+    /// `/metrics` needs a token.
+    #[serde(default)]
+    pub tokens: Vec<ApiToken>,
+    /// `/metrics` on the API's address answers without a token.
+    #[serde(default = "yes")]
+    pub open_metrics: bool,
+    /// Failed authentications a client address may make in a minute; past them it is
+    /// answered 429 until the minute is over, even with a right token.
+    #[serde(default = "auth_failures")]
+    pub auth_failures_per_minute: u32,
+}
+
+fn yes() -> bool {
+    true
+}
+
+fn auth_failures() -> u32 {
+    10
+}
+
+impl Default for Http {
+    fn default() -> Self {
+        Self {
+            allowed_hosts: Vec::new(),
+            tokens: Vec::new(),
+            open_metrics: true,
+            auth_failures_per_minute: auth_failures(),
+        }
     }
 }
 
@@ -584,9 +714,9 @@ pub struct Kind {
     pub owner: Option<String>,
     /// An `http://` or `https://` URL: the shipped processor runs this kind by calling it (a
     /// handler in any language; the protocol is in docs/processor.md). Absent: a handler
-    /// registered in code runs it.
+    /// registered in code runs it. Shown with its credentials and query values hidden.
     #[serde(default)]
-    pub url: Option<String>,
+    pub url: Option<SecretUrl>,
     /// The provider's request quota: attempts of this kind started per second, by all of
     /// the group's processors together (else no limit).
     #[serde(default)]
@@ -799,6 +929,40 @@ fn describe(error: &figment::Error) -> String {
         .join("; ")
 }
 
+/// Whether `pattern` is an `http.allowed_hosts` entry: `*`, or a name or address (`*.` before
+/// a name: any name under it), optionally with `:port`.
+pub fn host_pattern_ok(pattern: &str) -> bool {
+    if pattern == "*" {
+        return true;
+    }
+    let name = pattern.strip_prefix("*.").unwrap_or(pattern);
+    let (host, port) = split_host_port(name);
+    port.is_none_or(|p| p.parse::<u16>().is_ok())
+        && !host.is_empty()
+        && host.len() <= 253
+        && (host.starts_with('[')
+            && host.ends_with(']')
+            && host[1..host.len() - 1].parse::<std::net::Ipv6Addr>().is_ok()
+            || host.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'.'))
+}
+
+/// `host[:port]` split at the port; `[v6]:port` keeps its brackets.
+pub fn split_host_port(value: &str) -> (&str, Option<&str>) {
+    if value.starts_with('[') {
+        return match value.find(']') {
+            Some(end) => {
+                let port = value[end + 1..].strip_prefix(':');
+                (&value[..=end], port)
+            }
+            None => (value, None),
+        };
+    }
+    match value.rsplit_once(':') {
+        Some((host, port)) if !host.contains(':') => (host, Some(port)),
+        _ => (value, None),
+    }
+}
+
 /// `JOBFOLD_*` variables that are not configuration: the service scripts' (`docker/`), the
 /// test harness's and the fault points'. Any other `JOBFOLD_*` variable must name a key.
 const NOT_CONFIG: [&str; 17] = [
@@ -822,9 +986,10 @@ const NOT_CONFIG: [&str; 17] = [
 ];
 
 /// Top-level keys that `JOBFOLD_*` variables may set.
-const ENV_KEYS: [&str; 18] = [
+const ENV_KEYS: [&str; 19] = [
     "database_url",
     "api_token",
+    "http",
     "kafka_brokers",
     "schema_registry_url",
     "schema_registry_username",
@@ -994,6 +1159,7 @@ impl Config {
         if self.api_token.as_ref().is_some_and(|t| t.expose().trim().len() < 16) {
             return invalid("api_token", "must be at least 16 characters");
         }
+        self.validate_http()?;
         if p.max_in_flight == 0 {
             return invalid("processor.max_in_flight", "must be at least 1");
         }
@@ -1080,6 +1246,44 @@ impl Config {
         self.validate_kafka_combination()
     }
 
+    fn validate_http(&self) -> Result<(), ConfigError> {
+        let h = &self.http;
+        let named = |key: String, problem: &str| {
+            Err(ConfigError::Named {
+                key: format!("key `http.{key}`"),
+                problem: problem.to_owned(),
+            })
+        };
+        for (i, host) in h.allowed_hosts.iter().enumerate() {
+            if !host_pattern_ok(host) {
+                return named(
+                    format!("allowed_hosts[{i}]"),
+                    "must be a host name or address, optionally with :port, `*.domain` or `*`",
+                );
+            }
+        }
+        let mut names = std::collections::HashSet::new();
+        for (i, token) in h.tokens.iter().enumerate() {
+            let name = token.name.trim();
+            if name.is_empty() || name.len() > 64 || name.chars().any(char::is_control) {
+                return named(format!("tokens[{i}].name"), "must have 1 to 64 characters");
+            }
+            if name == "api_token" && self.api_token.is_some() || !names.insert(name) {
+                return named(format!("tokens[{i}].name"), "must be unique (api_token counts)");
+            }
+            if token.sha256.len() != 64 || !token.sha256.bytes().all(|b| b.is_ascii_hexdigit()) {
+                return named(
+                    format!("tokens[{i}].sha256"),
+                    "must be the SHA-256 of the secret in 64 hex digits (`jobfold token new`)",
+                );
+            }
+        }
+        if h.auth_failures_per_minute == 0 || h.auth_failures_per_minute > 10_000 {
+            return named("auth_failures_per_minute".into(), "must be between 1 and 10000");
+        }
+        Ok(())
+    }
+
     /// The rules of the global settings, for one kind's settings with the defaults filled in.
     fn validate_kind(&self, name: &str) -> Result<(), ConfigError> {
         let k = self.kind(name);
@@ -1141,7 +1345,7 @@ impl Config {
             return invalid("cost_pointer", "must be a JSON pointer, starting with /");
         }
         if let Some(url) = self.kinds.get(name).and_then(|k| k.url.as_ref()) {
-            let parsed = url::Url::parse(url);
+            let parsed = url::Url::parse(url.expose());
             if !parsed
                 .as_ref()
                 .is_ok_and(|u| matches!(u.scheme(), "http" | "https") && u.has_host())
@@ -1556,7 +1760,7 @@ mod tests {
         use jobfold_schemas::RegistryAuth;
         let mut config = defaults();
         config.schema_registry_url =
-            RegistryUrl::new("https://svc:p%40ss@registry.example:8443/apis/ccompat/v7");
+            SecretUrl::new("https://svc:p%40ss@registry.example:8443/apis/ccompat/v7");
         let (bare, credentials) = config.schema_registry_url.split_credentials();
         assert_eq!(bare, "https://registry.example:8443/apis/ccompat/v7");
         assert_eq!(credentials, Some(("svc".into(), Some("p@ss".into()))));
@@ -1576,13 +1780,13 @@ mod tests {
         }
         assert!(config.validate().is_ok());
         // One that does not parse (a port out of range) shows no credentials either.
-        let broken = RegistryUrl::new("https://svc:p@ss@registry.example:99999/apis");
+        let broken = SecretUrl::new("https://svc:p@ss@registry.example:99999/apis");
         assert_eq!(broken.to_string(), "https://*********@registry.example:99999/apis");
 
         // The same credentials as settings; the token instead.
         config.schema_registry_username = Some("svc".into());
         assert!(problem(config.validate()).contains("schema_registry_username"));
-        config.schema_registry_url = RegistryUrl::new("https://registry.example/apis/ccompat/v7");
+        config.schema_registry_url = SecretUrl::new("https://registry.example/apis/ccompat/v7");
         config.schema_registry_password = Some(Sensitive::new("p@ss".into()));
         assert!(config.validate().is_ok());
         assert!(!format!("{config:?}").contains("p@ss"));
@@ -1594,6 +1798,48 @@ mod tests {
         assert!(config.validate().is_ok());
         assert_eq!(config.registry_auth(), RegistryAuth::Bearer("t0ken".into()));
         assert!(!format!("{config:?} {:?}", config.registry_auth()).contains("t0ken"));
+    }
+
+    #[test]
+    fn a_kinds_url_shows_neither_its_credentials_nor_its_query_values() {
+        let mut config = defaults();
+        let url = "https://bot:hunter2@worker.example/run?api_key=s3cret&region=eu#frag";
+        config
+            .kinds
+            .insert("remote".into(), Kind { url: Some(SecretUrl::new(url)), ..Kind::default() });
+        assert!(config.validate().is_ok());
+        let shown = [format!("{config:?}"), serde_json::to_string(&config).unwrap()];
+        for shown in shown {
+            for secret in ["hunter2", "bot:", "s3cret", "=eu"] {
+                assert!(!shown.contains(secret), "{secret} in {shown}");
+            }
+            assert!(
+                shown.contains("worker.example/run?api_key=*********&region=*********"),
+                "{shown}"
+            );
+        }
+        assert_eq!(redacted("http://h/p?flag"), "http://h/p?flag");
+        assert_eq!(redacted("http://u:p@h/p"), "http://*********@h/p");
+    }
+
+    #[test]
+    fn http_access_settings_are_checked_naming_the_key() {
+        let mut config = defaults();
+        config.http.allowed_hosts = vec!["jobs.internal".into(), "*.example.com:443".into()];
+        config.http.tokens =
+            vec![ApiToken { name: "dashboards".into(), role: Role::Read, sha256: "a".repeat(64) }];
+        assert!(config.validate().is_ok());
+        config.http.allowed_hosts.push("bad host/".into());
+        assert!(problem(config.validate()).contains("http.allowed_hosts[2]"));
+        config.http.allowed_hosts.pop();
+        config.http.tokens[0].sha256 = "secret-in-the-clear".into();
+        assert!(problem(config.validate()).contains("http.tokens[0].sha256"));
+        config.http.tokens[0].sha256 = "b".repeat(64);
+        config.http.tokens.push(config.http.tokens[0].clone());
+        assert!(problem(config.validate()).contains("http.tokens[1].name"));
+        config.http.tokens.pop();
+        config.http.auth_failures_per_minute = 0;
+        assert!(problem(config.validate()).contains("http.auth_failures_per_minute"));
     }
 
     #[test]
@@ -1786,8 +2032,8 @@ mod tests {
             (Kind { max_snoozes: Some(-1), ..Kind::default() }, "max_snoozes"),
             (Kind { retry_base: Some(Duration::from_secs(3600)), ..Kind::default() }, "retry_base"),
             (Kind { max_attempts: Some(0), ..Kind::default() }, "max_attempts"),
-            (Kind { url: Some("ftp://host/run".into()), ..Kind::default() }, "url"),
-            (Kind { url: Some("not a url".into()), ..Kind::default() }, "url"),
+            (Kind { url: Some(SecretUrl::new("ftp://host/run")), ..Kind::default() }, "url"),
+            (Kind { url: Some(SecretUrl::new("not a url")), ..Kind::default() }, "url"),
             (Kind { rate_per_second: Some(0.0), ..Kind::default() }, "rate_per_second"),
             (Kind { rate_per_second: Some(f64::NAN), ..Kind::default() }, "rate_per_second"),
             (Kind { cost_per_minute: Some(-5.0), ..Kind::default() }, "cost_per_minute"),

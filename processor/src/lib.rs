@@ -32,6 +32,7 @@
 //! Shutdown: the HTTP server stops accepting connections and finishes requests in flight;
 //! the intake finishes the message in flight and commits its stored offsets.
 
+pub mod access;
 pub mod batch;
 pub mod buffer;
 pub mod complete;
@@ -150,7 +151,7 @@ impl Processor {
             if let Some(url) = &settings.url
                 && handlers.get(kind).is_none()
             {
-                let remote = remote::Remote::for_kind(url, &self.config.kind(kind))
+                let remote = remote::Remote::for_kind(url.expose(), &self.config.kind(kind))
                     .with_context(|| format!("the handler of kind {kind} at {url}"))?
                     .with_cost_pointer(settings.cost_pointer.clone());
                 handlers = handlers.with(kind.clone(), remote);

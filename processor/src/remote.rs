@@ -33,6 +33,8 @@ const ERROR_BODY_BYTES: usize = 2048;
 #[derive(Debug, Clone)]
 pub struct Remote {
     url: reqwest::Url,
+    /// The URL as errors and logs show it: credentials and query values hidden.
+    shown: String,
     client: reqwest::Client,
     max_output_bytes: usize,
     /// Where a job's cost is in its input (a JSON pointer), for `cost_per_minute`.
@@ -60,8 +62,10 @@ impl Remote {
     /// # Errors
     /// `url` does not parse, or the HTTP client cannot be built.
     pub fn new(url: &str, max_output_bytes: usize) -> anyhow::Result<Self> {
+        let url: reqwest::Url = url.parse()?;
         Ok(Self {
-            url: url.parse()?,
+            shown: jobfold_common::config::redacted(url.as_str()),
+            url,
             client: client(CONNECT_TIMEOUT)?,
             max_output_bytes,
             cost_pointer: None,
@@ -123,7 +127,11 @@ impl Remote {
             }
         }
         let mut response = request.send().await.map_err(|e| {
-            HandlerError::retryable(format!("calling {}: {}", self.url, error_chain(&e)))
+            HandlerError::retryable(format!(
+                "calling {}: {}",
+                self.shown,
+                error_chain(&e.without_url())
+            ))
         })?;
         let status = response.status();
         let retry_after = retry_after(response.headers());
@@ -136,7 +144,7 @@ impl Remote {
             return Err(HandlerError::permanent(format!(
                 "{} answered {status}, a redirect to {location:?}: redirects are not followed, \
                  the result must come from the configured URL",
-                self.url
+                self.shown
             )));
         }
         let limit = if status.is_success() { self.max_output_bytes } else { ERROR_BODY_BYTES };
@@ -146,8 +154,8 @@ impl Remote {
             let chunk = response.chunk().await.map_err(|e| {
                 HandlerError::retryable(format!(
                     "reading the answer of {}: {}",
-                    self.url,
-                    error_chain(&e)
+                    self.shown,
+                    error_chain(&e.without_url())
                 ))
             })?;
             let Some(chunk) = chunk else { break };
@@ -162,13 +170,13 @@ impl Remote {
             if cut {
                 return Err(HandlerError::permanent(format!(
                     "{} answered with more than max_output_bytes ({limit} bytes)",
-                    self.url
+                    self.shown
                 )));
             }
             return serde_json::from_slice(&body).map_err(|e| {
                 HandlerError::permanent(format!(
                     "{} answered {status} with a body that is not JSON: {e}",
-                    self.url
+                    self.shown
                 ))
             });
         }
@@ -194,7 +202,8 @@ pub fn failure(
         }
         cut = &cut[..end];
     }
-    let message = format!("{url} answered {status}: {cut}");
+    let message =
+        format!("{} answered {status}: {cut}", jobfold_common::config::redacted(url.as_str()));
     match status.as_u16() {
         422 => HandlerError::invalid_input(message),
         503 if retry_after.is_some() => {
