@@ -180,6 +180,33 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Make an API token: its secret is printed once, with the `[[http.tokens]]` entry that
+    /// holds only its SHA-256.
+    Token {
+        /// Who will use it (recorded in the audit trail of each change it makes).
+        #[arg(long)]
+        name: String,
+        /// read, submit, operate or admin.
+        #[arg(long, value_parser = parse_role)]
+        role: jobfold_common::config::Role,
+    },
+    /// The audit trail: every change made through the API or this command, newest first.
+    Audit {
+        #[arg(long)]
+        actor: Option<String>,
+        /// cancel, cancel_matching, replay, replay_matching, run_now, pause_kind,
+        /// resume_kind, reinject_dead_letter, delete_dead_letter, retry_parked, drop_parked.
+        #[arg(long)]
+        action: Option<String>,
+        /// A job id, a kind, a dead letter's id.
+        #[arg(long)]
+        target: Option<String>,
+        #[arg(long, default_value_t = 50)]
+        limit: i64,
+        /// Print JSON lines instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
     /// Kinds: list them with their pauses; pause or resume one for the whole group.
     Kinds {
         #[command(subcommand)]
@@ -554,7 +581,16 @@ async fn run(config: Config, command: Command) -> anyhow::Result<()> {
                 requested_by: Some(by),
                 reason,
             };
+            let filter = serde_json::json!({
+                "kind": request.kind, "document_id": request.document_id, "state": request.state,
+                "since": request.since, "until": request.until, "limit": request.limit,
+                "reason": request.reason,
+            });
             let done = jobfold_processor::store::cancel_matching(&pool, &events, request).await?;
+            if !done.dry_run {
+                let detail = serde_json::json!({ "request": filter, "done": done });
+                audited(&pool, "cancel_matching", None, detail).await?;
+            }
             if done.dry_run {
                 println!("{} open jobs match; nothing cancelled (--dry-run)", done.matched);
             } else {
@@ -567,10 +603,16 @@ async fn run(config: Config, command: Command) -> anyhow::Result<()> {
         Command::Cancel { job_id: Some(job_id), reason, by, .. } => {
             let pool = db::connect_and_migrate(&config, 1).await?;
             let events = cli_events(&config).await?;
+            let detail = serde_json::json!({ "request": { "reason": reason, "requested_by": by } });
             let request = jobfold_processor::store::Cancel { requested_by: Some(by), reason };
             let mut tx = pool.begin().await?;
             let (_, was) =
                 jobfold_processor::store::cancel(&mut tx, &events, job_id, request).await?;
+            if was != jobfold_schemas::fold::Status::Cancelled {
+                let mut detail = detail;
+                detail["was"] = was.as_str().into();
+                audited(&mut *tx, "cancel", Some(&job_id.to_string()), detail).await?;
+            }
             tx.commit().await?;
             if was == jobfold_schemas::fold::Status::Cancelled {
                 println!("{job_id} was already cancelled");
@@ -584,6 +626,10 @@ async fn run(config: Config, command: Command) -> anyhow::Result<()> {
             let events = cli_events(&config).await?;
             let mut tx = pool.begin().await?;
             let (_, waited) = jobfold_processor::store::run_now(&mut tx, &events, job_id).await?;
+            if waited != Waited::Due {
+                let detail = serde_json::json!({ "waited": waited });
+                audited(&mut *tx, "run_now", Some(&job_id.to_string()), detail).await?;
+            }
             tx.commit().await?;
             match waited {
                 Waited::Scheduled => println!("{job_id} was scheduled for later: dispatched now"),
@@ -614,6 +660,45 @@ async fn run(config: Config, command: Command) -> anyhow::Result<()> {
         Command::Stats { totals } => stats(config, totals).await?,
         Command::Kinds { command } => kinds(config, command).await?,
         Command::Periodic { json } => Box::pin(periodic(config, json)).await?,
+        Command::Token { name, role } => {
+            let secret = format!("jf_{}", hex::encode(rand::random::<[u8; 32]>()));
+            let digest = jobfold_processor::access::digest_hex(&secret);
+            println!("secret (shown once; give it to {name}): {secret}");
+            println!();
+            println!("[[http.tokens]]");
+            println!("name = {}", toml_string(&name));
+            println!("role = \"{role}\"");
+            println!("sha256 = \"{digest}\"");
+        }
+        Command::Audit { actor, action, target, limit, json } => {
+            use jobfold_processor::store::audit;
+            let pool = db::connect(&config, 1).await?;
+            let filter =
+                audit::AuditFilter { actor, action, target, before: None, limit: Some(limit) };
+            let page = audit::list(&pool, &filter).await?;
+            if json {
+                for entry in &page.entries {
+                    println!("{}", serde_json::to_string(entry)?);
+                }
+                return Ok(());
+            }
+            println!(
+                "{:<19}  {:<20}  {:<7}  {:<3}  {:<20}  {:<36}  request",
+                "at", "actor", "role", "via", "action", "target"
+            );
+            for e in &page.entries {
+                println!(
+                    "{:<19}  {:<20.20}  {:<7}  {:<3}  {:<20}  {:<36.36}  {}",
+                    e.at.format("%Y-%m-%d %H:%M:%S"),
+                    e.actor,
+                    e.role.as_deref().unwrap_or("-"),
+                    e.via,
+                    e.action,
+                    e.target.as_deref().unwrap_or("-"),
+                    e.request_id.as_deref().unwrap_or("-"),
+                );
+            }
+        }
         Command::Quarantine { command } => quarantine(config, command).await?,
         Command::Parked { command } => parked(config, command).await?,
         Command::Replay { from, since, verify, export, jobs, no_progress, dedupe_window } => {
@@ -753,6 +838,7 @@ async fn parked(config: Config, command: ParkedCommand) -> anyhow::Result<()> {
             if n == 0 {
                 anyhow::bail!("no refused event matches");
             }
+            audited(&pool, "retry_parked", None, serde_json::json!({ "events": n })).await?;
             println!("{n} refused event(s) will be sent again, with the events behind them");
         }
         ParkedCommand::Drop { which } => {
@@ -760,10 +846,38 @@ async fn parked(config: Config, command: ParkedCommand) -> anyhow::Result<()> {
             if n == 0 {
                 anyhow::bail!("no refused event matches");
             }
+            audited(&pool, "drop_parked", None, serde_json::json!({ "events": n })).await?;
             println!("{n} refused event(s) dropped; the events behind them go out in order");
         }
     }
     Ok(())
+}
+
+/// A role's name as `--role` takes it.
+fn parse_role(value: &str) -> Result<jobfold_common::config::Role, String> {
+    jobfold_common::config::Role::ALL
+        .into_iter()
+        .find(|r| r.as_str() == value)
+        .ok_or_else(|| format!("{value:?} is not a role: read, submit, operate or admin"))
+}
+
+/// `value` as a TOML basic string.
+fn toml_string(value: &str) -> String {
+    serde_json::to_string(value).unwrap_or_default()
+}
+
+/// Records a change this command made in the database directly, as its operating-system
+/// user, in the audit trail (in the change's transaction where it has one).
+async fn audited<'c, E: sqlx::PgExecutor<'c>>(
+    executor: E,
+    action: &str,
+    target: Option<&str>,
+    detail: serde_json::Value,
+) -> anyhow::Result<()> {
+    let actor = jobfold_processor::store::audit::Actor::os_user();
+    jobfold_processor::store::audit::record(executor, &actor, action, target, detail)
+        .await
+        .context("recording the change in the audit trail")
 }
 
 /// Appends events as the command line (`producer` jobfold-cli).
@@ -846,7 +960,10 @@ async fn kinds(config: Config, command: KindCommand) -> anyhow::Result<()> {
         KindCommand::Pause { kind, reason, by } => {
             let pool = db::connect_and_migrate(&config, 1).await?;
             let request = KindControl { requested_by: Some(by), reason };
+            let said = serde_json::json!({ "reason": request.reason, "requested_by": request.requested_by });
             let changed = kinds::pause(&pool, &kind, request).await?;
+            let detail = serde_json::json!({ "request": said, "done": changed });
+            audited(&pool, "pause_kind", Some(&kind), detail).await?;
             if changed.was_paused {
                 println!("{kind} was already paused");
             } else {
@@ -857,7 +974,10 @@ async fn kinds(config: Config, command: KindCommand) -> anyhow::Result<()> {
             let pool = db::connect_and_migrate(&config, 1).await?;
             let events = cli_events(&config).await?;
             let request = KindControl { requested_by: Some(by), reason };
+            let said = serde_json::json!({ "reason": request.reason, "requested_by": request.requested_by });
             let changed = kinds::resume(&pool, &events, &kind, request).await?;
+            let detail = serde_json::json!({ "request": said, "done": changed });
+            audited(&pool, "resume_kind", Some(&kind), detail).await?;
             let state = if changed.was_paused { "resumed" } else { "was not paused" };
             println!("{kind} {state}; {} jobs that waited dispatched again", changed.dispatched);
         }
@@ -965,6 +1085,8 @@ async fn dead_letters(config: Config, command: DeadLetterCommand) -> anyhow::Res
         }
         DeadLetterCommand::Reinject { id } => {
             let sent = dead_letter::reinject(&pool, &config, id).await?;
+            let detail = serde_json::json!({ "sent": sent });
+            audited(&pool, "reinject_dead_letter", Some(&id.to_string()), detail).await?;
             println!(
                 "dead letter {id} sent to {} [{}] @ {}",
                 sent.topic, sent.partition, sent.offset
@@ -972,6 +1094,8 @@ async fn dead_letters(config: Config, command: DeadLetterCommand) -> anyhow::Res
         }
         DeadLetterCommand::Delete { id } => {
             anyhow::ensure!(dead_letter::delete(&pool, id).await?, "no dead letter {id}");
+            audited(&pool, "delete_dead_letter", Some(&id.to_string()), serde_json::json!({}))
+                .await?;
             println!("dead letter {id} deleted");
         }
     }
@@ -1025,6 +1149,7 @@ async fn quarantine(config: Config, command: QuarantineCommand) -> anyhow::Resul
                 limit: Some(limit),
                 requested_by: Some(by),
             };
+            let said = serde_json::json!({ "filter": request.filter, "limit": request.limit });
             let done = jobfold_processor::store::replay_matching(
                 &pool,
                 &events,
@@ -1032,6 +1157,10 @@ async fn quarantine(config: Config, command: QuarantineCommand) -> anyhow::Resul
                 request,
             )
             .await?;
+            if !done.dry_run {
+                let detail = serde_json::json!({ "request": said, "done": done });
+                audited(&pool, "replay_matching", None, detail).await?;
+            }
             if done.dry_run {
                 println!("{} quarantined job(s) match; nothing replayed (--dry-run)", done.matched);
             } else {
@@ -1063,6 +1192,8 @@ async fn quarantine(config: Config, command: QuarantineCommand) -> anyhow::Resul
                 request,
             )
             .await?;
+            let detail = serde_json::json!({ "input_version": job.input_version });
+            audited(&mut *tx, "replay", Some(&job_id.to_string()), detail).await?;
             tx.commit().await?;
             println!("{job_id} queued again at input version {}", job.input_version);
         }

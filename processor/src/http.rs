@@ -46,16 +46,20 @@
 //!   result as JSON (`?download=true` to save them as a file).
 //! - `GET /v1/overview`: the unfinished-work gauges, recent rates and every partition's
 //!   consumer lag, as the console shows them.
-//! - `POST /v1/auth`: 204 if the request carries the token (the console's sign-in).
+//! - `GET /v1/audit?actor=&action=&target=&before=&limit=`: the audit trail, newest first:
+//!   every change made through the API or the CLI, who (the token's name), with which role,
+//!   what, on what, when, and the request's id (`X-Request-Id`, given or made).
+//! - `POST /v1/auth`: 200 with the token's `name` and `role` (the console's sign-in), 401 for
+//!   a wrong one.
 //! - `GET /ui`: the operator console ([`crate::console`]).
 //! - `GET /metrics` (Prometheus), `GET /healthz` (the process runs), `GET /readyz`
 //!   (Postgres answers).
 //!
-//! With `api_token` set, every mutating request (`POST`, `DELETE`) must carry
-//! `Authorization: Bearer <token>`, else 401. Reads stay open. A mutating request a browser
-//! sends from another origin (its `Origin` is not this host, or `Sec-Fetch-Site` says
-//! `cross-site`) is refused with 403, token or not: a page elsewhere cannot make an
-//! operator's browser cancel or replay jobs.
+//! Who may call what: [`crate::access`]. In short: only listed `Host`s are answered (421);
+//! a mutating request a browser sends from another origin is refused (403); with tokens
+//! configured every route but the probes, the console's page and `/metrics` needs a token
+//! whose role allows it — `read` reads, `submit` accepts jobs, `operate` changes them,
+//! `admin` deletes. Every answer carries `X-Request-Id`.
 //!
 //! Errors are JSON: `{"error": {"code": "...", "message": "..."}}`.
 
@@ -64,13 +68,12 @@ use std::net::SocketAddr;
 use axum::Router;
 use axum::body::Bytes;
 use axum::extract::rejection::{BytesRejection, QueryRejection};
-use axum::extract::{DefaultBodyLimit, Path, Query, Request, State};
+use axum::extract::{DefaultBodyLimit, Extension, Path, Query, Request, State};
 use axum::http::{HeaderMap, Method, StatusCode, header};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use jobfold_common::accept::{AcceptError, Acceptor, NewJob};
-use jobfold_common::config::Sensitive;
 use jobfold_schemas::event::{TRACEPARENT, TRACESTATE, TraceContext};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
@@ -79,6 +82,7 @@ use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use crate::status;
+use crate::store::audit;
 
 /// What every handler shares.
 #[derive(Debug, Clone)]
@@ -88,8 +92,8 @@ pub struct ApiState {
     /// Appends events (replays).
     pub events: crate::store::Events,
     pub policy: jobfold_common::config::AcceptPolicy,
-    /// Required on mutating requests when set.
-    pub api_token: Option<Sensitive<String>>,
+    /// Who may call what ([`crate::access`]).
+    pub access: std::sync::Arc<crate::access::Access>,
     /// Kafka settings and topics (re-injecting dead letters).
     pub config: std::sync::Arc<jobfold_common::config::Config>,
     /// Every partition's consumer lag (the overview).
@@ -163,7 +167,7 @@ impl ApiState {
             acceptor,
             events,
             policy: config.accept_policy(),
-            api_token: config.api_token.clone(),
+            access: std::sync::Arc::new(crate::access::Access::new(&config)),
             lag: crate::lag::LagReader::new(std::sync::Arc::clone(&config)),
             config,
         }
@@ -184,7 +188,8 @@ pub fn router(state: ApiState, max_body: usize) -> Router {
         .route("/v1/jobs/{id}/input", get(job_input))
         .route("/v1/jobs/{id}/result", get(job_result))
         .route("/v1/overview", get(overview))
-        .route("/v1/auth", post(|| async { StatusCode::NO_CONTENT }))
+        .route("/v1/auth", post(auth))
+        .route("/v1/audit", get(audit))
         .route("/v1/jobs/{id}/replay", post(replay))
         .route("/v1/jobs/{id}/cancel", post(cancel))
         .route("/v1/jobs/{id}/run-now", post(run_now))
@@ -208,61 +213,163 @@ pub fn router(state: ApiState, max_body: usize) -> Router {
         .with_state(state)
 }
 
-/// Lets a mutating request through only from this origin and with the configured bearer
-/// token; marks every answer `nosniff`, so a browser never reads a JSON body (user data) as
-/// a page or a script.
-async fn authorize(State(state): State<ApiState>, request: Request, next: Next) -> Response {
-    let mut response = match refused(&state, &request) {
-        Some(refusal) => refusal,
-        None => next.run(request).await,
+/// Who made a request that passed the access check, and the request's id: what the audit
+/// trail records of a change.
+#[derive(Debug, Clone)]
+pub struct Caller {
+    pub principal: crate::access::Principal,
+    pub request_id: String,
+    /// Whether the principal was named by a token (else `anonymous`: no token configured).
+    pub authenticated: bool,
+}
+
+impl Caller {
+    /// The actor the audit trail records.
+    pub fn actor(&self) -> crate::store::audit::Actor {
+        crate::store::audit::Actor {
+            name: self.principal.name.clone(),
+            role: self.authenticated.then(|| self.principal.role.to_string()),
+            via: crate::store::audit::Via::Api,
+            request_id: Some(self.request_id.clone()),
+        }
+    }
+
+    /// Who a change is recorded as requested by: the token's name once a token named the
+    /// caller (what a body says is kept in the audit row's detail), else what the body says.
+    fn requested_by(&self, said: Option<String>) -> Option<String> {
+        if self.authenticated { Some(self.principal.name.clone()) } else { said }
+    }
+}
+
+/// Longest `X-Request-Id` taken from a request; a longer or odd one is replaced.
+const REQUEST_ID_MAX: usize = 128;
+
+/// The request's id: its `X-Request-Id` if that is 1 to 128 visible ASCII characters, else a
+/// new one.
+fn request_id(headers: &HeaderMap) -> String {
+    headers
+        .get("x-request-id")
+        .and_then(|v| v.to_str().ok())
+        .map(str::trim)
+        .filter(|v| {
+            !v.is_empty() && v.len() <= REQUEST_ID_MAX && v.bytes().all(|b| b.is_ascii_graphic())
+        })
+        .map_or_else(|| Uuid::new_v4().to_string(), str::to_owned)
+}
+
+/// Lets a request through only as [`crate::access`] says (host, origin, token and role),
+/// with its [`Caller`]; marks every answer `nosniff`, so a browser never reads a JSON body
+/// (user data) as a page or a script, and with its `X-Request-Id`.
+async fn authorize(State(state): State<ApiState>, mut request: Request, next: Next) -> Response {
+    let id = request_id(request.headers());
+    let mut response = match admit(&state, &request, &id) {
+        Err(refusal) => *refusal,
+        Ok(caller) => {
+            request.extensions_mut().insert(caller);
+            next.run(request).await
+        }
     };
-    response
-        .headers_mut()
-        .insert(header::X_CONTENT_TYPE_OPTIONS, header::HeaderValue::from_static("nosniff"));
+    let headers = response.headers_mut();
+    headers.insert(header::X_CONTENT_TYPE_OPTIONS, header::HeaderValue::from_static("nosniff"));
+    if let Ok(value) = header::HeaderValue::from_str(&id) {
+        headers.insert("x-request-id", value);
+    }
     response
 }
 
-/// Why a request may not pass, if it may not: a mutating request from another origin (403),
-/// or without the token when one is configured (401).
-fn refused(state: &ApiState, request: &Request) -> Option<Response> {
-    let mutating = !matches!(*request.method(), Method::GET | Method::HEAD | Method::OPTIONS);
-    if !mutating {
-        return None;
-    }
-    if let Some(origin) = cross_origin(request.headers()) {
-        return Some(
-            ApiError::new(
-                StatusCode::FORBIDDEN,
-                "cross_origin",
-                format!("a mutating request from {origin} is refused: send it from this origin"),
-            )
-            .into_response(),
-        );
-    }
-    let token = state.api_token.as_ref()?;
-    let presented = request
-        .headers()
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .map(str::trim);
-    match presented {
-        Some(presented) if constant_time_eq(presented.as_bytes(), token.expose().as_bytes()) => {
-            None
+/// The caller, if the request may pass; else the refusal to answer.
+fn admit(state: &ApiState, request: &Request, request_id: &str) -> Result<Caller, Box<Response>> {
+    use crate::access::Refusal;
+    let refuse = |status: StatusCode, code: &'static str, reason: &'static str, message: String| {
+        metrics::counter!(crate::metrics::HTTP_REFUSED_TOTAL, "reason" => reason).increment(1);
+        Box::new(ApiError::new(status, code, message).into_response())
+    };
+    let (method, path) = (request.method(), request.uri().path());
+    let access = &state.access;
+    if path != "/healthz" && path != "/readyz" {
+        let host = request
+            .headers()
+            .get(header::HOST)
+            .and_then(|v| v.to_str().ok())
+            .or_else(|| request.uri().authority().map(axum::http::uri::Authority::as_str));
+        match host {
+            Some(host) if access.host_allowed(host) => {}
+            host => {
+                let shown: String = host.unwrap_or("(none)").chars().take(100).collect();
+                return Err(refuse(
+                    StatusCode::MISDIRECTED_REQUEST,
+                    "host_not_allowed",
+                    "host",
+                    format!(
+                        "this API does not answer to Host {shown}: list it in http.allowed_hosts"
+                    ),
+                ));
+            }
         }
-        _ => {
-            let mut response = ApiError::new(
+    }
+    let mutating = !matches!(*method, Method::GET | Method::HEAD | Method::OPTIONS);
+    if mutating && let Some(origin) = cross_origin(request.headers()) {
+        return Err(refuse(
+            StatusCode::FORBIDDEN,
+            "cross_origin",
+            "origin",
+            format!("a mutating request from {origin} is refused: send it from this origin"),
+        ));
+    }
+    let needs = access.required(method, path);
+    let anonymous = || Caller {
+        principal: crate::access::Principal::anonymous(),
+        request_id: request_id.to_owned(),
+        authenticated: false,
+    };
+    if !access.tokens_required() || (needs.is_none() && path != "/v1/auth") {
+        return Ok(anonymous());
+    }
+    let client =
+        request.extensions().get::<axum::extract::ConnectInfo<SocketAddr>>().map(|c| c.0.ip());
+    let authorization = request.headers().get(header::AUTHORIZATION).and_then(|v| v.to_str().ok());
+    let principal = match access.authenticate(client, authorization) {
+        Ok(principal) => principal,
+        Err(Refusal::TooManyFailures(wait)) => {
+            let mut response = refuse(
+                StatusCode::TOO_MANY_REQUESTS,
+                "too_many_failed_authentications",
+                "failures",
+                "too many failed authentications from this address: try again later".into(),
+            );
+            let secs = wait.as_secs().max(1).to_string();
+            if let Ok(value) = header::HeaderValue::from_str(&secs) {
+                response.headers_mut().insert(header::RETRY_AFTER, value);
+            }
+            return Err(response);
+        }
+        Err(_) => {
+            let mut response = refuse(
                 StatusCode::UNAUTHORIZED,
                 "unauthorized",
-                "this request needs the header Authorization: Bearer <api_token>",
-            )
-            .into_response();
+                "token",
+                "this request needs the header Authorization: Bearer <token>".into(),
+            );
             response
                 .headers_mut()
                 .insert(header::WWW_AUTHENTICATE, header::HeaderValue::from_static("Bearer"));
-            Some(response)
+            return Err(response);
         }
+    };
+    if let Some(needs) = needs
+        && principal.role < needs
+    {
+        return Err(refuse(
+            StatusCode::FORBIDDEN,
+            "forbidden",
+            "role",
+            format!(
+                "token {} has the role {}; {method} {path} needs {needs}",
+                principal.name, principal.role
+            ),
+        ));
     }
+    Ok(Caller { principal, request_id: request_id.to_owned(), authenticated: true })
 }
 
 /// The origin a browser says it sends this request from, if that is not this host: an
@@ -283,11 +390,6 @@ fn cross_origin(headers: &HeaderMap) -> Option<String> {
     }
 }
 
-/// Compares without an early exit, so the time taken does not reveal a matching prefix.
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
-}
-
 /// Serves the API on `addr` until `shutdown` is cancelled.
 ///
 /// # Errors
@@ -299,7 +401,22 @@ pub async fn serve(
 ) -> anyhow::Result<()> {
     let listener = tokio::net::TcpListener::bind(addr).await?;
     tracing::info!(address = %addr, "HTTP API listening.");
-    axum::serve(listener, router).with_graceful_shutdown(shutdown.cancelled_owned()).await?;
+    serve_on(listener, router, shutdown).await
+}
+
+/// Serves the API on `listener` until `shutdown` is cancelled, each request knowing its
+/// client's address (failed authentications are counted by it).
+///
+/// # Errors
+/// Accepting failed.
+pub async fn serve_on(
+    listener: tokio::net::TcpListener,
+    router: Router,
+    shutdown: CancellationToken,
+) -> anyhow::Result<()> {
+    axum::serve(listener, router.into_make_service_with_connect_info::<SocketAddr>())
+        .with_graceful_shutdown(shutdown.cancelled_owned())
+        .await?;
     Ok(())
 }
 
@@ -757,7 +874,7 @@ async fn overview(
             body["consumer_lag_error"] = json!(format!("{e:#}"));
         }
     }
-    body["token_required"] = json!(state.api_token.is_some());
+    body["token_required"] = json!(state.access.tokens_required());
     Ok(axum::Json(body))
 }
 
@@ -779,12 +896,14 @@ async fn list_jobs(
 
 async fn cancel(
     State(state): State<ApiState>,
+    Extension(caller): Extension<Caller>,
     Path(id): Path<String>,
     body: Bytes,
 ) -> Result<Response, ApiError> {
     use crate::store::CancelError;
     let job_id = Uuid::parse_str(&id).map_err(|_| not_found(&id))?;
-    let request: crate::store::Cancel = optional_body(&body)?;
+    let mut request: crate::store::Cancel = optional_body(&body)?;
+    request.requested_by = caller.requested_by(request.requested_by.take());
     let mut tx = state.pool.begin().await?;
     let (job, was) = match crate::store::cancel(&mut tx, &state.events, job_id, request).await {
         Ok(cancelled) => cancelled,
@@ -803,6 +922,11 @@ async fn cancel(
             ));
         }
     };
+    if was != jobfold_schemas::fold::Status::Cancelled {
+        let detail = json!({ "was": was.as_str(), "request": said(&body) });
+        let target = job_id.to_string();
+        audit::record(&mut *tx, &caller.actor(), "cancel", Some(&target), detail).await?;
+    }
     tx.commit().await?;
     if was != jobfold_schemas::fold::Status::Cancelled {
         crate::internal_events::JobCancelled { job_id: job.job_id, was: was.as_str() }.emit();
@@ -813,12 +937,20 @@ async fn cancel(
 
 async fn cancel_matching(
     State(state): State<ApiState>,
+    Extension(caller): Extension<Caller>,
     body: Bytes,
 ) -> Result<axum::Json<crate::store::BulkCancelled>, ApiError> {
     use crate::store::BulkCancelError;
-    let request: crate::store::BulkCancel = optional_body(&body)?;
+    let mut request: crate::store::BulkCancel = optional_body(&body)?;
+    request.requested_by = caller.requested_by(request.requested_by.take());
     match crate::store::cancel_matching(&state.pool, &state.events, request).await {
-        Ok(done) => Ok(axum::Json(done)),
+        Ok(done) => {
+            if !done.dry_run {
+                let detail = json!({ "request": said(&body), "done": done });
+                audited(&state.pool, &caller, "cancel_matching", None, detail).await;
+            }
+            Ok(axum::Json(done))
+        }
         Err(e @ (BulkCancelError::NoFilter | BulkCancelError::State(_))) => {
             Err(ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "invalid_field", e.to_string()))
         }
@@ -832,6 +964,7 @@ async fn cancel_matching(
 
 async fn run_now(
     State(state): State<ApiState>,
+    Extension(caller): Extension<Caller>,
     Path(id): Path<String>,
 ) -> Result<Response, ApiError> {
     use crate::store::RunNowError;
@@ -854,6 +987,11 @@ async fn run_now(
             ));
         }
     };
+    if waited != crate::store::Waited::Due {
+        let detail = json!({ "waited": waited });
+        let target = job_id.to_string();
+        audit::record(&mut *tx, &caller.actor(), "run_now", Some(&target), detail).await?;
+    }
     tx.commit().await?;
     let body = json!({ "job_id": job.job_id, "state": job.state.as_str(), "waited": waited });
     Ok((StatusCode::OK, axum::Json(body)).into_response())
@@ -873,22 +1011,32 @@ async fn kinds(State(state): State<ApiState>) -> Result<axum::Json<serde_json::V
 
 async fn pause_kind(
     State(state): State<ApiState>,
+    Extension(caller): Extension<Caller>,
     Path(kind): Path<String>,
     body: Bytes,
 ) -> Result<axum::Json<crate::store::kinds::KindChanged>, ApiError> {
-    let request = optional_body(&body)?;
-    let changed = crate::store::kinds::pause(&state.pool, &kind, request).await;
-    changed.map(axum::Json).map_err(kind_error)
+    let mut request: crate::store::kinds::KindControl = optional_body(&body)?;
+    request.requested_by = caller.requested_by(request.requested_by.take());
+    let changed =
+        crate::store::kinds::pause(&state.pool, &kind, request).await.map_err(kind_error)?;
+    let detail = json!({ "request": said(&body), "done": changed });
+    audited(&state.pool, &caller, "pause_kind", Some(&kind), detail).await;
+    Ok(axum::Json(changed))
 }
 
 async fn resume_kind(
     State(state): State<ApiState>,
+    Extension(caller): Extension<Caller>,
     Path(kind): Path<String>,
     body: Bytes,
 ) -> Result<axum::Json<crate::store::kinds::KindChanged>, ApiError> {
-    let request = optional_body(&body)?;
+    let mut request: crate::store::kinds::KindControl = optional_body(&body)?;
+    request.requested_by = caller.requested_by(request.requested_by.take());
     let changed = crate::store::kinds::resume(&state.pool, &state.events, &kind, request).await;
-    changed.map(axum::Json).map_err(kind_error)
+    let changed = changed.map_err(kind_error)?;
+    let detail = json!({ "request": said(&body), "done": changed });
+    audited(&state.pool, &caller, "resume_kind", Some(&kind), detail).await;
+    Ok(axum::Json(changed))
 }
 
 fn kind_error(e: crate::store::kinds::KindError) -> ApiError {
@@ -910,11 +1058,19 @@ fn kind_error(e: crate::store::kinds::KindError) -> ApiError {
 
 async fn replay_matching(
     State(state): State<ApiState>,
+    Extension(caller): Extension<Caller>,
     body: Bytes,
 ) -> Result<axum::Json<crate::store::BulkReplayed>, ApiError> {
-    let request: crate::store::BulkReplay = optional_body(&body)?;
+    let mut request: crate::store::BulkReplay = optional_body(&body)?;
+    request.requested_by = caller.requested_by(request.requested_by.take());
     match crate::store::replay_matching(&state.pool, &state.events, &state.policy, request).await {
-        Ok(done) => Ok(axum::Json(done)),
+        Ok(done) => {
+            if !done.dry_run {
+                let detail = json!({ "request": said(&body), "done": done });
+                audited(&state.pool, &caller, "replay_matching", None, detail).await;
+            }
+            Ok(axum::Json(done))
+        }
         Err(e) => {
             tracing::warn!(error = %format!("{e:#}"), "Bulk replay failed.");
             Err(ApiError::new(
@@ -951,10 +1107,12 @@ async fn dead_letter(
 
 async fn delete_dead_letter(
     State(state): State<ApiState>,
+    Extension(caller): Extension<Caller>,
     Path(id): Path<String>,
 ) -> Result<StatusCode, ApiError> {
     let n: i64 = id.parse().map_err(|_| no_dead_letter(&id))?;
     if crate::dead_letter::delete(&state.pool, n).await? {
+        audited(&state.pool, &caller, "delete_dead_letter", Some(&id), json!({})).await;
         Ok(StatusCode::NO_CONTENT)
     } else {
         Err(no_dead_letter(&id))
@@ -963,12 +1121,17 @@ async fn delete_dead_letter(
 
 async fn reinject_dead_letter(
     State(state): State<ApiState>,
+    Extension(caller): Extension<Caller>,
     Path(id): Path<String>,
 ) -> Result<Response, ApiError> {
     use crate::dead_letter::ReinjectError;
     let n: i64 = id.parse().map_err(|_| no_dead_letter(&id))?;
     match crate::dead_letter::reinject(&state.pool, &state.config, n).await {
-        Ok(sent) => Ok((StatusCode::ACCEPTED, axum::Json(sent)).into_response()),
+        Ok(sent) => {
+            let detail = json!({ "sent": sent });
+            audited(&state.pool, &caller, "reinject_dead_letter", Some(&id), detail).await;
+            Ok((StatusCode::ACCEPTED, axum::Json(sent)).into_response())
+        }
         Err(ReinjectError::NotFound(_)) => Err(no_dead_letter(&id)),
         Err(e @ (ReinjectError::NotIntake { .. } | ReinjectError::NoValue(_))) => {
             Err(ApiError::new(StatusCode::CONFLICT, "not_reinjectable", e.to_string()))
@@ -988,12 +1151,14 @@ async fn metrics() -> Result<String, ApiError> {
 
 async fn replay(
     State(state): State<ApiState>,
+    Extension(caller): Extension<Caller>,
     Path(id): Path<String>,
     body: Bytes,
 ) -> Result<Response, ApiError> {
     use crate::store::ReplayError;
     let job_id = Uuid::parse_str(&id).map_err(|_| not_found(&id))?;
-    let request: crate::store::Replay = optional_body(&body)?;
+    let mut request: crate::store::Replay = optional_body(&body)?;
+    request.requested_by = caller.requested_by(request.requested_by.take());
     let mut tx = state.pool.begin().await?;
     let replayed =
         crate::store::replay(&mut tx, &state.events, &state.policy, job_id, request).await;
@@ -1020,11 +1185,54 @@ async fn replay(
             ));
         }
     };
+    let detail = json!({ "input_version": job.input_version, "request": said(&body) });
+    let target = job_id.to_string();
+    audit::record(&mut *tx, &caller.actor(), "replay", Some(&target), detail).await?;
     tx.commit().await?;
     crate::internal_events::JobsReplayed { count: 1, how: "one" }.emit();
     let body =
         json!({ "job_id": job.job_id, "state": "queued", "input_version": job.input_version });
     Ok((StatusCode::ACCEPTED, axum::Json(body)).into_response())
+}
+
+/// `POST /v1/auth`: who the token names (the access check refused a wrong one already).
+async fn auth(
+    State(state): State<ApiState>,
+    Extension(caller): Extension<Caller>,
+) -> axum::Json<serde_json::Value> {
+    axum::Json(json!({
+        "name": caller.principal.name,
+        "role": caller.principal.role,
+        "token_required": state.access.tokens_required(),
+    }))
+}
+
+async fn audit(
+    State(state): State<ApiState>,
+    filter: Result<Query<audit::AuditFilter>, QueryRejection>,
+) -> Result<axum::Json<audit::AuditPage>, ApiError> {
+    let Query(filter) = filter.map_err(bad_query)?;
+    Ok(axum::Json(audit::list(&state.pool, &filter).await?))
+}
+
+/// A request's body as the audit trail keeps it: its JSON, or `null`.
+fn said(body: &[u8]) -> serde_json::Value {
+    serde_json::from_slice(body).unwrap_or(serde_json::Value::Null)
+}
+
+/// Records a change already committed (a bulk change, a kind's pause, a dead letter's):
+/// should the record fail, the change stays made and the failure is logged and counted.
+async fn audited(
+    pool: &PgPool,
+    caller: &Caller,
+    action: &str,
+    target: Option<&str>,
+    detail: serde_json::Value,
+) {
+    if let Err(e) = audit::record(pool, &caller.actor(), action, target, detail).await {
+        metrics::counter!(crate::metrics::AUDIT_FAILED_TOTAL).increment(1);
+        tracing::error!(error = %e, action, target, actor = %caller.principal.name, request_id = %caller.request_id, "A change was made but its audit row could not be written.");
+    }
 }
 
 async fn ready(State(state): State<ApiState>) -> Result<&'static str, ApiError> {

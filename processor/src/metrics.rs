@@ -103,11 +103,33 @@ pub const ACCEPT_TO_COMPLETE_SECONDS: &str = "jobfold_accept_to_complete_seconds
 /// Messages that could not be handled and are handled again, by stage (`dispatch`: the events
 /// topic; `intake`: the requests topic).
 pub const MESSAGE_RETRIES_TOTAL: &str = "jobfold_message_retries_total";
+/// HTTP requests refused before a handler ran, by reason (`host`, `origin`, `token`, `role`,
+/// `failures`).
+pub const HTTP_REFUSED_TOTAL: &str = "jobfold_http_refused_total";
+/// Client addresses that reached `http.auth_failures_per_minute` (refused for the minute).
+pub const AUTH_LOCKOUTS_TOTAL: &str = "jobfold_auth_lockouts_total";
+/// Changes made whose audit row could not be written (logged as errors).
+pub const AUDIT_FAILED_TOTAL: &str = "jobfold_audit_failed_total";
 
 /// Describes every metric above to the installed recorder.
 pub fn describe() {
     jobfold_common::metrics::describe();
     describe_counter!(DEAD_LETTERS_TOTAL, Unit::Count, "Undecodable messages dead-lettered.");
+    describe_counter!(
+        HTTP_REFUSED_TOTAL,
+        Unit::Count,
+        "HTTP requests refused before a handler ran, by reason."
+    );
+    describe_counter!(
+        AUTH_LOCKOUTS_TOTAL,
+        Unit::Count,
+        "Client addresses refused for a minute after too many failed authentications."
+    );
+    describe_counter!(
+        AUDIT_FAILED_TOTAL,
+        Unit::Count,
+        "Changes made whose audit row could not be written."
+    );
     describe_counter!(
         INTAKE_DUPLICATES_TOTAL,
         Unit::Count,

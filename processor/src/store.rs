@@ -12,9 +12,11 @@
 //! - [`events`]: how the transactions append events (encoded, as arrays, one statement).
 //! - [`operator`]: what an operator does to jobs: replay a quarantined one, replay many by
 //!   filter, cancel.
+//! - [`audit`]: the audit trail of those changes: who, what, when.
 //!
 //! The pure decision of the lease transaction is [`crate::lease::decide()`].
 
+pub mod audit;
 pub mod events;
 pub mod kinds;
 pub mod operator;

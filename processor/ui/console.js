@@ -2,10 +2,14 @@
 //
 // Everything shown is set as text (textContent, createTextNode), never parsed as markup:
 // inputs, document ids and errors are user data. The API token, when one is needed, is kept
-// in this tab's session storage and sent only as an Authorization header.
+// in this tab's session storage and sent only as an Authorization header. What the signed-in
+// role may not do is hidden (`data-needs` on the control, the role on <body>); the API
+// refuses it anyway.
 'use strict';
 
 const TOKEN_KEY = 'jobfold.apiToken';
+const WHO_KEY = 'jobfold.apiWho';
+const ROLES = ['read', 'submit', 'operate', 'admin'];
 const OVERVIEW_EVERY_MS = 2000;
 const JOB_EVERY_MS = 2000;
 const PREVIEW_CHARS = 4096;
@@ -103,12 +107,12 @@ class ApiError extends Error {
   }
 }
 
-/** Calls the API; mutations carry the token. Throws an ApiError on anything but 2xx. */
+/** Calls the API with the token, if signed in. Throws an ApiError on anything but 2xx. */
 async function api(method, path, body) {
   const headers = { Accept: 'application/json' };
   if (body !== undefined) headers['Content-Type'] = 'application/json';
   const token = sessionStorage.getItem(TOKEN_KEY);
-  if (token && method !== 'GET') headers.Authorization = `Bearer ${token}`;
+  if (token) headers.Authorization = `Bearer ${token}`;
   let response;
   try {
     response = await fetch(path, {
@@ -127,10 +131,10 @@ async function api(method, path, body) {
   if (response.ok) return { status: response.status, data, text };
   const error = (data && data.error) || {};
   if (response.status === 401) {
-    sessionStorage.removeItem(TOKEN_KEY);
+    signOut();
     app.tokenRequired = true;
     renderSession();
-    showLogin('That change needs the API token: sign in, then try again.');
+    showLogin('This processor needs an API token: sign in, then try again.');
   }
   throw new ApiError(response.status, error.code || 'http_' + response.status,
     error.message || `the API answered ${response.status}`);
@@ -138,18 +142,36 @@ async function api(method, path, body) {
 
 // ---- Sign-in -----------------------------------------------------------------------------
 
+/** Who signed in: the token's name and role, or null. */
+function who() {
+  try { return JSON.parse(sessionStorage.getItem(WHO_KEY) || 'null'); } catch (e) { return null; }
+}
+
+function signOut() {
+  sessionStorage.removeItem(TOKEN_KEY);
+  sessionStorage.removeItem(WHO_KEY);
+}
+
+/** The role the page acts with: every role on an API without tokens; none signed out. */
+function role() {
+  if (!app.tokenRequired) return 'admin';
+  const signed = who();
+  return signed && ROLES.includes(signed.role) ? signed.role : 'none';
+}
+
 function renderSession() {
-  const signedIn = Boolean(sessionStorage.getItem(TOKEN_KEY));
+  const signed = sessionStorage.getItem(TOKEN_KEY) ? who() : null;
   const label = document.getElementById('session-state');
-  label.textContent = !app.tokenRequired ? 'No API token set: changes are open'
-    : signedIn ? 'Signed in' : 'Read only';
-  document.getElementById('sign-in-open').hidden = !app.tokenRequired || signedIn;
-  document.getElementById('sign-out').hidden = !app.tokenRequired || !signedIn;
+  label.textContent = !app.tokenRequired ? 'No API token set: everything is open'
+    : signed ? `Signed in as ${signed.name} (${signed.role})` : 'Signed out';
+  document.body.dataset.role = role();
+  document.getElementById('sign-in-open').hidden = !app.tokenRequired || Boolean(signed);
+  document.getElementById('sign-out').hidden = !app.tokenRequired || !signed;
 }
 
 function showLogin(why) {
   const panel = document.getElementById('login');
-  document.getElementById('login-why').textContent = why || 'Changes need the API token this processor was started with.';
+  document.getElementById('login-why').textContent = why || 'Sign in with an API token of this processor.';
   document.getElementById('login-error').textContent = '';
   panel.hidden = false;
   document.getElementById('login-token').focus();
@@ -178,14 +200,20 @@ async function signIn(event) {
     error.textContent = 'The processor does not answer.';
     return;
   }
-  if (response.status === 204) {
+  if (response.status === 200) {
+    const data = await response.json();
     sessionStorage.setItem(TOKEN_KEY, token);
+    sessionStorage.setItem(WHO_KEY, JSON.stringify({ name: data.name, role: data.role }));
+    app.tokenRequired = data.token_required;
     hideLogin();
     renderSession();
-    toast('Signed in.');
+    toast(`Signed in as ${data.name} (${data.role}).`);
+    route();
   } else if (response.status === 401) {
-    error.textContent = 'That is not the API token.';
+    error.textContent = 'That is not a token of this processor.';
     input.select();
+  } else if (response.status === 429) {
+    error.textContent = 'Too many failed sign-ins from this address: wait a minute.';
   } else {
     error.textContent = `Signing in failed (${response.status}).`;
   }
@@ -214,6 +242,7 @@ function route() {
   else if (section === 'quarantine') quarantinePage(params);
   else if (section === 'dead-letters' && parts[1]) deadLetterPage(parts[1]);
   else if (section === 'dead-letters') deadLettersPage(params);
+  else if (section === 'audit') auditPage(params);
   else append(main(), [el('h1', { text: 'Not found' }), el('p', { text: 'No such page.' })]);
 }
 
@@ -494,7 +523,7 @@ function jobPage(id) {
 function payloadPanel(which, title, id) {
   return el('section', { 'aria-labelledby': `${which}-title` },
     el('h2', { id: `${which}-title` }, title, ' ',
-      el('a', { href: `/v1/jobs/${encodeURIComponent(id)}/${which}?download=true`, class: 'download', download: `${id}-${which}.json`, id: `${which}-download`, text: 'Download' })),
+      el('a', { href: '#', hidden: true, class: 'download', download: `${id}-${which}.json`, id: `${which}-download`, text: 'Download' })),
     el('p', { class: 'note', id: `${which}-note` }),
     el('pre', { id: `${which}-text`, tabindex: 0 }));
 }
@@ -508,6 +537,10 @@ async function loadPayload(which, id) {
     const truncated = text.length > PREVIEW_CHARS;
     pre.textContent = truncated ? text.slice(0, PREVIEW_CHARS) + '\n…' : text;
     note.textContent = truncated ? `Showing the first ${count(PREVIEW_CHARS)} of ${count(text.length)} characters: download it for the rest.` : '';
+    // Saved from what was read with the token: a plain link would be fetched without it.
+    if (link.href.startsWith('blob:')) URL.revokeObjectURL(link.href);
+    link.href = URL.createObjectURL(new Blob([text], { type: 'application/json' }));
+    link.dataset.chars = String(text.length);
     link.hidden = false;
   } catch (e) {
     pre.textContent = '';
@@ -585,7 +618,7 @@ function renderJobActions(job) {
     const version = el('input', { type: 'number', min: job.input_version + 1, id: 'replay-version', name: 'new_input_version' });
     const input = el('textarea', { id: 'replay-input', name: 'new_input', rows: 3, placeholder: '{"text": "…"}' });
     append(box, [
-      el('button', { type: 'button', id: 'replay', text: 'Replay', onclick: async () => {
+      el('button', { type: 'button', id: 'replay', 'data-needs': 'operate', text: 'Replay', onclick: async () => {
         const body = {};
         if (version.value) body.new_input_version = Number(version.value);
         if (input.value.trim()) {
@@ -593,24 +626,24 @@ function renderJobActions(job) {
         }
         await act('POST', `/v1/jobs/${id}/replay`, body, 'Replayed: it runs again with a fresh budget.');
       } }),
-      el('details', {}, el('summary', { text: 'Replay with a fixed input' }),
+      el('details', { 'data-needs': 'operate' }, el('summary', { text: 'Replay with a fixed input' }),
         el('label', {}, el('span', { text: 'New input version' }), version),
         el('label', {}, el('span', { text: 'New input (JSON)' }), input)),
     ]);
   }
   if ((job.state === 'queued' && job.run_at && new Date(job.run_at) > new Date()) || job.state === 'retry_wait') {
-    append(box, el('button', { type: 'button', id: 'run-now', class: 'secondary', text: 'Run now',
+    append(box, el('button', { type: 'button', id: 'run-now', class: 'secondary', 'data-needs': 'operate', text: 'Run now',
       onclick: () => act('POST', `/v1/jobs/${id}/run-now`, undefined, 'Due now: it is dispatched at once.') }));
   }
   if (OPEN_STATES.has(job.state) || job.state === 'quarantined') {
-    append(box, confirmButton('cancel', 'Cancel job', 'Cancel this job? A running handler is stopped and nothing it did is committed.',
+    append(box, confirmButton('cancel', 'operate', 'Cancel job', 'Cancel this job? A running handler is stopped and nothing it did is committed.',
       'Yes, cancel it', () => act('POST', `/v1/jobs/${id}/cancel`, { requested_by: 'console' }, 'Cancelled.')));
   }
 }
 
 /** A button that asks first: the question and a confirming button appear beside it. */
-function confirmButton(id, label, question, yes, action) {
-  const box = el('span', { class: 'confirm' });
+function confirmButton(id, needs, label, question, yes, action) {
+  const box = el('span', { class: 'confirm', 'data-needs': needs });
   const open = el('button', { type: 'button', id, class: 'secondary', text: label });
   const ask = el('span', { class: 'ask', hidden: true },
     el('span', { text: question }),
@@ -685,10 +718,10 @@ function kindsPage() {
       const path = `/v1/kinds/${encodeURIComponent(k.kind)}`;
       const reason = el('input', { type: 'text', 'aria-label': `Why pause ${k.kind}`, placeholder: 'why', 'data-reason': k.kind, maxlength: 2000 });
       const action = k.paused
-        ? el('button', { type: 'button', class: 'small', 'data-resume': k.kind, text: 'Resume',
+        ? el('button', { type: 'button', class: 'small', 'data-needs': 'operate', 'data-resume': k.kind, text: 'Resume',
           onclick: () => act('POST', `${path}/resume`, { requested_by: 'console' },
             (d) => `Resumed ${d.kind}: ${count(d.dispatched)} waiting ${d.dispatched === 1 ? 'job' : 'jobs'} dispatched again.`) })
-        : el('span', { class: 'inline' }, reason,
+        : el('span', { class: 'inline', 'data-needs': 'operate' }, reason,
           el('button', { type: 'button', class: 'small danger', 'data-pause': k.kind, text: 'Pause',
             onclick: () => act('POST', `${path}/pause`, { requested_by: 'console', reason: reason.value.trim() || undefined },
               (d) => `Paused ${d.kind} in every processor.`) }));
@@ -721,7 +754,7 @@ function quarantinePage(params) {
       ['since', 'Since', 'datetime-local', localInput(filter.since)],
       ['until', 'Until', 'datetime-local', localInput(filter.until)],
     ], 'Filter', (data) => { location.hash = '#/quarantine?' + queryOf(data); }),
-    el('div', { class: 'actions', id: 'bulk' },
+    el('div', { class: 'actions', id: 'bulk', 'data-needs': 'operate' },
       el('button', { type: 'button', id: 'bulk-count', class: 'secondary', text: 'Replay all that match…', onclick: () => bulkCount(filter) }),
       el('span', { class: 'ask', id: 'bulk-ask', hidden: true })),
     errorLine('quarantine-error'),
@@ -742,7 +775,7 @@ function quarantinePage(params) {
         el('td', { class: 'num', text: q.attempts }),
         el('td', { class: 'error-text', text: q.reason }),
         el('td', { class: 'time', text: time(q.quarantined_at) }),
-        el('td', {}, el('button', { type: 'button', class: 'small', 'data-replay': q.job_id, text: 'Replay',
+        el('td', {}, el('button', { type: 'button', class: 'small', 'data-needs': 'operate', 'data-replay': q.job_id, text: 'Replay',
           onclick: () => act('POST', `/v1/jobs/${q.job_id}/replay`, {}, 'Replayed: it runs again with a fresh budget.') }))));
     }
   }).catch((e) => showError('quarantine-error', e));
@@ -820,14 +853,51 @@ function deadLetterPage(id) {
       el('details', {}, el('summary', { text: 'As hex' }), el('pre', { tabindex: 0, text: hex ? clip(hex) : '(none)' })));
     append(main(), [
       el('div', { class: 'actions' },
-        el('button', { type: 'button', id: 'reinject', text: 'Re-inject', onclick: () => act('POST', `/v1/dead-letters/${d.id}/reinject`, undefined,
+        el('button', { type: 'button', id: 'reinject', 'data-needs': 'operate', text: 'Re-inject', onclick: () => act('POST', `/v1/dead-letters/${d.id}/reinject`, undefined,
           (r) => `Sent back to ${r.topic} (partition ${r.partition}, offset ${r.offset}).`) }),
-        confirmButton('delete', 'Delete', 'Delete this dead letter for good?', 'Yes, delete it',
+        confirmButton('delete', 'admin', 'Delete', 'Delete this dead letter for good?', 'Yes, delete it',
           () => act('DELETE', `/v1/dead-letters/${d.id}`, undefined, 'Deleted.', () => { location.hash = '#/dead-letters'; }))),
       el('dl', { class: 'summary' }, rows.flatMap(([term, value]) => [el('dt', { text: term }), el('dd', {}, value instanceof Node ? value : String(value))])),
       el('div', { class: 'columns' }, bytes('Key', data.key_text, data.key_hex), bytes('Value', data.value_text, data.value_hex)),
     ]);
   }).catch((e) => showError('dead-letter-error', e));
+}
+
+// -- Audit --
+
+function auditPage(params) {
+  const before = params.get('before');
+  append(main(), [
+    el('h1', { text: 'Audit trail' }),
+    el('p', { class: 'note', text: 'Every change made through the API, this console or the CLI: who, with which role, what, when. Newest first.' }),
+    errorLine('audit-error'),
+    table('Audit trail', ['At', 'Actor', 'Role', 'Via', 'Action', 'Target', 'Request'], 'audit'),
+    el('a', { id: 'audit-more', class: 'button secondary', hidden: true, text: 'Older' }),
+  ]);
+  const query = new URLSearchParams({ limit: '100' });
+  if (before) query.set('before', before);
+  api('GET', '/v1/audit?' + query).then(({ data }) => {
+    const body = document.getElementById('audit');
+    if (!data.entries.length) body.append(el('tr', {}, el('td', { colspan: 7, class: 'empty', text: 'No changes recorded.' })));
+    for (const e of data.entries) {
+      const target = e.target && UUID.test(e.target)
+        ? el('a', { href: `#/jobs/${e.target}`, class: 'mono', text: e.target })
+        : el('span', { text: e.target || '–' });
+      body.append(el('tr', { 'data-audit-action': e.action, 'data-audit-actor': e.actor },
+        el('td', { class: 'time', text: time(e.at) }),
+        el('td', { text: e.actor }),
+        el('td', { text: e.role || '–' }),
+        el('td', { text: e.via }),
+        el('td', { text: e.action }),
+        el('td', {}, target),
+        el('td', { class: 'mono', text: e.request_id || '–' })));
+    }
+    const more = document.getElementById('audit-more');
+    if (data.next) {
+      more.href = `#/audit?before=${data.next}`;
+      more.hidden = false;
+    }
+  }).catch((e) => showError('audit-error', e));
 }
 
 function clip(text) {
@@ -841,9 +911,10 @@ function start() {
   document.getElementById('login-cancel').addEventListener('click', hideLogin);
   document.getElementById('sign-in-open').addEventListener('click', () => showLogin());
   document.getElementById('sign-out').addEventListener('click', () => {
-    sessionStorage.removeItem(TOKEN_KEY);
+    signOut();
     renderSession();
     toast('Signed out.');
+    route();
   });
   window.addEventListener('hashchange', () => { route(); main().focus({ preventScroll: true }); });
   api('GET', '/v1/overview').then(({ data }) => {

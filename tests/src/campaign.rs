@@ -552,7 +552,7 @@ pub async fn run(plan: &Plan) -> anyhow::Result<Outcome> {
         config.topics.replication_factor = 3;
         config.topics.min_insync_replicas = 2;
     }
-    config.schema_registry_url = jobfold_common::config::RegistryUrl::new(format!(
+    config.schema_registry_url = jobfold_common::config::SecretUrl::new(format!(
         "http://127.0.0.1:{}/apis/ccompat/v7",
         services.port(5)
     ));

@@ -49,7 +49,7 @@ impl Installation {
         config.database_url = Sensitive::new(url);
         config.kafka_brokers = services::kafka_brokers();
         config.schema_registry_url =
-            jobfold_common::config::RegistryUrl::new(services::schema_registry_url());
+            jobfold_common::config::SecretUrl::new(services::schema_registry_url());
         config.topics.events = unique_name(&format!("{name}-events"));
         config.topics.requests = unique_name(&format!("{name}-requests"));
         config.intake.group = unique_name(&format!("{name}-intake"));
@@ -329,6 +329,7 @@ impl Running {
     ) -> Self {
         let mut env = it.fast_env(&it.config.processor.group);
         env.insert("JOBFOLD_API_TOKEN".into(), token.into());
+        env.insert("JOBFOLD_HTTP__TOKENS".into(), role_tokens());
         for (k, v) in extra {
             env.insert((*k).into(), (*v).into());
         }
@@ -363,9 +364,10 @@ impl Running {
         (status, answer.json().await.unwrap_or(serde_json::Value::Null))
     }
 
-    /// GETs `path`; the status and the JSON answer.
+    /// GETs `path` with the token; the status and the JSON answer.
     pub async fn get(&self, path: &str) -> (u16, serde_json::Value) {
-        let answer = http_client().get(self.url(path)).send().await.unwrap();
+        let answer =
+            http_client().get(self.url(path)).bearer_auth(&self.token).send().await.unwrap();
         let status = answer.status().as_u16();
         (status, answer.json().await.unwrap_or(serde_json::Value::Null))
     }
@@ -381,6 +383,26 @@ impl Running {
         })
         .await;
     }
+}
+
+/// Secrets of the tokens a [`Running`] processor takes besides its admin token, by role.
+pub const READ_TOKEN: &str = "jf_test_read_0123456789abcdef";
+pub const SUBMIT_TOKEN: &str = "jf_test_submit_0123456789abcdef";
+pub const OPERATE_TOKEN: &str = "jf_test_operate_0123456789abcdef";
+
+/// `http.tokens` as a `JOBFOLD_HTTP__TOKENS` value: `viewer` (read), `upstream` (submit),
+/// `oncall` (operate), their secrets stored as SHA-256.
+pub fn role_tokens() -> String {
+    let entry = |name: &str, role: &str, secret: &str| {
+        let digest = jobfold_processor::access::digest_hex(secret);
+        format!("{{name=\"{name}\",role=\"{role}\",sha256=\"{digest}\"}}")
+    };
+    format!(
+        "[{},{},{}]",
+        entry("viewer", "read", READ_TOKEN),
+        entry("upstream", "submit", SUBMIT_TOKEN),
+        entry("oncall", "operate", OPERATE_TOKEN)
+    )
 }
 
 /// An HTTP client for the tests (30 s time-out).

@@ -15,7 +15,8 @@ use fantoccini::key::Key;
 use jobfold_schemas::{Codec, JobRequest};
 use jobfold_tests::browser::Browser;
 use jobfold_tests::harness::{
-    Installation, Running, eventually, http_client, index_job, metric_value,
+    Installation, OPERATE_TOKEN, READ_TOKEN, Running, eventually, http_client, index_job,
+    metric_value,
 };
 use serde_json::{Value, json};
 use uuid::Uuid;
@@ -104,6 +105,36 @@ async fn writes(it: &Installation, job_id: Uuid) -> i64 {
         .unwrap()
 }
 
+/// Signs in with `token` through the form (opened if it is not), as `who` ("viewer (read)").
+async fn sign_in(browser: &Browser, token: &str, who: &str) {
+    browser
+        .js("if (document.getElementById('login').hidden) document.getElementById('sign-in-open').click();")
+        .await;
+    browser.until("the sign-in form", "return !document.getElementById('login').hidden;").await;
+    browser.fill("#login-token", token).await;
+    browser.click("#login-form button[type=submit]").await;
+    browser
+        .until(
+            "signed in",
+            &format!(
+                "return document.getElementById('session-state').textContent === {};",
+                json!(format!("Signed in as {who}"))
+            ),
+        )
+        .await;
+}
+
+/// Whether the element `css` selects is laid out (not hidden by its role's rule or a parent).
+async fn rendered(browser: &Browser, css: &str) -> bool {
+    browser
+        .js(&format!(
+            "const e = document.querySelector({}); return Boolean(e && e.getClientRects().length);",
+            json!(css)
+        ))
+        .await
+        == json!(true)
+}
+
 /// The numbers in a tile's text ("1,234" → 1234).
 fn number(text: &str) -> i64 {
     text.replace(',', "").trim().parse().unwrap_or_else(|_| panic!("not a count: {text:?}"))
@@ -120,8 +151,13 @@ async fn the_console_shows_finds_fixes_and_escapes_in_a_real_browser() {
     let ui = running.url("/ui/");
     let browser = Browser::start(1280, 900).await;
 
-    // --- Overview: the numbers the API returns, and the seeded truth. ---
+    // --- Signed out, the page shows nothing but the sign-in form; a read token shows it all. ---
     browser.goto(&running.url("/ui")).await;
+    browser.until("the sign-in form", "return !document.getElementById('login').hidden;").await;
+    assert_eq!(browser.text("#session-state").await, "Signed out");
+    sign_in(&browser, READ_TOKEN, "viewer (read)").await;
+
+    // --- Overview: the numbers the API returns, and the seeded truth. ---
     browser
         .until(
             "the first reading",
@@ -263,8 +299,21 @@ async fn the_console_shows_finds_fixes_and_escapes_in_a_real_browser() {
         .until("the result's note", "return document.getElementById('result-note').textContent;")
         .await;
     assert!(note.as_str().unwrap().contains("Showing the first 4,096"), "{note}");
-    let href = browser.js("return document.getElementById('result-download').href;").await;
-    let download = http_client().get(href.as_str().unwrap()).send().await.unwrap();
+    // Saved from what the page read with its token (a plain link would go without it).
+    let chars = browser
+        .until(
+            "the download",
+            "const a = document.getElementById('result-download'); \
+             return a && !a.hidden && a.href.startsWith('blob:') ? Number(a.dataset.chars) : null;",
+        )
+        .await;
+    assert!(chars.as_i64().unwrap() >= 9000, "the download holds the whole result: {chars}");
+    let download = http_client()
+        .get(running.url(&format!("/v1/jobs/{}/result?download=true", seeded.large)))
+        .bearer_auth(READ_TOKEN)
+        .send()
+        .await
+        .unwrap();
     let disposition = download.headers()["content-disposition"].to_str().unwrap().to_owned();
     assert!(disposition.starts_with("attachment;"), "{disposition}");
     let whole: Value = download.json().await.unwrap();
@@ -273,37 +322,36 @@ async fn the_console_shows_finds_fixes_and_escapes_in_a_real_browser() {
         "the download holds the whole result"
     );
 
-    // --- Changes need the token: refused without it, then signed in, replayed, once. ---
+    // --- Changes by role: a read token is offered none and refused one; a wrong token is
+    //     refused; an operator replays, once. ---
     let target = seeded.quarantined[0];
     browser.goto(&format!("{ui}#/jobs/{target}")).await;
     browser.until("the replay button", "return document.getElementById('replay');").await;
-    assert_eq!(browser.text("#session-state").await, "Read only");
-    browser.click("#replay").await;
+    assert!(!rendered(&browser, "#replay").await, "a read token is offered a replay");
+    assert!(!rendered(&browser, "#cancel").await, "a read token is offered a cancel");
+    let refused = http_client()
+        .post(running.url(&format!("/v1/jobs/{target}/replay")))
+        .bearer_auth(READ_TOKEN)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(refused.status(), 403, "a read token's replay");
+    assert_eq!(state(&it, target).await, "quarantined", "nothing changed with a read token");
+    browser.click("#sign-out").await;
     browser.until("the sign-in form", "return !document.getElementById('login').hidden;").await;
-    // The toast comes after the form (from the refused call's handler), and WebDriver reads
-    // no text from it once it fades: wait for the words themselves.
-    let refusal = browser
-        .until(
-            "the refusal's toast",
-            "const t = document.getElementById('toast').textContent; \
-             return t.includes('401') ? t : null;",
-        )
-        .await;
-    assert!(refusal.as_str().unwrap().starts_with("Refused"), "{refusal}");
-    assert_eq!(state(&it, target).await, "quarantined", "nothing changed without the token");
+    assert_eq!(browser.text("#session-state").await, "Signed out");
     browser.fill("#login-token", "not-the-token-but-long-enough").await;
     browser.click("#login-form button[type=submit]").await;
-    browser.until("the wrong token refused", "return document.getElementById('login-error').textContent === 'That is not the API token.';").await;
-    browser.fill("#login-token", TOKEN).await;
-    browser.click("#login-form button[type=submit]").await;
+    browser.until("the wrong token refused", "return document.getElementById('login-error').textContent === 'That is not a token of this processor.';").await;
+    sign_in(&browser, OPERATE_TOKEN, "oncall (operate)").await;
     browser
         .until(
-            "signed in",
-            "return document.getElementById('session-state').textContent === 'Signed in';",
+            "the replay offered",
+            "const b = document.getElementById('replay'); return b && b.getClientRects().length;",
         )
         .await;
     let url = browser.client.current_url().await.unwrap();
-    assert!(!url.as_str().contains(TOKEN), "the token is in the URL: {url}");
+    assert!(!url.as_str().contains(OPERATE_TOKEN), "the token is in the URL: {url}");
     assert_eq!(browser.js("return document.cookie;").await, json!(""), "no cookie holds it");
     browser.screenshot("job-quarantined").await;
     browser.click("#replay").await;
@@ -400,7 +448,8 @@ async fn the_console_shows_finds_fixes_and_escapes_in_a_real_browser() {
             .fetch_one(&it.pool)
             .await
             .unwrap();
-    assert_eq!((by.as_str(), reason.as_deref()), ("console", Some("the index is rebuilt")));
+    // Requested by the token's name, whatever the page says.
+    assert_eq!((by.as_str(), reason.as_deref()), ("oncall", Some("the index is rebuilt")));
     eventually(Duration::from_secs(30), "the processor to hold the kind paused", || async {
         let text = running.processor.scrape().await.unwrap_or_default();
         metric_value(&text, "jobfold_kind_paused", &[("kind", "index-document")]) == Some(1.0)
@@ -469,11 +518,56 @@ async fn the_console_shows_finds_fixes_and_escapes_in_a_real_browser() {
     })
     .await;
     let id = browser.js("return location.hash.split('/').pop();").await;
+    // Deleting is the admin's: not offered to the operator; signed in as admin, it is.
+    assert!(!rendered(&browser, "#delete").await, "an operate token is offered a delete");
+    browser.click("#sign-out").await;
+    sign_in(&browser, TOKEN, "api_token (admin)").await;
+    browser
+        .until(
+            "the delete offered",
+            "const b = document.getElementById('delete'); return b && b.getClientRects().length;",
+        )
+        .await;
     browser.click("#delete").await;
     browser.click("#delete-yes").await;
     browser.until("the list again", "return location.hash === '#/dead-letters';").await;
     let (status, _) = running.get(&format!("/v1/dead-letters/{}", id.as_str().unwrap())).await;
     assert_eq!(status, 404, "deleted");
+
+    // --- The audit trail: each change, by whom, on the page and in Postgres. ---
+    browser.goto(&format!("{ui}#/audit")).await;
+    let shown = browser
+        .until(
+            "the audit trail",
+            "const rows = [...document.querySelectorAll('tr[data-audit-action]')]; \
+             return rows.length >= 8 ? rows.map(r => r.dataset.auditActor + ' ' + r.dataset.auditAction) : null;",
+        )
+        .await;
+    let shown: Vec<String> =
+        shown.as_array().unwrap().iter().map(|v| v.as_str().unwrap().to_owned()).collect();
+    for change in [
+        "oncall replay",
+        "oncall replay_matching",
+        "oncall cancel",
+        "oncall run_now",
+        "oncall pause_kind",
+        "oncall resume_kind",
+        "oncall reinject_dead_letter",
+        "api_token delete_dead_letter",
+    ] {
+        assert!(shown.iter().any(|s| s == change), "{change} not in {shown:?}");
+    }
+    let row: (String, Option<String>, String, Option<String>, Option<String>) = sqlx::query_as(
+        "SELECT actor, role, via, target, request_id FROM audit_log WHERE action = 'replay'",
+    )
+    .fetch_one(&it.pool)
+    .await
+    .unwrap();
+    let (actor, role, via, target_id, request) = &row;
+    assert_eq!((actor.as_str(), role.as_deref(), via.as_str()), ("oncall", Some("operate"), "api"));
+    assert_eq!(target_id.as_deref(), Some(target.to_string().as_str()));
+    assert!(request.as_deref().is_some_and(|r| !r.is_empty()), "the request's id is recorded");
+    browser.screenshot("audit").await;
 
     // --- Mutations from another origin are refused, token or not. ---
     let evil = http_client()
@@ -491,7 +585,17 @@ async fn the_console_shows_finds_fixes_and_escapes_in_a_real_browser() {
         .send()
         .await
         .unwrap();
-    assert_eq!(same.status(), 204);
+    assert_eq!(same.status(), 200);
+    assert_eq!(same.json::<Value>().await.unwrap()["role"], "admin");
+    // A page that rebound its own name to this address sends that name: answered 421.
+    let rebound = http_client()
+        .get(running.url("/v1/overview"))
+        .bearer_auth(TOKEN)
+        .header("host", "rebound.evil.example")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(rebound.status(), 421);
     let page = http_client().get(&ui).send().await.unwrap();
     let policy = page.headers()["content-security-policy"].to_str().unwrap();
     assert!(policy.contains("script-src 'self'"), "{policy}");

@@ -171,7 +171,8 @@ async fn a_scrape_after_a_known_workload_shows_the_gauges() {
 }
 
 /// The API's answers: 404 for an unknown job, 422 for a bad body, 400 for a bad query, 401
-/// on a mutating request without the token; reads stay open; the event history decodes.
+/// on a request without the token (reads too, but for the probes); the event history
+/// decodes.
 #[tokio::test(flavor = "multi_thread")]
 async fn the_api_answers_404_422_and_401() {
     let mut it = Installation::new("api").await;
@@ -181,8 +182,11 @@ async fn the_api_answers_404_422_and_401() {
     let http = listener.local_addr().unwrap().port();
     tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
     let base = format!("http://127.0.0.1:{http}");
-    let client = reqwest::Client::new();
     let bearer = format!("Bearer {TOKEN}");
+    let anyone = reqwest::Client::new();
+    let mut headers = reqwest::header::HeaderMap::new();
+    headers.insert("authorization", bearer.parse().unwrap());
+    let client = reqwest::Client::builder().default_headers(headers).build().unwrap();
     let good = json!({"document_id": "doc", "kind": "index-document", "input_version": 1,
                       "input": {"text": "hello"}});
 
@@ -193,7 +197,7 @@ async fn the_api_answers_404_422_and_401() {
     assert_eq!(error["error"]["code"], "unauthorized");
     let wrong = post_job(http, good.clone(), &[("authorization", "Bearer not-the-token-at-all")]);
     assert_eq!(wrong.await.status(), 401);
-    let replay = client.post(format!("{base}/v1/jobs/{}/replay", Uuid::now_v7())).send();
+    let replay = anyone.post(format!("{base}/v1/jobs/{}/replay", Uuid::now_v7())).send();
     assert_eq!(replay.await.unwrap().status(), 401, "replay is mutating too");
     assert_eq!(it.count("jobs").await, 0, "nothing accepted without the token");
 
@@ -216,6 +220,21 @@ async fn the_api_answers_404_422_and_401() {
         let response = client.get(format!("{base}{path}")).send().await.unwrap();
         assert_eq!(response.status(), 404, "{path}");
         assert_eq!(response.json::<Value>().await.unwrap()["error"]["code"], "not_found");
+    }
+    // Reads of job data need the token too; the probes do not.
+    for path in [
+        format!("/v1/jobs/{job_id}"),
+        format!("/v1/jobs/{job_id}/input"),
+        "/v1/overview".into(),
+        "/v1/dead-letters".into(),
+        "/v1/audit".into(),
+    ] {
+        let response = anyone.get(format!("{base}{path}")).send().await.unwrap();
+        assert_eq!(response.status(), 401, "{path} without the token");
+    }
+    for path in ["/healthz", "/readyz"] {
+        let response = anyone.get(format!("{base}{path}")).send().await.unwrap();
+        assert_eq!(response.status(), 200, "{path}");
     }
     let job: Value =
         client.get(format!("{base}/v1/jobs/{job_id}")).send().await.unwrap().json().await.unwrap();

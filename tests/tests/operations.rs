@@ -780,7 +780,7 @@ async fn a_paused_kind_waits_unleased_while_its_documents_other_jobs_run_then_ru
     let noop = body["kinds"].as_array().unwrap().iter().find(|k| k["kind"] == "noop").unwrap();
     assert_eq!(
         (&noop["paused"], &noop["waiting"], &noop["paused_by"], &noop["reason"]),
-        (&json!(true), &json!(20), &json!("ops test"), &json!("the provider is down")),
+        (&json!(true), &json!(20), &json!("api_token"), &json!("the provider is down")),
         "{body}"
     );
 
@@ -821,10 +821,25 @@ async fn a_paused_kind_waits_unleased_while_its_documents_other_jobs_run_then_ru
     assert_eq!(
         log,
         [
-            ("pause".into(), "ops test".into(), Some("the provider is down".into())),
+            ("pause".into(), "api_token".into(), Some("the provider is down".into())),
             ("resume".into(), "cli".into(), Some("it is back".into())),
         ]
     );
+    // The audit trail: the API's change as the token's name, the CLI's as its OS user.
+    let audit: Vec<(String, String, String, Option<String>)> = sqlx::query_as(
+        "SELECT action, actor, via, role FROM audit_log WHERE target = 'noop' ORDER BY id",
+    )
+    .fetch_all(&it.pool)
+    .await
+    .unwrap();
+    assert_eq!(audit.len(), 4, "{audit:?}");
+    assert_eq!(
+        audit[0],
+        ("pause_kind".into(), "api_token".into(), "api".into(), Some("admin".into()))
+    );
+    let by_cli = &audit[2];
+    assert_eq!((by_cli.0.as_str(), by_cli.2.as_str(), &by_cli.3), ("resume_kind", "cli", &None));
+    assert!(by_cli.1.starts_with("os:") || by_cli.1.starts_with("uid "), "{audit:?}");
     assert_eq!(it.count("paused_dispatches").await, 0);
     let mismatches = jobfold_tests::harness::fold_mismatches(&it).await;
     assert!(mismatches.is_empty(), "{mismatches:?}");

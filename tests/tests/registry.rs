@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use axum::response::IntoResponse;
 use chrono::{TimeZone, Utc};
-use jobfold_common::config::{RegistryUrl, Sensitive};
+use jobfold_common::config::{SecretUrl, Sensitive};
 use jobfold_schemas::codec::registry_settings;
 use jobfold_schemas::event::JobRequested;
 use jobfold_schemas::{Codec, Decoder, JobEvent, Payload};
@@ -173,7 +173,7 @@ async fn a_registry_that_asks_for_credentials_gets_them_from_the_settings() {
     let (gate, refused) = gated_registry(basic).await;
     let topic = unique_name("gated");
 
-    config.schema_registry_url = RegistryUrl::new(gate.clone());
+    config.schema_registry_url = SecretUrl::new(gate.clone());
     let denied = Codec::<JobEvent>::connect(config.registry().unwrap(), &topic).await;
     let denied = denied.expect_err("registered without credentials");
     assert!(format!("{denied:#}").contains("401"), "{denied:#}");
@@ -192,14 +192,14 @@ async fn a_registry_that_asks_for_credentials_gets_them_from_the_settings() {
     config.schema_registry_username = None;
     config.schema_registry_password = None;
     config.schema_registry_url =
-        RegistryUrl::new(gate.replacen("http://", "http://registry-user:s3cret@", 1));
+        SecretUrl::new(gate.replacen("http://", "http://registry-user:s3cret@", 1));
     config.validate().unwrap();
     let again = Codec::<JobEvent>::connect(config.registry().unwrap(), &topic).await.unwrap();
     assert_eq!(again.schema_id(), codec.schema_id());
 
     // A bearer token.
     let (gate, refused) = gated_registry("Bearer t0ken-for-the-registry".into()).await;
-    config.schema_registry_url = RegistryUrl::new(gate);
+    config.schema_registry_url = SecretUrl::new(gate);
     config.schema_registry_token = Some(Sensitive::new("t0ken-for-the-registry".into()));
     config.validate().unwrap();
     let decoder = Decoder::<JobEvent>::new(config.registry().unwrap());

@@ -252,6 +252,7 @@ async fn migrations_apply_and_constraints_hold() {
     assert_eq!(
         tables,
         [
+            "audit_log",
             "dead_letters",
             "inline_runs",
             "job_counters",

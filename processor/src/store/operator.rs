@@ -133,7 +133,7 @@ pub struct BulkReplay {
 }
 
 /// Which quarantined jobs a [`BulkReplay`] selects: as `GET /v1/quarantine` filters them.
-#[derive(Debug, Clone, Default, serde::Deserialize)]
+#[derive(Debug, Clone, Default, serde::Deserialize, serde::Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct BulkFilter {
     pub owner: Option<String>,
