@@ -6,10 +6,11 @@
 //! - Everything it shows is set as text, never as markup: job inputs, document ids and
 //!   errors are user data. The content security policy allows only this origin's script and
 //!   style, so even a missed escape could not run an injected script.
-//! - With `api_token` set, mutations need the token like any API call: the sign-in form
-//!   checks it (`POST /v1/auth`) and keeps it in the tab's session storage, sent only as an
-//!   `Authorization` header: never in a URL or a cookie, so another site cannot make the
-//!   browser send it (and the API refuses mutating requests from other origins anyway).
+//! - With tokens configured, every call needs one like any API call: the sign-in form checks
+//!   it (`POST /v1/auth`, which names its role) and keeps it in the tab's session storage,
+//!   sent only as an `Authorization` header: never in a URL or a cookie, so another site
+//!   cannot make the browser send it (and the API refuses mutating requests from other
+//!   origins anyway). The page offers only what the role may do; the API decides.
 
 use axum::Router;
 use axum::http::{HeaderValue, header};
