@@ -440,6 +440,14 @@ async fn secrets_appear_nowhere_in_logs_or_metrics() {
         1,
     );
     env.insert("JOBFOLD_SCHEMA_REGISTRY_URL".into(), registry_url);
+    // A kind run at a URL with credentials and a key in its query (nothing listens there).
+    let hook_password = format!("hook-{}", Uuid::new_v4().simple());
+    let hook_key = format!("key-{}", Uuid::new_v4().simple());
+    let hook_port = jobfold_tests::harness::free_port();
+    env.insert(
+        "JOBFOLD_KINDS__WEBHOOK__URL".into(),
+        format!("http://hook-user:{hook_password}@127.0.0.1:{hook_port}/run?api_key={hook_key}"),
+    );
     let relay = Service::start("jobfold-relay", &env);
     let processor = Service::start("jobfold-test-processor", &env);
     wait_http(http).await;
@@ -462,7 +470,15 @@ async fn secrets_appear_nowhere_in_logs_or_metrics() {
     seen.push(("API /metrics", api.text().await.unwrap()));
     for (what, text) in &seen {
         assert!(text.len() > 200, "{what} is too short to prove anything: {text}");
-        for secret in [&db_password, &sasl_password, TOKEN, &registry_password, "registry-user"] {
+        for secret in [
+            &db_password,
+            &sasl_password,
+            TOKEN,
+            &registry_password,
+            "registry-user",
+            &hook_password,
+            &hook_key,
+        ] {
             assert!(!text.contains(secret), "{what} shows a secret");
         }
     }
@@ -471,6 +487,7 @@ async fn secrets_appear_nowhere_in_logs_or_metrics() {
     let start = log.lines().find(|l| l.contains("Starting the processor")).expect("config logged");
     assert!(start.contains("sasl.password") && start.contains("*********"), "{start}");
     assert!(start.contains("http://*********@127.0.0.1:"), "the registry's URL: {start}");
+    assert!(start.contains("/run?api_key=*********"), "the kind's URL: {start}");
     drop((relay, processor));
     it.cleanup().await;
     sqlx::query(&format!("DROP ROLE IF EXISTS {role}")).execute(&admin).await.unwrap();
