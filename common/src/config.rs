@@ -319,8 +319,9 @@ impl fmt::Display for Role {
 }
 
 /// A token the HTTP API takes: its secret is stored as the SHA-256 of the secret, in hex
-/// (`jobfold token new` makes one), so the configuration holds nothing that signs in.
-#[derive(Debug, Clone, Deserialize, Serialize)]
+/// (`jobfold token` makes one), so the configuration holds nothing that signs in. Shown
+/// (`Debug`, `Serialize`) without its digest all the same.
+#[derive(Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ApiToken {
     /// Who uses it: recorded in the audit trail of each change it makes.
@@ -328,6 +329,27 @@ pub struct ApiToken {
     pub role: Role,
     /// SHA-256 of the secret, 64 hex digits.
     pub sha256: String,
+}
+
+impl fmt::Debug for ApiToken {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ApiToken")
+            .field("name", &self.name)
+            .field("role", &self.role)
+            .field("sha256", &"*********")
+            .finish()
+    }
+}
+
+impl Serialize for ApiToken {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeStruct;
+        let mut shown = s.serialize_struct("ApiToken", 3)?;
+        shown.serialize_field("name", &self.name)?;
+        shown.serialize_field("role", &self.role)?;
+        shown.serialize_field("sha256", "*********")?;
+        shown.end()
+    }
 }
 
 /// The HTTP API's access settings, `[http]`.
@@ -1274,7 +1296,7 @@ impl Config {
             if token.sha256.len() != 64 || !token.sha256.bytes().all(|b| b.is_ascii_hexdigit()) {
                 return named(
                     format!("tokens[{i}].sha256"),
-                    "must be the SHA-256 of the secret in 64 hex digits (`jobfold token new`)",
+                    "must be the SHA-256 of the secret in 64 hex digits (`jobfold token`)",
                 );
             }
         }
@@ -1835,6 +1857,8 @@ mod tests {
         config.http.tokens[0].sha256 = "secret-in-the-clear".into();
         assert!(problem(config.validate()).contains("http.tokens[0].sha256"));
         config.http.tokens[0].sha256 = "b".repeat(64);
+        let shown = format!("{config:?} {}", serde_json::to_string(&config).unwrap());
+        assert!(shown.contains("dashboards") && !shown.contains(&"b".repeat(64)), "{shown}");
         config.http.tokens.push(config.http.tokens[0].clone());
         assert!(problem(config.validate()).contains("http.tokens[1].name"));
         config.http.tokens.pop();

@@ -218,6 +218,17 @@ async fn cancelling_ends_each_open_state_and_a_running_handler_commits_nothing()
     assert!(said.contains("cancelled (was queued)"), "{said}");
     let cancelled = cli(&it, &["jobs", "--state", "cancelled", "--json"]);
     assert_eq!(cancelled.lines().count(), 6, "{cancelled}");
+    // In the audit trail: the command line's cancel as its operating-system user, in the
+    // cancel's own transaction.
+    let audited: (String, String, Option<String>) = sqlx::query_as(
+        "SELECT actor, via, detail->>'was' FROM audit_log WHERE action = 'cancel' AND target = $1",
+    )
+    .bind(&later)
+    .fetch_one(&it.pool)
+    .await
+    .unwrap();
+    assert!(audited.0.starts_with("os:") || audited.0.starts_with("uid "), "{audited:?}");
+    assert_eq!((audited.1.as_str(), audited.2.as_deref()), ("cli", Some("queued")));
 
     // Every delayed dispatch of the cancelled jobs reaches the processor and is skipped;
     // the log folds to the projection, cancelled jobs included.
@@ -961,6 +972,29 @@ async fn a_bulk_cancel_by_kind_counts_first_then_cancels_each_open_job_once() {
     assert!(said.contains("50 of 50 jobs cancelled"), "{said}");
     assert!(said.contains("0 still match"), "{said}");
     assert_eq!(cancelled().await, 300, "each wrong job cancelled exactly once");
+    // Each bulk cancel, not the dry run, in the audit trail with its filter and counts.
+    type Row = (String, String, String, Option<String>, Option<String>);
+    let audited: Vec<Row> = sqlx::query_as(
+        "SELECT actor, via, coalesce(role, ''), detail->'done'->>'cancelled', \
+                coalesce(detail->'request'->>'kind', detail->'request'->'filter'->>'kind') \
+         FROM audit_log WHERE action = 'cancel_matching' ORDER BY id",
+    )
+    .fetch_all(&it.pool)
+    .await
+    .unwrap();
+    assert_eq!(audited.len(), 2, "{audited:?}");
+    assert_eq!(
+        audited[0],
+        (
+            "api_token".into(),
+            "api".into(),
+            "admin".into(),
+            Some("250".into()),
+            Some("wrong-kind".into())
+        )
+    );
+    assert_eq!((audited[1].1.as_str(), audited[1].3.as_deref()), ("cli", Some("50")));
+    assert_eq!(audited[1].4.as_deref(), Some("wrong-kind"));
     let open: i64 = sqlx::query_scalar(
         "SELECT count(*) FROM jobs WHERE kind = 'wrong-kind' AND state <> 'cancelled'",
     )
