@@ -145,7 +145,8 @@ pub enum Expect {
     DeadLettered,
     /// Quarantined, its reason containing this text.
     Quarantined(&'static str),
-    /// Every one of its `versions` versions ended and the newest is indexed.
+    /// Every one of its `versions` versions ended and the newest is indexed (a version whose
+    /// attempts the faults spent, quarantined, ended as a well-behaved job would).
     AllEnded { versions: i64 },
     /// Replayed by an operator with a valid input: succeeded at `version`.
     Replayed { version: i64 },

@@ -505,15 +505,7 @@ pub async fn check_well_formed(
         if reason.contains(NO_TEXT) {
             continue;
         }
-        // Its attempts spent, or its processes killed `max_crashes` times: the faults' doing,
-        // so long as a death it names is one the campaign caused.
-        let by_faults =
-            reason.starts_with("attempt budget spent") || reason.contains("killed its processor");
-        let death_known = match crash_pid(&reason) {
-            Some(pid) => deaths.contains(&pid),
-            None => !reason.contains("killed its processor"),
-        };
-        if by_faults && death_known {
+        if by_faults(&reason, deaths) {
             ended_by_deaths += 1;
         } else {
             uncaused.push(format!("{job_id}: {reason}"));
@@ -534,6 +526,18 @@ pub async fn check_well_formed(
 pub const BYSTANDERS: &str = "(counted above) ended by processes killed under them";
 
 /// The pid of the process a crash reason names: "the process running it (host/pid) died".
+/// Whether a quarantine `reason` is the faults' doing: its attempts spent, or its processes
+/// killed `max_crashes` times, so long as a death it names is one the campaign caused.
+fn by_faults(reason: &str, deaths: &std::collections::HashSet<u32>) -> bool {
+    let spent =
+        reason.starts_with("attempt budget spent") || reason.contains("killed its processor");
+    let death_known = match crash_pid(reason) {
+        Some(pid) => deaths.contains(&pid),
+        None => !reason.contains("killed its processor"),
+    };
+    spent && death_known
+}
+
 fn crash_pid(reason: &str) -> Option<u32> {
     let (_, rest) = reason.split_once("the process running it (")?;
     let (owner, _) = rest.split_once(')')?;
@@ -650,8 +654,15 @@ async fn check_bad(
                     .bind(&bad.document)
                     .fetch_optional(pool)
                     .await?;
+                    // Each version ended; one the faults quarantined (its attempts spent by
+                    // the processes killed under it) counts as any well-behaved job's does.
                     jobs.len() as i64 == *versions
-                        && jobs.iter().all(|(s, _, _)| s == "succeeded" || s == "superseded")
+                        && jobs.iter().all(|(s, _, reason)| {
+                            s == "succeeded"
+                                || s == "superseded"
+                                || (s == "quarantined"
+                                    && reason.as_deref().is_some_and(|r| by_faults(r, deaths)))
+                        })
                         && indexed == Some(*versions)
                 }
             };
