@@ -13,7 +13,9 @@
 //! - `GET /v1/jobs/{id}`: the job as the `jobs` projection holds it (with its quarantine
 //!   reason and owner while quarantined).
 //! - `GET /v1/jobs/{id}/events`: its event history, decoded, in stream order.
-//! - `GET /v1/quarantine?owner=&kind=&reason=&limit=`: quarantined jobs, newest first.
+//! - `GET /v1/quarantine?owner=&kind=&reason=&limit=`: quarantined jobs, newest first;
+//!   `GET /v1/quarantine/groups` (the same filter): grouped by owner, kind, error class and
+//!   reason, with their counts, largest first.
 //! - `POST /v1/jobs/{id}/replay`: runs a quarantined job again with a fresh budget, optionally
 //!   with `{"new_input_version": n, "new_input": {...}}`; 202, or 409 if it is not quarantined.
 //! - `GET /v1/jobs?state=&kind=&document_id=&since=&limit=&after=&order=`: jobs in job id
@@ -198,6 +200,7 @@ pub fn router(state: ApiState, max_body: usize) -> Router {
         .route("/v1/kinds/{kind}/pause", post(pause_kind))
         .route("/v1/kinds/{kind}/resume", post(resume_kind))
         .route("/v1/quarantine", get(quarantine))
+        .route("/v1/quarantine/groups", get(quarantine_groups))
         .route("/v1/quarantine/replay", post(replay_matching))
         .route("/v1/dead-letters", get(dead_letters))
         .route("/v1/dead-letters/{id}", get(dead_letter).delete(delete_dead_letter))
@@ -875,6 +878,7 @@ async fn overview(
         }
     }
     body["token_required"] = json!(state.access.tokens_required());
+    body["trace_url"] = json!(state.config.console.trace_url);
     Ok(axum::Json(body))
 }
 
@@ -884,6 +888,14 @@ async fn quarantine(
 ) -> Result<axum::Json<Vec<status::Quarantined>>, ApiError> {
     let Query(filter) = filter.map_err(bad_query)?;
     Ok(axum::Json(status::quarantined(&state.pool, &filter).await?))
+}
+
+async fn quarantine_groups(
+    State(state): State<ApiState>,
+    filter: Result<Query<status::QuarantineFilter>, QueryRejection>,
+) -> Result<axum::Json<Vec<status::QuarantineGroup>>, ApiError> {
+    let Query(filter) = filter.map_err(bad_query)?;
+    Ok(axum::Json(status::quarantine_groups(&state.pool, &filter).await?))
 }
 
 async fn list_jobs(

@@ -387,6 +387,42 @@ pub async fn quarantined(
     .await
 }
 
+/// Quarantined jobs that share an owner, a kind, an error class and a reason, with how many
+/// and since when: what `GET /v1/quarantine/groups` lists.
+#[derive(Debug, Clone, Serialize)]
+pub struct QuarantineGroup {
+    pub owner: String,
+    pub kind: String,
+    pub error_class: String,
+    pub reason: String,
+    pub jobs: i64,
+    pub first: DateTime<Utc>,
+    pub last: DateTime<Utc>,
+}
+
+/// The quarantined jobs `filter` selects, grouped by owner, kind, error class and reason,
+/// largest groups first, at most `filter.limit` groups (default 50, at most 1000).
+///
+/// # Errors
+/// The database failed.
+pub async fn quarantine_groups(
+    pool: &PgPool,
+    filter: &QuarantineFilter,
+) -> Result<Vec<QuarantineGroup>, sqlx::Error> {
+    let limit = filter.limit.unwrap_or(50).clamp(1, QUARANTINE_LIMIT_MAX);
+    quarantine_match!(query_as!(
+        [QuarantineGroup] r#"SELECT q.owner, j.kind, q.error_class, q.reason,
+                       count(*) AS "jobs!", min(q.quarantined_at) AS "first!",
+                       max(q.quarantined_at) AS "last!""#,
+        "GROUP BY q.owner, j.kind, q.error_class, q.reason \
+         ORDER BY count(*) DESC, max(q.quarantined_at) DESC LIMIT $6",
+        filter,
+        limit,
+    ))
+    .fetch_all(pool)
+    .await
+}
+
 /// How far back [`Overview::rates`] look.
 pub const RATE_WINDOW_SECONDS: u32 = 10;
 
