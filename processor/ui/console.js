@@ -28,12 +28,23 @@ const app = {
 
 // ---- DOM helpers -------------------------------------------------------------------------
 
-/** An element; `attrs.text` sets its text, `on*` adds listeners, the rest are attributes. */
+// Characters that change how text reads without showing themselves: bidirectional controls
+// (a right-to-left override shows `invoice\u202Egpj.exe` as "invoiceexe.jpg"), zero-width
+// and other invisible characters, C0 and C1 controls but tab and newline.
+const HIDDEN = /[\u0000-\u0008\u000B-\u001F\u007F-\u009F\u00AD\u061C\u180E\u200B-\u200F\u202A-\u202E\u2060-\u2064\u2066-\u206F\uFEFF\uFFF9-\uFFFB]/g;
+
+/** `text` with each hidden character shown as its code point: ⟦U+202E⟧. */
+function visible(text) {
+  return String(text).replace(HIDDEN, (c) => `⟦U+${c.codePointAt(0).toString(16).toUpperCase().padStart(4, '0')}⟧`);
+}
+
+/** An element; `attrs.text` sets its text (hidden characters shown), `on*` adds listeners,
+ * the rest are attributes. */
 function el(tag, attrs, ...children) {
   const node = document.createElement(tag);
   for (const [key, value] of Object.entries(attrs || {})) {
     if (value === null || value === undefined || value === false) continue;
-    if (key === 'text') node.textContent = String(value);
+    if (key === 'text') node.textContent = visible(value);
     else if (key.startsWith('on')) node.addEventListener(key.slice(2), value);
     else node.setAttribute(key, value === true ? '' : String(value));
   }
@@ -44,7 +55,7 @@ function el(tag, attrs, ...children) {
 function append(node, children) {
   for (const child of [children].flat(Infinity)) {
     if (child === null || child === undefined || child === false) continue;
-    node.append(child instanceof Node ? child : document.createTextNode(String(child)));
+    node.append(child instanceof Node ? child : document.createTextNode(visible(child)));
   }
   return node;
 }
@@ -351,6 +362,7 @@ function overviewPage() {
 }
 
 function renderOverview(o) {
+  app.traceUrl = o.trace_url || null;
   if (app.tokenRequired !== o.token_required) {
     app.tokenRequired = o.token_required;
     renderSession();
@@ -394,7 +406,7 @@ function renderOverview(o) {
       el('p', { class: 'lag-title' }, el('span', { class: 'mono', text: partitions[0].group }), ' on ',
         el('span', { class: 'mono', text: partitions[0].topic }), ` · ${count(total)} behind`),
       el('div', { class: 'scroll' }, el('table', { 'aria-label': `Lag of ${partitions[0].group}` },
-        el('thead', {}, el('tr', {}, ['Partition', 'Committed', 'End', 'Lag'].map((c) => el('th', { scope: 'col', text: c })))),
+        el('thead', {}, el('tr', {}, ['Partition', 'Committed', 'End', 'Lag'].map((c) => el('th', { scope: 'col', class: 'num', text: c })))),
         el('tbody', {}, partitions.map((l) => el('tr', { 'data-lag': `${l.topic}/${l.partition}` },
           el('td', { class: 'num', text: l.partition }),
           el('td', { class: 'num', text: l.committed === null ? 'none' : count(l.committed) }),
@@ -535,7 +547,7 @@ async function loadPayload(which, id) {
   try {
     const { text } = await api('GET', `/v1/jobs/${encodeURIComponent(id)}/${which}`);
     const truncated = text.length > PREVIEW_CHARS;
-    pre.textContent = truncated ? text.slice(0, PREVIEW_CHARS) + '\n…' : text;
+    pre.textContent = visible(truncated ? text.slice(0, PREVIEW_CHARS) + '\n…' : text);
     note.textContent = truncated ? `Showing the first ${count(PREVIEW_CHARS)} of ${count(text.length)} characters: download it for the rest.` : '';
     // Saved from what was read with the token: a plain link would be fetched without it.
     if (link.href.startsWith('blob:')) URL.revokeObjectURL(link.href);
@@ -565,11 +577,12 @@ function renderJob(job, events, stateChanged) {
     job.next_attempt_at && ['Next attempt', time(job.next_attempt_at)],
     job.deadline && ['Deadline', time(job.deadline)],
     job.finished_at && ['Finished', time(job.finished_at)],
-    job.last_error && ['Last error', el('span', { class: 'error-text', text: job.last_error })],
+    // The quarantine reason repeats the last error: shown once.
+    job.last_error && !(job.quarantine_reason || '').includes(job.last_error) && ['Last error', el('span', { class: 'error-text', text: job.last_error })],
     job.quarantine_reason && ['Quarantined because', el('span', { class: 'error-text', 'data-field': 'quarantine_reason', text: job.quarantine_reason })],
     job.quarantine_owner && ['Owner', job.quarantine_owner],
     job.idempotency_key && ['Idempotency key', job.idempotency_key],
-    ['Trace', trace ? el('span', { class: 'mono', 'data-field': 'trace_id', text: trace.split('-')[1] || trace }) : 'none'],
+    ['Trace', trace ? traceLink(trace.split('-')[1] || trace) : 'none'],
   ].filter(Boolean);
   document.getElementById('job-summary').replaceChildren(...rows.flatMap(([term, value]) => [
     el('dt', { text: term }), el('dd', {}, value instanceof Node ? value : String(value))]));
@@ -577,9 +590,16 @@ function renderJob(job, events, stateChanged) {
   if (stateChanged) renderJobActions(job);
 }
 
+/** A trace id, a link where `console.trace_url` is configured. */
+function traceLink(traceId) {
+  if (!app.traceUrl || !/^[0-9a-f]{32}$/.test(traceId)) return el('span', { class: 'mono', 'data-field': 'trace_id', text: traceId });
+  return el('a', { class: 'mono', 'data-field': 'trace_id', href: app.traceUrl.replace('{trace_id}', traceId), target: '_blank', rel: 'noopener noreferrer', text: traceId });
+}
+
 function renderTimeline(events) {
   let leasedAt = null;
   let previousAt = null;
+  let lastError = null;
   const rows = events.map((entry) => {
     const payload = entry.event.payload || {};
     const at = new Date(entry.occurred_at).getTime();
@@ -595,7 +615,13 @@ function renderTimeline(events) {
     previousAt = at;
     const details = Object.entries(payload)
       .filter(([key, value]) => !['type', 'attempt', 'generation'].includes(key) && value !== null)
-      .map(([key, value]) => `${key}: ${typeof value === 'object' ? JSON.stringify(value) : value}`)
+      .map(([key, value]) => {
+        let text = typeof value === 'object' ? JSON.stringify(value) : String(value);
+        // A quarantine's reason repeats the failure before it: said once.
+        if (key === 'reason' && lastError && text.includes(lastError)) text = text.replace(lastError, '(the failure above)');
+        if (key === 'message' || key === 'error') lastError = text;
+        return `${key}: ${text}`;
+      })
       .join(' · ');
     return el('tr', { 'data-event': payload.type || entry.kind },
       el('td', { class: 'num', text: entry.stream_version }),
@@ -617,7 +643,7 @@ function renderJobActions(job) {
   if (job.state === 'quarantined') {
     const version = el('input', { type: 'number', min: job.input_version + 1, id: 'replay-version', name: 'new_input_version' });
     const input = el('textarea', { id: 'replay-input', name: 'new_input', rows: 3, placeholder: '{"text": "…"}' });
-    append(box, [
+    box.fixed = [
       el('button', { type: 'button', id: 'replay', 'data-needs': 'operate', text: 'Replay', onclick: async () => {
         const body = {};
         if (version.value) body.new_input_version = Number(version.value);
@@ -629,7 +655,8 @@ function renderJobActions(job) {
       el('details', { 'data-needs': 'operate' }, el('summary', { text: 'Replay with a fixed input' }),
         el('label', {}, el('span', { text: 'New input version' }), version),
         el('label', {}, el('span', { text: 'New input (JSON)' }), input)),
-    ]);
+    ];
+    append(box, box.fixed[0]);
   }
   if ((job.state === 'queued' && job.run_at && new Date(job.run_at) > new Date()) || job.state === 'retry_wait') {
     append(box, el('button', { type: 'button', id: 'run-now', class: 'secondary', 'data-needs': 'operate', text: 'Run now',
@@ -639,6 +666,8 @@ function renderJobActions(job) {
     append(box, confirmButton('cancel', 'operate', 'Cancel job', 'Cancel this job? A running handler is stopped and nothing it did is committed.',
       'Yes, cancel it', () => act('POST', `/v1/jobs/${id}/cancel`, { requested_by: 'console' }, 'Cancelled.')));
   }
+  // The replay's fixed-input form goes under the buttons, not between them.
+  if (box.fixed) append(box, box.fixed[1]);
 }
 
 /** A button that asks first: the question and a confirming button appear beside it. */
@@ -758,8 +787,29 @@ function quarantinePage(params) {
       el('button', { type: 'button', id: 'bulk-count', class: 'secondary', text: 'Replay all that match…', onclick: () => bulkCount(filter) }),
       el('span', { class: 'ask', id: 'bulk-ask', hidden: true })),
     errorLine('quarantine-error'),
+    el('h2', { text: 'By reason' }),
+    table('Quarantined jobs by owner, kind and reason', ['Owner', 'Kind', 'Class', 'Reason', 'Jobs', 'Latest', ''], 'quarantine-groups'),
+    el('h2', { text: 'Jobs' }),
     table('Quarantined jobs', ['Job', 'Kind', 'Document', 'Owner', 'Class', 'Attempts', 'Reason', 'Since', ''], 'quarantined'),
   ]);
+  const groupQuery = new URLSearchParams(filter);
+  groupQuery.set('limit', '50');
+  api('GET', '/v1/quarantine/groups?' + groupQuery).then(({ data }) => {
+    const body = document.getElementById('quarantine-groups');
+    if (!data.length) body.append(el('tr', {}, el('td', { colspan: 7, class: 'empty', text: 'Nothing quarantined matches.' })));
+    data.forEach((g, i) => {
+      body.append(el('tr', { 'data-group': i, 'data-group-jobs': g.jobs },
+        el('td', { text: g.owner }),
+        el('td', { text: g.kind }),
+        el('td', { text: g.error_class }),
+        el('td', { class: 'error-text', text: g.reason }),
+        el('td', { class: 'num', text: count(g.jobs) }),
+        el('td', { class: 'time', text: time(g.last) }),
+        el('td', {}, el('button', { type: 'button', class: 'small', 'data-needs': 'operate', 'data-replay-group': i, text: 'Replay this group…',
+          // Counted first (a dry run of the same filter), then confirmed, as any bulk replay.
+          onclick: () => bulkCount({ ...filter, owner: g.owner, kind: g.kind, reason: g.reason }) }))));
+    });
+  }).catch((e) => showError('quarantine-error', e));
   const query = new URLSearchParams(filter);
   query.set('limit', '200');
   api('GET', '/v1/quarantine?' + query).then(({ data }) => {
@@ -919,6 +969,7 @@ function start() {
   window.addEventListener('hashchange', () => { route(); main().focus({ preventScroll: true }); });
   api('GET', '/v1/overview').then(({ data }) => {
     app.tokenRequired = data.token_required;
+    app.traceUrl = data.trace_url || null;
     renderSession();
   }).catch(() => renderSession());
   route();

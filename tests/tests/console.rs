@@ -31,12 +31,21 @@ const HTML_TEXT: &str =
 const INJECTED: &str = "return { pwned: window.__pwned === undefined ? null : window.__pwned, \
      elements: document.querySelectorAll('#injected, img[src=\"x\"], main script').length };";
 
+/// A document id with a right-to-left override: shown raw, it reads "invoiceexe.jpg".
+const BIDI_DOCUMENT: &str = "invoice\u{202E}gpj.exe";
+/// How the console shows it.
+const BIDI_SHOWN: &str = "invoice⟦U+202E⟧gpj.exe";
+/// The trace of the job with that document, and where the console links it.
+const TRACE_ID: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
+const TRACE_URL: &str = "https://traces.example/trace/{trace_id}";
+
 /// Seeds the installation; the job ids by role.
 struct Seeded {
     ok: Vec<Uuid>,
     quarantined: Vec<Uuid>,
     html: Uuid,
     large: Uuid,
+    bidi: Uuid,
 }
 
 async fn seed(it: &Installation, running: &Running) -> Seeded {
@@ -60,6 +69,12 @@ async fn seed(it: &Installation, running: &Running) -> Seeded {
     let large =
         accept("doc-large".into(), json!({ "text": "big", "simulate": { "output_bytes": 9000 } }))
             .await;
+    let mut traced = index_job(BIDI_DOCUMENT, 1, json!({ "text": "an invoice" }));
+    traced.trace = jobfold_schemas::event::TraceContext::from_headers(
+        &format!("00-{TRACE_ID}-00f067aa0ba902b7-01"),
+        None,
+    );
+    let bidi = acceptor.accept(&it.pool, &traced).await.unwrap().job_id;
 
     // A request of a kind nothing runs yet: the intake dead-letters it.
     let codec: Codec<JobRequest> =
@@ -89,7 +104,7 @@ async fn seed(it: &Installation, running: &Running) -> Seeded {
             && overview["dead_letters"] == 1
     })
     .await;
-    Seeded { ok, quarantined, html, large }
+    Seeded { ok, quarantined, html, large, bidi }
 }
 
 async fn state(it: &Installation, job_id: Uuid) -> String {
@@ -124,6 +139,13 @@ async fn sign_in(browser: &Browser, token: &str, who: &str) {
         .await;
 }
 
+/// `text` for a URL's query.
+fn urlencoding(text: &str) -> String {
+    let mut url = reqwest::Url::parse("http://query.invalid/").unwrap();
+    url.query_pairs_mut().append_pair("v", text);
+    url.query().unwrap_or_default().trim_start_matches("v=").to_owned()
+}
+
 /// Whether the element `css` selects is laid out (not hidden by its role's rule or a parent).
 async fn rendered(browser: &Browser, css: &str) -> bool {
     browser
@@ -145,7 +167,7 @@ async fn the_console_shows_finds_fixes_and_escapes_in_a_real_browser() {
     let mut it = Installation::new("console").await;
     it.config.processor.group = jobfold_tests::kafka::unique_name("processors");
     it.create_topics().await;
-    let running = Running::start(&it, TOKEN, &[]);
+    let running = Running::start(&it, TOKEN, &[("JOBFOLD_CONSOLE__TRACE_URL", TRACE_URL)]);
     running.ready().await;
     let seeded = seed(&it, &running).await;
     let ui = running.url("/ui/");
@@ -293,6 +315,26 @@ async fn the_console_shows_finds_fixes_and_escapes_in_a_real_browser() {
     assert_eq!(browser.text("tr[data-job] .doc").await, HTML_DOCUMENT);
     assert_eq!(browser.js(INJECTED).await, json!({ "pwned": null, "elements": 0 }));
 
+    // --- Hidden characters shown as what they are; the trace a link. ---
+    browser.goto(&format!("{ui}#/jobs/{}", seeded.bidi)).await;
+    browser.until("the summary", "return document.querySelector('#job-summary .doc');").await;
+    assert_eq!(browser.text("#job-summary .doc").await, BIDI_SHOWN);
+    let link = browser
+        .until(
+            "the trace link",
+            "const a = document.querySelector('a[data-field=trace_id]'); return a && a.href;",
+        )
+        .await;
+    assert_eq!(link, json!(TRACE_URL.replace("{trace_id}", TRACE_ID)));
+    browser.goto(&format!("{ui}#/jobs?document_id={}", urlencoding(BIDI_DOCUMENT))).await;
+    let listed = browser
+        .until(
+            "the listing",
+            "const d = document.querySelector('tr[data-job] .doc'); return d && d.textContent;",
+        )
+        .await;
+    assert_eq!(listed, json!(BIDI_SHOWN));
+
     // --- A large result: a preview and a download of the whole. ---
     browser.goto(&format!("{ui}#/jobs/{}", seeded.large)).await;
     let note = browser
@@ -328,6 +370,28 @@ async fn the_console_shows_finds_fixes_and_escapes_in_a_real_browser() {
     browser.goto(&format!("{ui}#/jobs/{target}")).await;
     browser.until("the replay button", "return document.getElementById('replay');").await;
     assert!(!rendered(&browser, "#replay").await, "a read token is offered a replay");
+    // The error once in the summary (the quarantine reason holds it), the quarantine's row
+    // pointing at the failure above it; no empty box where no result is.
+    browser
+        .until(
+            "the timeline",
+            "return document.querySelector(\"tr[data-event='JobQuarantined']\");",
+        )
+        .await;
+    let terms = browser
+        .js("return [...document.querySelectorAll('#job-summary dt')].map(d => d.textContent);")
+        .await;
+    assert!(!terms.as_array().unwrap().contains(&json!("Last error")), "{terms}");
+    assert!(terms.as_array().unwrap().contains(&json!("Quarantined because")), "{terms}");
+    let quarantined_row = browser.text("tr[data-event='JobQuarantined'] .details").await;
+    assert!(quarantined_row.contains("(the failure above)"), "{quarantined_row}");
+    browser
+        .until(
+            "the result's note",
+            "return document.getElementById('result-note').textContent === 'No result committed.';",
+        )
+        .await;
+    assert!(!rendered(&browser, "#result-text").await, "an empty box under No result committed");
     assert!(!rendered(&browser, "#cancel").await, "a read token is offered a cancel");
     let refused = http_client()
         .post(running.url(&format!("/v1/jobs/{target}/replay")))
@@ -371,8 +435,17 @@ async fn the_console_shows_finds_fixes_and_escapes_in_a_real_browser() {
             "return document.querySelectorAll('tr[data-job]').length === 2;",
         )
         .await;
+    // Grouped by reason: the two share one, and its group replays them.
+    let groups = browser
+        .until(
+            "the groups",
+            "const rows = [...document.querySelectorAll('tr[data-group]')]; \
+             return rows.length ? rows.map(r => r.dataset.groupJobs) : null;",
+        )
+        .await;
+    assert_eq!(groups, json!(["2"]));
     browser.screenshot("quarantine").await;
-    browser.click("#bulk-count").await;
+    browser.click("[data-replay-group='0']").await;
     let matched = browser
         .until(
             "the count",
