@@ -455,8 +455,13 @@ function jobsPage(params) {
       if (q) query.set('document_id', q);
       location.hash = '#/jobs?' + query;
     }),
+    el('nav', { class: 'actions', 'aria-label': 'Lists' },
+      el('a', { href: '#/jobs', 'aria-current': !params.toString() ? 'page' : null, text: 'All' }),
+      el('a', { href: '#/jobs?state=retry_wait', id: 'list-retry', 'aria-current': params.get('state') === 'retry_wait' ? 'page' : null, text: 'Waiting to retry' }),
+      el('a', { href: '#/jobs?scheduled=true', id: 'list-scheduled', 'aria-current': params.get('scheduled') ? 'page' : null, text: 'Scheduled' })),
+    bulkCancelBar(params),
     errorLine('jobs-error'),
-    table('Jobs', ['Job', 'Document', 'Kind', 'Version', 'State', 'Attempt', 'Accepted'], 'jobs'),
+    table('Jobs', ['Job', 'Document', 'Kind', 'Version', 'State', 'Attempt', 'Accepted', ''], 'jobs'),
     el('button', { type: 'button', id: 'jobs-more', class: 'secondary', hidden: true, text: 'Next page' }),
   ]);
   const query = new URLSearchParams(params);
@@ -468,7 +473,7 @@ function jobsPage(params) {
     if (after) query.set('after', after);
     try {
       const { data } = await api('GET', '/v1/jobs?' + query);
-      if (!after && !data.jobs.length) body.append(el('tr', {}, el('td', { colspan: 7, class: 'empty', text: 'No job matches.' })));
+      if (!after && !data.jobs.length) body.append(el('tr', {}, el('td', { colspan: 8, class: 'empty', text: 'No job matches.' })));
       for (const job of data.jobs) body.append(jobRow(job));
       more.hidden = !data.next;
       more.onclick = () => load(data.next);
@@ -480,6 +485,40 @@ function jobsPage(params) {
   load(null);
 }
 
+/** Whether `job` waits for a time (scheduled, or its retry): run now brings it forward. */
+function waitsForTime(job) {
+  return job.state === 'retry_wait' || (job.state === 'queued' && job.run_at && new Date(job.run_at) > new Date());
+}
+
+/** The jobs page's bulk cancel for its filter, counted first (a dry run), then confirmed;
+ * nothing without a filter, nor for a list the bulk cancel cannot select (scheduled). */
+function bulkCancelBar(params) {
+  const filter = {};
+  for (const key of ['kind', 'document_id', 'state', 'since']) if (params.get(key)) filter[key] = params.get(key);
+  if (!Object.keys(filter).length || params.get('scheduled') || (filter.state && !OPEN_STATES.has(filter.state))) return null;
+  const ask = el('span', { class: 'ask', id: 'cancel-ask', hidden: true });
+  const countMatching = async () => {
+    let counted;
+    try {
+      ({ data: counted } = await api('POST', '/v1/jobs/cancel', { ...filter, dry_run: true }));
+    } catch (e) {
+      toast(`Refused: ${e.message}${e.status ? ` (${e.status})` : ''}`, 'error');
+      return;
+    }
+    ask.replaceChildren(
+      el('span', { id: 'cancel-matched', 'data-matched': counted.matched, text: `${count(counted.matched)} open jobs match this filter. Cancel them all?` }),
+      counted.matched ? el('button', { type: 'button', id: 'cancel-all-yes', class: 'danger', text: `Cancel ${count(counted.matched)} jobs`,
+        onclick: () => act('POST', '/v1/jobs/cancel', { ...filter, reason: 'cancelled from the console' },
+          (d) => `Cancelled ${count(d.cancelled)} of ${count(d.matched)}${d.remaining ? `; ${count(d.remaining)} still match: cancel again` : ''}.`) }) : null,
+      el('button', { type: 'button', class: 'secondary', text: 'Never mind', onclick: () => { ask.hidden = true; } }));
+    ask.hidden = false;
+    (ask.querySelector('#cancel-all-yes') || ask.querySelector('button')).focus();
+  };
+  return el('div', { class: 'actions', 'data-needs': 'operate' },
+    el('button', { type: 'button', id: 'cancel-count', class: 'secondary', text: 'Cancel all that match…', onclick: countMatching }),
+    ask);
+}
+
 function jobRow(job) {
   return el('tr', { 'data-job': job.job_id },
     el('td', { class: 'mono' }, el('a', { href: `#/jobs/${job.job_id}`, text: job.job_id })),
@@ -488,7 +527,12 @@ function jobRow(job) {
     el('td', { class: 'num', text: job.input_version }),
     el('td', {}, stateBadge(job.state)),
     el('td', { class: 'num', text: `${job.attempt}/${job.max_attempts}` }),
-    el('td', { class: 'time', text: time(job.accepted_at) }));
+    el('td', { class: 'time', text: time(job.accepted_at) }),
+    el('td', {}, waitsForTime(job)
+      ? el('button', { type: 'button', class: 'small', 'data-needs': 'operate', 'data-run-now': job.job_id,
+        title: job.state === 'retry_wait' ? `retry due ${time(job.next_attempt_at)}` : `due ${time(job.run_at)}`, text: 'Run now',
+        onclick: () => act('POST', `/v1/jobs/${job.job_id}/run-now`, undefined, 'Due now: it is dispatched at once.') })
+      : null));
 }
 
 // -- One job --

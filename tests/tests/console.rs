@@ -494,14 +494,51 @@ async fn the_console_shows_finds_fixes_and_escapes_in_a_real_browser() {
     let mut soon = index_job("doc-soon", 1, json!({ "text": "now, please" }));
     soon.run_at = Some(Utc::now() + chrono::Duration::hours(1));
     let soon = it.acceptor().await.accept(&it.pool, &soon).await.unwrap().job_id;
-    browser.goto(&format!("{ui}#/jobs/{soon}")).await;
-    browser.until("the run-now button", "return document.getElementById('run-now');").await;
-    browser.click("#run-now").await;
+    // From the Scheduled list: what waits for a time, each with its own run-now.
+    browser.goto(&format!("{ui}#/jobs?scheduled=true")).await;
+    let listed = browser
+        .until(
+            "the scheduled list",
+            "const rows = [...document.querySelectorAll('tr[data-job]')]; \
+             return rows.length ? rows.map(r => r.dataset.job) : null;",
+        )
+        .await;
+    assert_eq!(listed, json!([soon.to_string()]), "only the job due later");
+    browser.click(&format!("[data-run-now='{soon}']")).await;
     eventually(Duration::from_secs(60), "the job brought forward to run", || async {
         state(&it, soon).await == "succeeded"
     })
     .await;
     assert_eq!(writes(&it, soon).await, 1);
+
+    // --- Bulk cancel from the jobs list: counted first, then confirmed. ---
+    for n in 0..3 {
+        let mut held = index_job(&format!("doc-bulk-{n}"), 1, json!({ "text": "not yet" }));
+        held.run_at = Some(Utc::now() + chrono::Duration::hours(1));
+        it.acceptor().await.accept(&it.pool, &held).await.unwrap();
+    }
+    browser.goto(&format!("{ui}#/jobs?kind=index-document&state=queued")).await;
+    browser.until("the bulk cancel", "return document.getElementById('cancel-count');").await;
+    browser.click("#cancel-count").await;
+    let matched = browser
+        .until(
+            "the count",
+            "const m = document.getElementById('cancel-matched'); return m && m.dataset.matched;",
+        )
+        .await;
+    assert_eq!(matched, json!("3"));
+    let open = || async {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT count(*) FROM jobs WHERE document_id LIKE 'doc-bulk-%' AND state = 'queued'",
+        )
+        .fetch_one(&it.pool)
+        .await
+        .unwrap()
+    };
+    assert_eq!(open().await, 3, "counting cancels nothing");
+    browser.click("#cancel-all-yes").await;
+    eventually(Duration::from_secs(30), "the three cancelled", || async { open().await == 0 })
+        .await;
 
     // --- Kinds: paused with a reason, its job waiting unleased, then resumed. ---
     browser.goto(&format!("{ui}#/kinds")).await;
@@ -623,6 +660,7 @@ async fn the_console_shows_finds_fixes_and_escapes_in_a_real_browser() {
         "oncall replay_matching",
         "oncall cancel",
         "oncall run_now",
+        "oncall cancel_matching",
         "oncall pause_kind",
         "oncall resume_kind",
         "oncall reinject_dead_letter",
