@@ -36,6 +36,8 @@
 //!   dispatched at once (no attempt spent or given); 200 with what it `waited` for
 //!   (`scheduled`, `retry`, or `due`: a queued job already due, nothing done), 409 with the
 //!   state for any other.
+//! - `GET /v1/processors`: the processors of every group, as each last wrote its presence
+//!   (every 3 s): partitions held, jobs running (the 50 longest-running named), last seen.
 //! - `GET /v1/periodic`: the periodic schedules (`[periodic.<name>]`) with their next tick,
 //!   the last one decided, its job or error, and the processor holding the schedules.
 //! - `POST /v1/quarantine/replay`: replays the quarantined jobs a filter selects (`owner`,
@@ -197,6 +199,7 @@ pub fn router(state: ApiState, max_body: usize) -> Router {
         .route("/v1/jobs/{id}/run-now", post(run_now))
         .route("/v1/kinds", get(kinds))
         .route("/v1/periodic", get(periodic))
+        .route("/v1/processors", get(processors))
         .route("/v1/kinds/{kind}/pause", post(pause_kind))
         .route("/v1/kinds/{kind}/resume", post(resume_kind))
         .route("/v1/quarantine", get(quarantine))
@@ -1014,6 +1017,13 @@ async fn periodic(
 ) -> Result<axum::Json<serde_json::Value>, ApiError> {
     let schedules = crate::periodic::schedules(&state.config, &state.pool).await?;
     Ok(axum::Json(json!({ "schedules": schedules })))
+}
+
+async fn processors(
+    State(state): State<ApiState>,
+) -> Result<axum::Json<serde_json::Value>, ApiError> {
+    let processors = crate::presence::list(&state.pool).await?;
+    Ok(axum::Json(json!({ "processors": processors })))
 }
 
 async fn kinds(State(state): State<ApiState>) -> Result<axum::Json<serde_json::Value>, ApiError> {

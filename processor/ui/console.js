@@ -250,6 +250,7 @@ function route() {
   else if (section === 'jobs' && parts[1]) jobPage(parts[1]);
   else if (section === 'jobs') jobsPage(params);
   else if (section === 'kinds') kindsPage();
+  else if (section === 'processors') processorsPage();
   else if (section === 'quarantine') quarantinePage(params);
   else if (section === 'dead-letters' && parts[1]) deadLetterPage(parts[1]);
   else if (section === 'dead-letters') deadLettersPage(params);
@@ -955,6 +956,62 @@ function deadLetterPage(id) {
       el('div', { class: 'columns' }, bytes('Key', data.key_text, data.key_hex), bytes('Value', data.value_text, data.value_hex)),
     ]);
   }).catch((e) => showError('dead-letter-error', e));
+}
+
+// -- Processors --
+
+const PROCESSORS_EVERY_MS = 3000;
+
+/** "3.2 s ago", "4 min 10 s ago" beside an absolute time. */
+function ago(seconds) {
+  return `${age(seconds)} ago`;
+}
+
+function processorsPage() {
+  append(main(), [
+    el('h1', { text: 'Processors' }),
+    el('p', { class: 'note', text: 'Each processor writes what it holds and runs every 3 s; one not seen for 9 s has probably stopped without a word (its jobs come back when their leases run out).' }),
+    errorLine('processors-error'),
+    el('div', { id: 'processors' }),
+  ]);
+  every(PROCESSORS_EVERY_MS, async () => {
+    try {
+      const { data } = await api('GET', '/v1/processors');
+      renderProcessors(data.processors);
+      showError('processors-error', null);
+    } catch (e) {
+      showError('processors-error', e);
+    }
+  });
+}
+
+function renderProcessors(processors) {
+  const box = document.getElementById('processors');
+  if (!box) return;
+  if (!processors.length) {
+    box.replaceChildren(el('p', { class: 'empty', text: 'No processor is running.' }));
+    return;
+  }
+  const now = Date.now();
+  box.replaceChildren(...processors.map((p) => el('section', { class: 'processor', 'data-processor': p.owner, 'data-alive': p.alive ? 'yes' : 'no' },
+    el('h2', {}, el('span', { class: 'mono', text: p.owner }), ' ',
+      el('span', { class: `badge ${p.alive ? 'state-succeeded' : 'state-quarantined'}`, text: p.alive ? 'running' : 'not seen' })),
+    el('dl', { class: 'summary' },
+      el('dt', { text: 'Group' }), el('dd', { class: 'mono', text: p.group }),
+      el('dt', { text: 'Version' }), el('dd', { text: p.version }),
+      el('dt', { text: 'Since' }), el('dd', { text: `${time(p.started_at)} (${ago((now - new Date(p.started_at).getTime()) / 1000)})` }),
+      el('dt', { text: 'Last seen' }), el('dd', { 'data-seen': p.seen_ago_seconds, text: ago(p.seen_ago_seconds) }),
+      el('dt', { text: 'Partitions' }), el('dd', { 'data-partitions': p.partitions.join(','), text: p.partitions.length ? p.partitions.join(', ') : 'none' }),
+      el('dt', { text: 'Running' }), el('dd', { 'data-in-flight': p.in_flight, text: count(p.in_flight) })),
+    p.running.length ? el('div', { class: 'scroll' }, el('table', { 'aria-label': `Jobs running in ${p.owner}` },
+      el('thead', {}, el('tr', {}, ['Job', 'Kind', 'Document', 'Generation', 'Running for'].map((c, i) => el('th', { scope: 'col', class: i >= 3 ? 'num' : null, text: c })))),
+      el('tbody', {}, p.running.map((j) => el('tr', { 'data-running': j.job_id },
+        el('td', { class: 'mono' }, el('a', { href: `#/jobs/${j.job_id}`, text: j.job_id })),
+        el('td', { text: j.kind }),
+        el('td', {}, el('span', { class: 'doc', text: j.document_id })),
+        el('td', { class: 'num', text: j.generation }),
+        el('td', { class: 'num', title: time(j.started_at), text: age(Math.max(0, now - new Date(j.started_at).getTime()) / 1000) })))))) : null,
+    p.in_flight > p.running.length ? el('p', { class: 'note', text: `…and ${count(p.in_flight - p.running.length)} more.` }) : null)));
 }
 
 // -- Audit --

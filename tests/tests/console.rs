@@ -239,6 +239,32 @@ async fn the_console_shows_finds_fixes_and_escapes_in_a_real_browser() {
     assert_eq!(browser.js(layout).await, before, "the layout moved on refresh");
     browser.screenshot("overview").await;
 
+    // --- Processors: the one running, its partitions, and a slow job running in it. ---
+    let slow =
+        index_job("doc-slow", 1, json!({ "text": "slow", "simulate": { "sleep_ms": 6000 } }));
+    let slow = it.acceptor().await.accept(&it.pool, &slow).await.unwrap().job_id;
+    browser.goto(&format!("{ui}#/processors")).await;
+    let shown = browser
+        .until(
+            "the slow job running in the processor",
+            &format!(
+                "const row = document.querySelector(\"tr[data-running='{slow}']\"); \
+                 const p = row && row.closest('[data-processor]'); \
+                 return p ? [p.dataset.alive, p.querySelector('[data-partitions]').dataset.partitions, \
+                             p.querySelector('[data-in-flight]').dataset.inFlight] : null;"
+            ),
+        )
+        .await;
+    let all: Vec<String> = (0..it.config.topics.partitions).map(|p| p.to_string()).collect();
+    assert_eq!(shown, json!(["yes", all.join(","), "1"]), "the processor as it is");
+    let (_, listed) = running.get("/v1/processors").await;
+    assert_eq!(listed["processors"].as_array().unwrap().len(), 1, "{listed}");
+    browser.screenshot("processors").await;
+    eventually(Duration::from_secs(60), "the slow job to end", || async {
+        state(&it, slow).await == "succeeded"
+    })
+    .await;
+
     // --- Keyboard: from the top of the page to the jobs search. ---
     browser
         .js("document.activeElement && document.activeElement.blur(); window.scrollTo(0, 0);")
