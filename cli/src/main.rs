@@ -105,6 +105,9 @@ enum Command {
         /// Accepted at or after this time (RFC 3339).
         #[arg(long)]
         since: Option<chrono::DateTime<chrono::Utc>>,
+        /// Only jobs scheduled for later (queued, due in the future).
+        #[arg(long)]
+        scheduled: bool,
         /// The page after this job id.
         #[arg(long)]
         after: Option<uuid::Uuid>,
@@ -637,7 +640,18 @@ async fn run(config: Config, command: Command) -> anyhow::Result<()> {
                 Waited::Due => println!("{job_id} is already due: its dispatch is on its way"),
             }
         }
-        Command::Jobs { state, kind, document, since, after, limit, desc, json, explain } => {
+        Command::Jobs {
+            state,
+            kind,
+            document,
+            since,
+            scheduled,
+            after,
+            limit,
+            desc,
+            json,
+            explain,
+        } => {
             let pool = db::connect(&config, 1).await?;
             let filter = status::JobFilter {
                 state,
@@ -647,6 +661,7 @@ async fn run(config: Config, command: Command) -> anyhow::Result<()> {
                 limit: Some(limit),
                 after,
                 order: Some(if desc { status::Order::Desc } else { status::Order::Asc }),
+                scheduled,
             };
             if explain {
                 println!("{}", status::jobs_plan(&pool, &filter).await?);

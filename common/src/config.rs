@@ -234,6 +234,9 @@ pub struct Config {
     /// Who may call the HTTP API: tokens and their roles, the hosts it answers to.
     #[serde(default)]
     pub http: Http,
+    /// The operator console's settings, `[console]`.
+    #[serde(default)]
+    pub console: Console,
     /// Settings per job kind, `[kinds.<kind>]`; see [`Kind`].
     #[serde(default)]
     pub kinds: BTreeMap<String, Kind>,
@@ -393,6 +396,16 @@ impl Default for Http {
             auth_failures_per_minute: auth_failures(),
         }
     }
+}
+
+/// The operator console's settings.
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct Console {
+    /// Where a trace is shown, `{trace_id}` standing for its id
+    /// (`https://tempo.example/explore?traceId={trace_id}`): trace ids become links.
+    #[serde(default)]
+    pub trace_url: Option<String>,
 }
 
 /// Topic names and how the relay creates them.
@@ -1008,10 +1021,11 @@ const NOT_CONFIG: [&str; 17] = [
 ];
 
 /// Top-level keys that `JOBFOLD_*` variables may set.
-const ENV_KEYS: [&str; 19] = [
+const ENV_KEYS: [&str; 20] = [
     "database_url",
     "api_token",
     "http",
+    "console",
     "kafka_brokers",
     "schema_registry_url",
     "schema_registry_username",
@@ -1182,6 +1196,17 @@ impl Config {
             return invalid("api_token", "must be at least 16 characters");
         }
         self.validate_http()?;
+        if let Some(url) = &self.console.trace_url {
+            let parsed = url::Url::parse(&url.replace("{trace_id}", "0"));
+            if !url.contains("{trace_id}")
+                || !parsed.is_ok_and(|u| matches!(u.scheme(), "http" | "https") && u.has_host())
+            {
+                return invalid(
+                    "console.trace_url",
+                    "must be an http:// or https:// URL holding {trace_id}",
+                );
+            }
+        }
         if p.max_in_flight == 0 {
             return invalid("processor.max_in_flight", "must be at least 1");
         }

@@ -13,7 +13,9 @@
 //! - `GET /v1/jobs/{id}`: the job as the `jobs` projection holds it (with its quarantine
 //!   reason and owner while quarantined).
 //! - `GET /v1/jobs/{id}/events`: its event history, decoded, in stream order.
-//! - `GET /v1/quarantine?owner=&kind=&reason=&limit=`: quarantined jobs, newest first.
+//! - `GET /v1/quarantine?owner=&kind=&reason=&limit=`: quarantined jobs, newest first;
+//!   `GET /v1/quarantine/groups` (the same filter): grouped by owner, kind, error class and
+//!   reason, with their counts, largest first.
 //! - `POST /v1/jobs/{id}/replay`: runs a quarantined job again with a fresh budget, optionally
 //!   with `{"new_input_version": n, "new_input": {...}}`; 202, or 409 if it is not quarantined.
 //! - `GET /v1/jobs?state=&kind=&document_id=&since=&limit=&after=&order=`: jobs in job id
@@ -34,6 +36,8 @@
 //!   dispatched at once (no attempt spent or given); 200 with what it `waited` for
 //!   (`scheduled`, `retry`, or `due`: a queued job already due, nothing done), 409 with the
 //!   state for any other.
+//! - `GET /v1/processors`: the processors of every group, as each last wrote its presence
+//!   (every 3 s): partitions held, jobs running (the 50 longest-running named), last seen.
 //! - `GET /v1/periodic`: the periodic schedules (`[periodic.<name>]`) with their next tick,
 //!   the last one decided, its job or error, and the processor holding the schedules.
 //! - `POST /v1/quarantine/replay`: replays the quarantined jobs a filter selects (`owner`,
@@ -195,9 +199,11 @@ pub fn router(state: ApiState, max_body: usize) -> Router {
         .route("/v1/jobs/{id}/run-now", post(run_now))
         .route("/v1/kinds", get(kinds))
         .route("/v1/periodic", get(periodic))
+        .route("/v1/processors", get(processors))
         .route("/v1/kinds/{kind}/pause", post(pause_kind))
         .route("/v1/kinds/{kind}/resume", post(resume_kind))
         .route("/v1/quarantine", get(quarantine))
+        .route("/v1/quarantine/groups", get(quarantine_groups))
         .route("/v1/quarantine/replay", post(replay_matching))
         .route("/v1/dead-letters", get(dead_letters))
         .route("/v1/dead-letters/{id}", get(dead_letter).delete(delete_dead_letter))
@@ -875,6 +881,7 @@ async fn overview(
         }
     }
     body["token_required"] = json!(state.access.tokens_required());
+    body["trace_url"] = json!(state.config.console.trace_url);
     Ok(axum::Json(body))
 }
 
@@ -884,6 +891,14 @@ async fn quarantine(
 ) -> Result<axum::Json<Vec<status::Quarantined>>, ApiError> {
     let Query(filter) = filter.map_err(bad_query)?;
     Ok(axum::Json(status::quarantined(&state.pool, &filter).await?))
+}
+
+async fn quarantine_groups(
+    State(state): State<ApiState>,
+    filter: Result<Query<status::QuarantineFilter>, QueryRejection>,
+) -> Result<axum::Json<Vec<status::QuarantineGroup>>, ApiError> {
+    let Query(filter) = filter.map_err(bad_query)?;
+    Ok(axum::Json(status::quarantine_groups(&state.pool, &filter).await?))
 }
 
 async fn list_jobs(
@@ -1002,6 +1017,13 @@ async fn periodic(
 ) -> Result<axum::Json<serde_json::Value>, ApiError> {
     let schedules = crate::periodic::schedules(&state.config, &state.pool).await?;
     Ok(axum::Json(json!({ "schedules": schedules })))
+}
+
+async fn processors(
+    State(state): State<ApiState>,
+) -> Result<axum::Json<serde_json::Value>, ApiError> {
+    let processors = crate::presence::list(&state.pool).await?;
+    Ok(axum::Json(json!({ "processors": processors })))
 }
 
 async fn kinds(State(state): State<ApiState>) -> Result<axum::Json<serde_json::Value>, ApiError> {

@@ -49,6 +49,7 @@ pub mod metrics;
 pub mod offsets;
 pub mod pauses;
 pub mod periodic;
+pub mod presence;
 pub mod quota;
 pub mod reaper;
 pub mod remote;

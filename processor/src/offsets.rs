@@ -67,6 +67,14 @@ impl Tracker {
         self.partitions.values().filter(|p| !p.revoked).count()
     }
 
+    /// The partitions this consumer holds, in order.
+    pub fn held_partitions(&self) -> Vec<i32> {
+        let mut held: Vec<i32> =
+            self.partitions.iter().filter(|(_, p)| !p.revoked).map(|(n, _)| *n).collect();
+        held.sort_unstable();
+        held
+    }
+
     /// Messages still running on `partitions`.
     pub fn in_flight(&self, partitions: &[i32]) -> usize {
         partitions.iter().filter_map(|p| self.partitions.get(p)).map(|s| s.in_flight.len()).sum()

@@ -90,6 +90,9 @@ pub struct JobFilter {
     pub after: Option<Uuid>,
     /// `asc`: oldest first (acceptance order), the default; `desc`: newest first.
     pub order: Option<Order>,
+    /// Only jobs scheduled for later: queued, their `run_at` still to come.
+    #[serde(default)]
+    pub scheduled: bool,
 }
 
 /// A `job_state` label, refused with the list of states if it names none.
@@ -179,6 +182,7 @@ struct JobParams<'a> {
     first_id: Option<Uuid>,
     after: Option<Uuid>,
     limit: i64,
+    scheduled: bool,
 }
 
 impl<'a> JobParams<'a> {
@@ -191,13 +195,15 @@ impl<'a> JobParams<'a> {
             filter.since.and_then(|t| DateTime::from_timestamp_millis(t.timestamp_millis()));
         Self {
             state: state.map(Status::as_str),
-            unfinished: matches!(state, Some(Status::Queued | Status::Leased | Status::RetryWait)),
+            unfinished: filter.scheduled
+                || matches!(state, Some(Status::Queued | Status::Leased | Status::RetryWait)),
             kind: filter.kind.as_deref(),
             document: filter.document_id.as_deref(),
             since,
             first_id: since.map(first_id_at),
             after: filter.after,
             limit: filter.limit.unwrap_or(50).clamp(1, JOBS_LIMIT_MAX),
+            scheduled: filter.scheduled,
         }
     }
 }
@@ -222,6 +228,7 @@ macro_rules! jobs_listing {
                       AND ($4::text IS NULL OR j.document_id = $4)
                       AND ($5::uuid IS NULL OR j.job_id >= $5)
                       AND ($6::timestamptz IS NULL OR j.accepted_at >= $6)
+                      AND (NOT $9 OR (j.state = 'queued' AND j.run_at > now()))
                     "#, $order],
                     $p.state,
                     $p.unfinished,
@@ -231,6 +238,7 @@ macro_rules! jobs_listing {
                     $p.since,
                     $p.after,
                     $p.limit,
+                    $p.scheduled,
                 ))
                 .fetch_all(&mut *$tx)
                 .await
@@ -380,6 +388,42 @@ pub async fn quarantined(
         [Quarantined] "SELECT q.job_id, j.kind, j.document_id, q.input_version, q.error_class, \
                        q.owner, q.attempts, q.reason, q.quarantined_at",
         "ORDER BY q.quarantined_at DESC LIMIT $6",
+        filter,
+        limit,
+    ))
+    .fetch_all(pool)
+    .await
+}
+
+/// Quarantined jobs that share an owner, a kind, an error class and a reason, with how many
+/// and since when: what `GET /v1/quarantine/groups` lists.
+#[derive(Debug, Clone, Serialize)]
+pub struct QuarantineGroup {
+    pub owner: String,
+    pub kind: String,
+    pub error_class: String,
+    pub reason: String,
+    pub jobs: i64,
+    pub first: DateTime<Utc>,
+    pub last: DateTime<Utc>,
+}
+
+/// The quarantined jobs `filter` selects, grouped by owner, kind, error class and reason,
+/// largest groups first, at most `filter.limit` groups (default 50, at most 1000).
+///
+/// # Errors
+/// The database failed.
+pub async fn quarantine_groups(
+    pool: &PgPool,
+    filter: &QuarantineFilter,
+) -> Result<Vec<QuarantineGroup>, sqlx::Error> {
+    let limit = filter.limit.unwrap_or(50).clamp(1, QUARANTINE_LIMIT_MAX);
+    quarantine_match!(query_as!(
+        [QuarantineGroup] r#"SELECT q.owner, j.kind, q.error_class, q.reason,
+                       count(*) AS "jobs!", min(q.quarantined_at) AS "first!",
+                       max(q.quarantined_at) AS "last!""#,
+        "GROUP BY q.owner, j.kind, q.error_class, q.reason \
+         ORDER BY count(*) DESC, max(q.quarantined_at) DESC LIMIT $6",
         filter,
         limit,
     ))

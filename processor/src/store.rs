@@ -112,8 +112,8 @@ pub(crate) use select_job_rows;
 /// `sqlx::$macro!` over the quarantine rows (`q`, joined to `j`) a filter selects (a
 /// [`crate::status::QuarantineFilter`] or a [`BulkFilter`]): `$head`, then
 /// `FROM quarantine q JOIN jobs j USING (job_id) WHERE` the filter (`$1` owner, `$2` kind,
-/// `$3` reason text, `$4` since, `$5` until), then `$tail`, with further arguments from `$6`
-/// on. Listing and bulk replay share it.
+/// `$3` reason text, taken literally, `%` and `_` included, `$4` since, `$5` until), then
+/// `$tail`, with further arguments from `$6` on. Listing, grouping and bulk replay share it.
 macro_rules! quarantine_match {
     ($macro:ident!([$($out:path)?] $head:literal, $tail:literal, $f:expr $(, $arg:expr)* $(,)?)) => {
         sqlx::$macro!(
@@ -122,7 +122,7 @@ macro_rules! quarantine_match {
             FROM quarantine q JOIN jobs j USING (job_id)
             WHERE ($1::text IS NULL OR q.owner = $1)
               AND ($2::text IS NULL OR j.kind = $2)
-              AND ($3::text IS NULL OR q.reason ILIKE '%' || $3 || '%')
+              AND ($3::text IS NULL OR q.reason ILIKE '%' || replace(replace(replace($3, '\', '\\'), '%', '\%'), '_', '\_') || '%')
               AND ($4::timestamptz IS NULL OR q.quarantined_at >= $4)
               AND ($5::timestamptz IS NULL OR q.quarantined_at < $5)
             "# + $tail,

@@ -335,6 +335,8 @@ struct Shared {
     /// The kinds an operator paused, group-wide.
     pauses: Arc<crate::pauses::Pauses>,
     tracker: Arc<Mutex<Tracker>>,
+    /// The jobs running here, for this processor's presence row.
+    running: Arc<crate::presence::Running>,
     /// The documents with messages in memory, and those waiting for a slot.
     queues: Arc<Mutex<Queues>>,
     /// Wakes the dispatcher when a document became ready.
@@ -462,7 +464,8 @@ pub async fn run(
         heartbeats,
         quotas,
         pauses,
-        tracker,
+        tracker: Arc::clone(&tracker),
+        running: Arc::default(),
         queues,
         ready: tokio::sync::Notify::new(),
         shutdown: shutdown.clone(),
@@ -482,6 +485,20 @@ pub async fn run(
         tasks.spawn(
             "retention",
             crate::retention::run(shared.config.clone(), shared.pool.clone(), shutdown.clone()),
+        );
+    }
+    {
+        let held = Arc::clone(&tracker);
+        tasks.spawn(
+            "presence",
+            crate::presence::run(
+                shared.pool.clone(),
+                shared.owner.clone(),
+                shared.config.processor.group.clone(),
+                Arc::clone(&shared.running),
+                move || held.lock().map(|t| t.held_partitions()).unwrap_or_default(),
+                shutdown.clone(),
+            ),
         );
     }
     let dispatcher_stopped = shutdown.child_token();
@@ -1266,6 +1283,7 @@ async fn run_handler(
     //    processor's hard stop; the heartbeat stops with the run, whatever the handler does
     //    (returns, panics), as the lease's registration drops.
     let kind = shared.config.kind(&job.kind);
+    let _listed = shared.running.enter(job.job_id, job.generation, &job.kind, &job.document_id);
     let cancel = shared.hard.child_token();
     let lease = shared.heartbeats.register(
         job.job_id,

@@ -28,12 +28,23 @@ const app = {
 
 // ---- DOM helpers -------------------------------------------------------------------------
 
-/** An element; `attrs.text` sets its text, `on*` adds listeners, the rest are attributes. */
+// Characters that change how text reads without showing themselves: bidirectional controls
+// (a right-to-left override shows `invoice\u202Egpj.exe` as "invoiceexe.jpg"), zero-width
+// and other invisible characters, C0 and C1 controls but tab and newline.
+const HIDDEN = /[\u0000-\u0008\u000B-\u001F\u007F-\u009F\u00AD\u061C\u180E\u200B-\u200F\u202A-\u202E\u2060-\u2064\u2066-\u206F\uFEFF\uFFF9-\uFFFB]/g;
+
+/** `text` with each hidden character shown as its code point: ⟦U+202E⟧. */
+function visible(text) {
+  return String(text).replace(HIDDEN, (c) => `⟦U+${c.codePointAt(0).toString(16).toUpperCase().padStart(4, '0')}⟧`);
+}
+
+/** An element; `attrs.text` sets its text (hidden characters shown), `on*` adds listeners,
+ * the rest are attributes. */
 function el(tag, attrs, ...children) {
   const node = document.createElement(tag);
   for (const [key, value] of Object.entries(attrs || {})) {
     if (value === null || value === undefined || value === false) continue;
-    if (key === 'text') node.textContent = String(value);
+    if (key === 'text') node.textContent = visible(value);
     else if (key.startsWith('on')) node.addEventListener(key.slice(2), value);
     else node.setAttribute(key, value === true ? '' : String(value));
   }
@@ -44,7 +55,7 @@ function el(tag, attrs, ...children) {
 function append(node, children) {
   for (const child of [children].flat(Infinity)) {
     if (child === null || child === undefined || child === false) continue;
-    node.append(child instanceof Node ? child : document.createTextNode(String(child)));
+    node.append(child instanceof Node ? child : document.createTextNode(visible(child)));
   }
   return node;
 }
@@ -239,6 +250,7 @@ function route() {
   else if (section === 'jobs' && parts[1]) jobPage(parts[1]);
   else if (section === 'jobs') jobsPage(params);
   else if (section === 'kinds') kindsPage();
+  else if (section === 'processors') processorsPage();
   else if (section === 'quarantine') quarantinePage(params);
   else if (section === 'dead-letters' && parts[1]) deadLetterPage(parts[1]);
   else if (section === 'dead-letters') deadLettersPage(params);
@@ -351,6 +363,7 @@ function overviewPage() {
 }
 
 function renderOverview(o) {
+  app.traceUrl = o.trace_url || null;
   if (app.tokenRequired !== o.token_required) {
     app.tokenRequired = o.token_required;
     renderSession();
@@ -394,7 +407,7 @@ function renderOverview(o) {
       el('p', { class: 'lag-title' }, el('span', { class: 'mono', text: partitions[0].group }), ' on ',
         el('span', { class: 'mono', text: partitions[0].topic }), ` · ${count(total)} behind`),
       el('div', { class: 'scroll' }, el('table', { 'aria-label': `Lag of ${partitions[0].group}` },
-        el('thead', {}, el('tr', {}, ['Partition', 'Committed', 'End', 'Lag'].map((c) => el('th', { scope: 'col', text: c })))),
+        el('thead', {}, el('tr', {}, ['Partition', 'Committed', 'End', 'Lag'].map((c) => el('th', { scope: 'col', class: 'num', text: c })))),
         el('tbody', {}, partitions.map((l) => el('tr', { 'data-lag': `${l.topic}/${l.partition}` },
           el('td', { class: 'num', text: l.partition }),
           el('td', { class: 'num', text: l.committed === null ? 'none' : count(l.committed) }),
@@ -443,8 +456,13 @@ function jobsPage(params) {
       if (q) query.set('document_id', q);
       location.hash = '#/jobs?' + query;
     }),
+    el('nav', { class: 'actions', 'aria-label': 'Lists' },
+      el('a', { href: '#/jobs', 'aria-current': !params.toString() ? 'page' : null, text: 'All' }),
+      el('a', { href: '#/jobs?state=retry_wait', id: 'list-retry', 'aria-current': params.get('state') === 'retry_wait' ? 'page' : null, text: 'Waiting to retry' }),
+      el('a', { href: '#/jobs?scheduled=true', id: 'list-scheduled', 'aria-current': params.get('scheduled') ? 'page' : null, text: 'Scheduled' })),
+    bulkCancelBar(params),
     errorLine('jobs-error'),
-    table('Jobs', ['Job', 'Document', 'Kind', 'Version', 'State', 'Attempt', 'Accepted'], 'jobs'),
+    table('Jobs', ['Job', 'Document', 'Kind', 'Version', 'State', 'Attempt', 'Accepted', ''], 'jobs'),
     el('button', { type: 'button', id: 'jobs-more', class: 'secondary', hidden: true, text: 'Next page' }),
   ]);
   const query = new URLSearchParams(params);
@@ -456,7 +474,7 @@ function jobsPage(params) {
     if (after) query.set('after', after);
     try {
       const { data } = await api('GET', '/v1/jobs?' + query);
-      if (!after && !data.jobs.length) body.append(el('tr', {}, el('td', { colspan: 7, class: 'empty', text: 'No job matches.' })));
+      if (!after && !data.jobs.length) body.append(el('tr', {}, el('td', { colspan: 8, class: 'empty', text: 'No job matches.' })));
       for (const job of data.jobs) body.append(jobRow(job));
       more.hidden = !data.next;
       more.onclick = () => load(data.next);
@@ -468,6 +486,40 @@ function jobsPage(params) {
   load(null);
 }
 
+/** Whether `job` waits for a time (scheduled, or its retry): run now brings it forward. */
+function waitsForTime(job) {
+  return job.state === 'retry_wait' || (job.state === 'queued' && job.run_at && new Date(job.run_at) > new Date());
+}
+
+/** The jobs page's bulk cancel for its filter, counted first (a dry run), then confirmed;
+ * nothing without a filter, nor for a list the bulk cancel cannot select (scheduled). */
+function bulkCancelBar(params) {
+  const filter = {};
+  for (const key of ['kind', 'document_id', 'state', 'since']) if (params.get(key)) filter[key] = params.get(key);
+  if (!Object.keys(filter).length || params.get('scheduled') || (filter.state && !OPEN_STATES.has(filter.state))) return null;
+  const ask = el('span', { class: 'ask', id: 'cancel-ask', hidden: true });
+  const countMatching = async () => {
+    let counted;
+    try {
+      ({ data: counted } = await api('POST', '/v1/jobs/cancel', { ...filter, dry_run: true }));
+    } catch (e) {
+      toast(`Refused: ${e.message}${e.status ? ` (${e.status})` : ''}`, 'error');
+      return;
+    }
+    ask.replaceChildren(
+      el('span', { id: 'cancel-matched', 'data-matched': counted.matched, text: `${count(counted.matched)} open jobs match this filter. Cancel them all?` }),
+      counted.matched ? el('button', { type: 'button', id: 'cancel-all-yes', class: 'danger', text: `Cancel ${count(counted.matched)} jobs`,
+        onclick: () => act('POST', '/v1/jobs/cancel', { ...filter, reason: 'cancelled from the console' },
+          (d) => `Cancelled ${count(d.cancelled)} of ${count(d.matched)}${d.remaining ? `; ${count(d.remaining)} still match: cancel again` : ''}.`) }) : null,
+      el('button', { type: 'button', class: 'secondary', text: 'Never mind', onclick: () => { ask.hidden = true; } }));
+    ask.hidden = false;
+    (ask.querySelector('#cancel-all-yes') || ask.querySelector('button')).focus();
+  };
+  return el('div', { class: 'actions', 'data-needs': 'operate' },
+    el('button', { type: 'button', id: 'cancel-count', class: 'secondary', text: 'Cancel all that match…', onclick: countMatching }),
+    ask);
+}
+
 function jobRow(job) {
   return el('tr', { 'data-job': job.job_id },
     el('td', { class: 'mono' }, el('a', { href: `#/jobs/${job.job_id}`, text: job.job_id })),
@@ -476,7 +528,12 @@ function jobRow(job) {
     el('td', { class: 'num', text: job.input_version }),
     el('td', {}, stateBadge(job.state)),
     el('td', { class: 'num', text: `${job.attempt}/${job.max_attempts}` }),
-    el('td', { class: 'time', text: time(job.accepted_at) }));
+    el('td', { class: 'time', text: time(job.accepted_at) }),
+    el('td', {}, waitsForTime(job)
+      ? el('button', { type: 'button', class: 'small', 'data-needs': 'operate', 'data-run-now': job.job_id,
+        title: job.state === 'retry_wait' ? `retry due ${time(job.next_attempt_at)}` : `due ${time(job.run_at)}`, text: 'Run now',
+        onclick: () => act('POST', `/v1/jobs/${job.job_id}/run-now`, undefined, 'Due now: it is dispatched at once.') })
+      : null));
 }
 
 // -- One job --
@@ -535,7 +592,7 @@ async function loadPayload(which, id) {
   try {
     const { text } = await api('GET', `/v1/jobs/${encodeURIComponent(id)}/${which}`);
     const truncated = text.length > PREVIEW_CHARS;
-    pre.textContent = truncated ? text.slice(0, PREVIEW_CHARS) + '\n…' : text;
+    pre.textContent = visible(truncated ? text.slice(0, PREVIEW_CHARS) + '\n…' : text);
     note.textContent = truncated ? `Showing the first ${count(PREVIEW_CHARS)} of ${count(text.length)} characters: download it for the rest.` : '';
     // Saved from what was read with the token: a plain link would be fetched without it.
     if (link.href.startsWith('blob:')) URL.revokeObjectURL(link.href);
@@ -565,11 +622,12 @@ function renderJob(job, events, stateChanged) {
     job.next_attempt_at && ['Next attempt', time(job.next_attempt_at)],
     job.deadline && ['Deadline', time(job.deadline)],
     job.finished_at && ['Finished', time(job.finished_at)],
-    job.last_error && ['Last error', el('span', { class: 'error-text', text: job.last_error })],
+    // The quarantine reason repeats the last error: shown once.
+    job.last_error && !(job.quarantine_reason || '').includes(job.last_error) && ['Last error', el('span', { class: 'error-text', text: job.last_error })],
     job.quarantine_reason && ['Quarantined because', el('span', { class: 'error-text', 'data-field': 'quarantine_reason', text: job.quarantine_reason })],
     job.quarantine_owner && ['Owner', job.quarantine_owner],
     job.idempotency_key && ['Idempotency key', job.idempotency_key],
-    ['Trace', trace ? el('span', { class: 'mono', 'data-field': 'trace_id', text: trace.split('-')[1] || trace }) : 'none'],
+    ['Trace', trace ? traceLink(trace.split('-')[1] || trace) : 'none'],
   ].filter(Boolean);
   document.getElementById('job-summary').replaceChildren(...rows.flatMap(([term, value]) => [
     el('dt', { text: term }), el('dd', {}, value instanceof Node ? value : String(value))]));
@@ -577,9 +635,16 @@ function renderJob(job, events, stateChanged) {
   if (stateChanged) renderJobActions(job);
 }
 
+/** A trace id, a link where `console.trace_url` is configured. */
+function traceLink(traceId) {
+  if (!app.traceUrl || !/^[0-9a-f]{32}$/.test(traceId)) return el('span', { class: 'mono', 'data-field': 'trace_id', text: traceId });
+  return el('a', { class: 'mono', 'data-field': 'trace_id', href: app.traceUrl.replace('{trace_id}', traceId), target: '_blank', rel: 'noopener noreferrer', text: traceId });
+}
+
 function renderTimeline(events) {
   let leasedAt = null;
   let previousAt = null;
+  let lastError = null;
   const rows = events.map((entry) => {
     const payload = entry.event.payload || {};
     const at = new Date(entry.occurred_at).getTime();
@@ -595,7 +660,13 @@ function renderTimeline(events) {
     previousAt = at;
     const details = Object.entries(payload)
       .filter(([key, value]) => !['type', 'attempt', 'generation'].includes(key) && value !== null)
-      .map(([key, value]) => `${key}: ${typeof value === 'object' ? JSON.stringify(value) : value}`)
+      .map(([key, value]) => {
+        let text = typeof value === 'object' ? JSON.stringify(value) : String(value);
+        // A quarantine's reason repeats the failure before it: said once.
+        if (key === 'reason' && lastError && text.includes(lastError)) text = text.replace(lastError, '(the failure above)');
+        if (key === 'message' || key === 'error') lastError = text;
+        return `${key}: ${text}`;
+      })
       .join(' · ');
     return el('tr', { 'data-event': payload.type || entry.kind },
       el('td', { class: 'num', text: entry.stream_version }),
@@ -617,7 +688,7 @@ function renderJobActions(job) {
   if (job.state === 'quarantined') {
     const version = el('input', { type: 'number', min: job.input_version + 1, id: 'replay-version', name: 'new_input_version' });
     const input = el('textarea', { id: 'replay-input', name: 'new_input', rows: 3, placeholder: '{"text": "…"}' });
-    append(box, [
+    box.fixed = [
       el('button', { type: 'button', id: 'replay', 'data-needs': 'operate', text: 'Replay', onclick: async () => {
         const body = {};
         if (version.value) body.new_input_version = Number(version.value);
@@ -629,7 +700,8 @@ function renderJobActions(job) {
       el('details', { 'data-needs': 'operate' }, el('summary', { text: 'Replay with a fixed input' }),
         el('label', {}, el('span', { text: 'New input version' }), version),
         el('label', {}, el('span', { text: 'New input (JSON)' }), input)),
-    ]);
+    ];
+    append(box, box.fixed[0]);
   }
   if ((job.state === 'queued' && job.run_at && new Date(job.run_at) > new Date()) || job.state === 'retry_wait') {
     append(box, el('button', { type: 'button', id: 'run-now', class: 'secondary', 'data-needs': 'operate', text: 'Run now',
@@ -639,6 +711,8 @@ function renderJobActions(job) {
     append(box, confirmButton('cancel', 'operate', 'Cancel job', 'Cancel this job? A running handler is stopped and nothing it did is committed.',
       'Yes, cancel it', () => act('POST', `/v1/jobs/${id}/cancel`, { requested_by: 'console' }, 'Cancelled.')));
   }
+  // The replay's fixed-input form goes under the buttons, not between them.
+  if (box.fixed) append(box, box.fixed[1]);
 }
 
 /** A button that asks first: the question and a confirming button appear beside it. */
@@ -758,8 +832,29 @@ function quarantinePage(params) {
       el('button', { type: 'button', id: 'bulk-count', class: 'secondary', text: 'Replay all that match…', onclick: () => bulkCount(filter) }),
       el('span', { class: 'ask', id: 'bulk-ask', hidden: true })),
     errorLine('quarantine-error'),
+    el('h2', { text: 'By reason' }),
+    table('Quarantined jobs by owner, kind and reason', ['Owner', 'Kind', 'Class', 'Reason', 'Jobs', 'Latest', ''], 'quarantine-groups'),
+    el('h2', { text: 'Jobs' }),
     table('Quarantined jobs', ['Job', 'Kind', 'Document', 'Owner', 'Class', 'Attempts', 'Reason', 'Since', ''], 'quarantined'),
   ]);
+  const groupQuery = new URLSearchParams(filter);
+  groupQuery.set('limit', '50');
+  api('GET', '/v1/quarantine/groups?' + groupQuery).then(({ data }) => {
+    const body = document.getElementById('quarantine-groups');
+    if (!data.length) body.append(el('tr', {}, el('td', { colspan: 7, class: 'empty', text: 'Nothing quarantined matches.' })));
+    data.forEach((g, i) => {
+      body.append(el('tr', { 'data-group': i, 'data-group-jobs': g.jobs },
+        el('td', { text: g.owner }),
+        el('td', { text: g.kind }),
+        el('td', { text: g.error_class }),
+        el('td', { class: 'error-text', text: g.reason }),
+        el('td', { class: 'num', text: count(g.jobs) }),
+        el('td', { class: 'time', text: time(g.last) }),
+        el('td', {}, el('button', { type: 'button', class: 'small', 'data-needs': 'operate', 'data-replay-group': i, text: 'Replay this group…',
+          // Counted first (a dry run of the same filter), then confirmed, as any bulk replay.
+          onclick: () => bulkCount({ ...filter, owner: g.owner, kind: g.kind, reason: g.reason }) }))));
+    });
+  }).catch((e) => showError('quarantine-error', e));
   const query = new URLSearchParams(filter);
   query.set('limit', '200');
   api('GET', '/v1/quarantine?' + query).then(({ data }) => {
@@ -863,6 +958,62 @@ function deadLetterPage(id) {
   }).catch((e) => showError('dead-letter-error', e));
 }
 
+// -- Processors --
+
+const PROCESSORS_EVERY_MS = 3000;
+
+/** "3.2 s ago", "4 min 10 s ago" beside an absolute time. */
+function ago(seconds) {
+  return `${age(seconds)} ago`;
+}
+
+function processorsPage() {
+  append(main(), [
+    el('h1', { text: 'Processors' }),
+    el('p', { class: 'note', text: 'Each processor writes what it holds and runs every 3 s; one not seen for 9 s has probably stopped without a word (its jobs come back when their leases run out).' }),
+    errorLine('processors-error'),
+    el('div', { id: 'processors' }),
+  ]);
+  every(PROCESSORS_EVERY_MS, async () => {
+    try {
+      const { data } = await api('GET', '/v1/processors');
+      renderProcessors(data.processors);
+      showError('processors-error', null);
+    } catch (e) {
+      showError('processors-error', e);
+    }
+  });
+}
+
+function renderProcessors(processors) {
+  const box = document.getElementById('processors');
+  if (!box) return;
+  if (!processors.length) {
+    box.replaceChildren(el('p', { class: 'empty', text: 'No processor is running.' }));
+    return;
+  }
+  const now = Date.now();
+  box.replaceChildren(...processors.map((p) => el('section', { class: 'processor', 'data-processor': p.owner, 'data-alive': p.alive ? 'yes' : 'no' },
+    el('h2', {}, el('span', { class: 'mono', text: p.owner }), ' ',
+      el('span', { class: `badge ${p.alive ? 'state-succeeded' : 'state-quarantined'}`, text: p.alive ? 'running' : 'not seen' })),
+    el('dl', { class: 'summary' },
+      el('dt', { text: 'Group' }), el('dd', { class: 'mono', text: p.group }),
+      el('dt', { text: 'Version' }), el('dd', { text: p.version }),
+      el('dt', { text: 'Since' }), el('dd', { text: `${time(p.started_at)} (${ago((now - new Date(p.started_at).getTime()) / 1000)})` }),
+      el('dt', { text: 'Last seen' }), el('dd', { 'data-seen': p.seen_ago_seconds, text: ago(p.seen_ago_seconds) }),
+      el('dt', { text: 'Partitions' }), el('dd', { 'data-partitions': p.partitions.join(','), text: p.partitions.length ? p.partitions.join(', ') : 'none' }),
+      el('dt', { text: 'Running' }), el('dd', { 'data-in-flight': p.in_flight, text: count(p.in_flight) })),
+    p.running.length ? el('div', { class: 'scroll' }, el('table', { 'aria-label': `Jobs running in ${p.owner}` },
+      el('thead', {}, el('tr', {}, ['Job', 'Kind', 'Document', 'Generation', 'Running for'].map((c, i) => el('th', { scope: 'col', class: i >= 3 ? 'num' : null, text: c })))),
+      el('tbody', {}, p.running.map((j) => el('tr', { 'data-running': j.job_id },
+        el('td', { class: 'mono' }, el('a', { href: `#/jobs/${j.job_id}`, text: j.job_id })),
+        el('td', { text: j.kind }),
+        el('td', {}, el('span', { class: 'doc', text: j.document_id })),
+        el('td', { class: 'num', text: j.generation }),
+        el('td', { class: 'num', title: time(j.started_at), text: age(Math.max(0, now - new Date(j.started_at).getTime()) / 1000) })))))) : null,
+    p.in_flight > p.running.length ? el('p', { class: 'note', text: `…and ${count(p.in_flight - p.running.length)} more.` }) : null)));
+}
+
 // -- Audit --
 
 function auditPage(params) {
@@ -919,6 +1070,7 @@ function start() {
   window.addEventListener('hashchange', () => { route(); main().focus({ preventScroll: true }); });
   api('GET', '/v1/overview').then(({ data }) => {
     app.tokenRequired = data.token_required;
+    app.traceUrl = data.trace_url || null;
     renderSession();
   }).catch(() => renderSession());
   route();

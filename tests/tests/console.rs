@@ -31,12 +31,21 @@ const HTML_TEXT: &str =
 const INJECTED: &str = "return { pwned: window.__pwned === undefined ? null : window.__pwned, \
      elements: document.querySelectorAll('#injected, img[src=\"x\"], main script').length };";
 
+/// A document id with a right-to-left override: shown raw, it reads "invoiceexe.jpg".
+const BIDI_DOCUMENT: &str = "invoice\u{202E}gpj.exe";
+/// How the console shows it.
+const BIDI_SHOWN: &str = "invoice⟦U+202E⟧gpj.exe";
+/// The trace of the job with that document, and where the console links it.
+const TRACE_ID: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
+const TRACE_URL: &str = "https://traces.example/trace/{trace_id}";
+
 /// Seeds the installation; the job ids by role.
 struct Seeded {
     ok: Vec<Uuid>,
     quarantined: Vec<Uuid>,
     html: Uuid,
     large: Uuid,
+    bidi: Uuid,
 }
 
 async fn seed(it: &Installation, running: &Running) -> Seeded {
@@ -60,6 +69,12 @@ async fn seed(it: &Installation, running: &Running) -> Seeded {
     let large =
         accept("doc-large".into(), json!({ "text": "big", "simulate": { "output_bytes": 9000 } }))
             .await;
+    let mut traced = index_job(BIDI_DOCUMENT, 1, json!({ "text": "an invoice" }));
+    traced.trace = jobfold_schemas::event::TraceContext::from_headers(
+        &format!("00-{TRACE_ID}-00f067aa0ba902b7-01"),
+        None,
+    );
+    let bidi = acceptor.accept(&it.pool, &traced).await.unwrap().job_id;
 
     // A request of a kind nothing runs yet: the intake dead-letters it.
     let codec: Codec<JobRequest> =
@@ -89,7 +104,7 @@ async fn seed(it: &Installation, running: &Running) -> Seeded {
             && overview["dead_letters"] == 1
     })
     .await;
-    Seeded { ok, quarantined, html, large }
+    Seeded { ok, quarantined, html, large, bidi }
 }
 
 async fn state(it: &Installation, job_id: Uuid) -> String {
@@ -124,6 +139,13 @@ async fn sign_in(browser: &Browser, token: &str, who: &str) {
         .await;
 }
 
+/// `text` for a URL's query.
+fn urlencoding(text: &str) -> String {
+    let mut url = reqwest::Url::parse("http://query.invalid/").unwrap();
+    url.query_pairs_mut().append_pair("v", text);
+    url.query().unwrap_or_default().trim_start_matches("v=").to_owned()
+}
+
 /// Whether the element `css` selects is laid out (not hidden by its role's rule or a parent).
 async fn rendered(browser: &Browser, css: &str) -> bool {
     browser
@@ -145,7 +167,7 @@ async fn the_console_shows_finds_fixes_and_escapes_in_a_real_browser() {
     let mut it = Installation::new("console").await;
     it.config.processor.group = jobfold_tests::kafka::unique_name("processors");
     it.create_topics().await;
-    let running = Running::start(&it, TOKEN, &[]);
+    let running = Running::start(&it, TOKEN, &[("JOBFOLD_CONSOLE__TRACE_URL", TRACE_URL)]);
     running.ready().await;
     let seeded = seed(&it, &running).await;
     let ui = running.url("/ui/");
@@ -216,6 +238,32 @@ async fn the_console_shows_finds_fixes_and_escapes_in_a_real_browser() {
         .await;
     assert_eq!(browser.js(layout).await, before, "the layout moved on refresh");
     browser.screenshot("overview").await;
+
+    // --- Processors: the one running, its partitions, and a slow job running in it. ---
+    let slow =
+        index_job("doc-slow", 1, json!({ "text": "slow", "simulate": { "sleep_ms": 6000 } }));
+    let slow = it.acceptor().await.accept(&it.pool, &slow).await.unwrap().job_id;
+    browser.goto(&format!("{ui}#/processors")).await;
+    let shown = browser
+        .until(
+            "the slow job running in the processor",
+            &format!(
+                "const row = document.querySelector(\"tr[data-running='{slow}']\"); \
+                 const p = row && row.closest('[data-processor]'); \
+                 return p ? [p.dataset.alive, p.querySelector('[data-partitions]').dataset.partitions, \
+                             p.querySelector('[data-in-flight]').dataset.inFlight] : null;"
+            ),
+        )
+        .await;
+    let all: Vec<String> = (0..it.config.topics.partitions).map(|p| p.to_string()).collect();
+    assert_eq!(shown, json!(["yes", all.join(","), "1"]), "the processor as it is");
+    let (_, listed) = running.get("/v1/processors").await;
+    assert_eq!(listed["processors"].as_array().unwrap().len(), 1, "{listed}");
+    browser.screenshot("processors").await;
+    eventually(Duration::from_secs(60), "the slow job to end", || async {
+        state(&it, slow).await == "succeeded"
+    })
+    .await;
 
     // --- Keyboard: from the top of the page to the jobs search. ---
     browser
@@ -293,6 +341,26 @@ async fn the_console_shows_finds_fixes_and_escapes_in_a_real_browser() {
     assert_eq!(browser.text("tr[data-job] .doc").await, HTML_DOCUMENT);
     assert_eq!(browser.js(INJECTED).await, json!({ "pwned": null, "elements": 0 }));
 
+    // --- Hidden characters shown as what they are; the trace a link. ---
+    browser.goto(&format!("{ui}#/jobs/{}", seeded.bidi)).await;
+    browser.until("the summary", "return document.querySelector('#job-summary .doc');").await;
+    assert_eq!(browser.text("#job-summary .doc").await, BIDI_SHOWN);
+    let link = browser
+        .until(
+            "the trace link",
+            "const a = document.querySelector('a[data-field=trace_id]'); return a && a.href;",
+        )
+        .await;
+    assert_eq!(link, json!(TRACE_URL.replace("{trace_id}", TRACE_ID)));
+    browser.goto(&format!("{ui}#/jobs?document_id={}", urlencoding(BIDI_DOCUMENT))).await;
+    let listed = browser
+        .until(
+            "the listing",
+            "const d = document.querySelector('tr[data-job] .doc'); return d && d.textContent;",
+        )
+        .await;
+    assert_eq!(listed, json!(BIDI_SHOWN));
+
     // --- A large result: a preview and a download of the whole. ---
     browser.goto(&format!("{ui}#/jobs/{}", seeded.large)).await;
     let note = browser
@@ -328,6 +396,28 @@ async fn the_console_shows_finds_fixes_and_escapes_in_a_real_browser() {
     browser.goto(&format!("{ui}#/jobs/{target}")).await;
     browser.until("the replay button", "return document.getElementById('replay');").await;
     assert!(!rendered(&browser, "#replay").await, "a read token is offered a replay");
+    // The error once in the summary (the quarantine reason holds it), the quarantine's row
+    // pointing at the failure above it; no empty box where no result is.
+    browser
+        .until(
+            "the timeline",
+            "return document.querySelector(\"tr[data-event='JobQuarantined']\");",
+        )
+        .await;
+    let terms = browser
+        .js("return [...document.querySelectorAll('#job-summary dt')].map(d => d.textContent);")
+        .await;
+    assert!(!terms.as_array().unwrap().contains(&json!("Last error")), "{terms}");
+    assert!(terms.as_array().unwrap().contains(&json!("Quarantined because")), "{terms}");
+    let quarantined_row = browser.text("tr[data-event='JobQuarantined'] .details").await;
+    assert!(quarantined_row.contains("(the failure above)"), "{quarantined_row}");
+    browser
+        .until(
+            "the result's note",
+            "return document.getElementById('result-note').textContent === 'No result committed.';",
+        )
+        .await;
+    assert!(!rendered(&browser, "#result-text").await, "an empty box under No result committed");
     assert!(!rendered(&browser, "#cancel").await, "a read token is offered a cancel");
     let refused = http_client()
         .post(running.url(&format!("/v1/jobs/{target}/replay")))
@@ -371,8 +461,17 @@ async fn the_console_shows_finds_fixes_and_escapes_in_a_real_browser() {
             "return document.querySelectorAll('tr[data-job]').length === 2;",
         )
         .await;
+    // Grouped by reason: the two share one, and its group replays them.
+    let groups = browser
+        .until(
+            "the groups",
+            "const rows = [...document.querySelectorAll('tr[data-group]')]; \
+             return rows.length ? rows.map(r => r.dataset.groupJobs) : null;",
+        )
+        .await;
+    assert_eq!(groups, json!(["2"]));
     browser.screenshot("quarantine").await;
-    browser.click("#bulk-count").await;
+    browser.click("[data-replay-group='0']").await;
     let matched = browser
         .until(
             "the count",
@@ -421,14 +520,51 @@ async fn the_console_shows_finds_fixes_and_escapes_in_a_real_browser() {
     let mut soon = index_job("doc-soon", 1, json!({ "text": "now, please" }));
     soon.run_at = Some(Utc::now() + chrono::Duration::hours(1));
     let soon = it.acceptor().await.accept(&it.pool, &soon).await.unwrap().job_id;
-    browser.goto(&format!("{ui}#/jobs/{soon}")).await;
-    browser.until("the run-now button", "return document.getElementById('run-now');").await;
-    browser.click("#run-now").await;
+    // From the Scheduled list: what waits for a time, each with its own run-now.
+    browser.goto(&format!("{ui}#/jobs?scheduled=true")).await;
+    let listed = browser
+        .until(
+            "the scheduled list",
+            "const rows = [...document.querySelectorAll('tr[data-job]')]; \
+             return rows.length ? rows.map(r => r.dataset.job) : null;",
+        )
+        .await;
+    assert_eq!(listed, json!([soon.to_string()]), "only the job due later");
+    browser.click(&format!("[data-run-now='{soon}']")).await;
     eventually(Duration::from_secs(60), "the job brought forward to run", || async {
         state(&it, soon).await == "succeeded"
     })
     .await;
     assert_eq!(writes(&it, soon).await, 1);
+
+    // --- Bulk cancel from the jobs list: counted first, then confirmed. ---
+    for n in 0..3 {
+        let mut held = index_job(&format!("doc-bulk-{n}"), 1, json!({ "text": "not yet" }));
+        held.run_at = Some(Utc::now() + chrono::Duration::hours(1));
+        it.acceptor().await.accept(&it.pool, &held).await.unwrap();
+    }
+    browser.goto(&format!("{ui}#/jobs?kind=index-document&state=queued")).await;
+    browser.until("the bulk cancel", "return document.getElementById('cancel-count');").await;
+    browser.click("#cancel-count").await;
+    let matched = browser
+        .until(
+            "the count",
+            "const m = document.getElementById('cancel-matched'); return m && m.dataset.matched;",
+        )
+        .await;
+    assert_eq!(matched, json!("3"));
+    let open = || async {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT count(*) FROM jobs WHERE document_id LIKE 'doc-bulk-%' AND state = 'queued'",
+        )
+        .fetch_one(&it.pool)
+        .await
+        .unwrap()
+    };
+    assert_eq!(open().await, 3, "counting cancels nothing");
+    browser.click("#cancel-all-yes").await;
+    eventually(Duration::from_secs(30), "the three cancelled", || async { open().await == 0 })
+        .await;
 
     // --- Kinds: paused with a reason, its job waiting unleased, then resumed. ---
     browser.goto(&format!("{ui}#/kinds")).await;
@@ -550,6 +686,7 @@ async fn the_console_shows_finds_fixes_and_escapes_in_a_real_browser() {
         "oncall replay_matching",
         "oncall cancel",
         "oncall run_now",
+        "oncall cancel_matching",
         "oncall pause_kind",
         "oncall resume_kind",
         "oncall reinject_dead_letter",

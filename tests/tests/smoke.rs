@@ -267,6 +267,7 @@ async fn migrations_apply_and_constraints_hold() {
             "paused_dispatches",
             "periodic_leader",
             "periodic_schedules",
+            "processors",
             "quarantine",
             "relay_cursor",
             "relay_parked",
