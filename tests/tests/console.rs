@@ -15,8 +15,8 @@ use fantoccini::key::Key;
 use jobfold_schemas::{Codec, JobRequest};
 use jobfold_tests::browser::Browser;
 use jobfold_tests::harness::{
-    Installation, OPERATE_TOKEN, READ_TOKEN, Running, eventually, http_client, index_job,
-    metric_value,
+    Installation, OPERATE_TOKEN, READ_TOKEN, Running, SUBMIT_TOKEN, eventually, http_client,
+    index_job, metric_value,
 };
 use serde_json::{Value, json};
 use uuid::Uuid;
@@ -433,6 +433,16 @@ async fn the_console_shows_finds_fixes_and_escapes_in_a_real_browser() {
     browser.fill("#login-token", "not-the-token-but-long-enough").await;
     browser.click("#login-form button[type=submit]").await;
     browser.until("the wrong token refused", "return document.getElementById('login-error').textContent === 'That is not a token of this processor.';").await;
+    // An upstream service's token (submit) reads, and is offered no change either.
+    sign_in(&browser, SUBMIT_TOKEN, "upstream (submit)").await;
+    browser
+        .until(
+            "the job's page again",
+            "return document.querySelector(\"tr[data-event='JobQuarantined']\");",
+        )
+        .await;
+    assert!(!rendered(&browser, "#replay").await, "a submit token is offered a replay");
+    browser.click("#sign-out").await;
     sign_in(&browser, OPERATE_TOKEN, "oncall (operate)").await;
     browser
         .until(
