@@ -467,6 +467,13 @@ pub struct Processor {
     pub enabled: bool,
     /// The processors' consumer group.
     pub group: String,
+    /// This processor's own name in its consumer groups (Kafka's `group.instance.id`,
+    /// static membership): one per process, kept across its restarts (a StatefulSet pod's
+    /// name, a systemd unit's instance). A processor restarted under the same name within
+    /// the session time-out gets its partitions back without a rebalance; none set, each
+    /// start joins as a new member and the group waits out the dead one's session first.
+    #[serde(default)]
+    pub group_instance_id: Option<String>,
     /// How long a lease lasts without a heartbeat.
     #[serde(with = "humantime_serde")]
     pub lease_ttl: Duration,
@@ -1180,6 +1187,11 @@ impl Config {
         if p.group == self.intake.group {
             return invalid("processor.group", "must differ from intake.group");
         }
+        if let Some(id) = &p.group_instance_id
+            && let Err(problem) = check_group_instance_id(id)
+        {
+            return invalid("processor.group_instance_id", &problem);
+        }
         if p.heartbeat.is_zero() || p.heartbeat * 2 > p.lease_ttl {
             return invalid(
                 "processor.heartbeat",
@@ -1460,6 +1472,16 @@ impl Config {
     /// (`fetch.max.bytes` ≥ `message.max.bytes`, …) are checked here, at start, before
     /// anything listens, instead of failing the first consumer or producer later.
     fn validate_kafka_combination(&self) -> Result<(), ConfigError> {
+        // Every client reads `[kafka]`, and processors often share one file: one name there
+        // would be every processor's, and each start would fence the one before.
+        if self.kafka.0.contains_key("group.instance.id") {
+            return Err(ConfigError::Named {
+                key: "key `kafka.group.instance.id` (JOBFOLD_KAFKA__GROUP_INSTANCE_ID)".into(),
+                problem: "is each processor's own: set processor.group_instance_id \
+                          (JOBFOLD_PROCESSOR__GROUP_INSTANCE_ID) per process instead"
+                    .into(),
+            });
+        }
         for fixed in FIXED_KAFKA_OPTIONS {
             if let Some(value) = self.kafka.0.get(fixed.key)
                 && !fixed.takes(value)
@@ -1702,6 +1724,19 @@ impl rdkafka::producer::ProducerContext for Quiet {
 }
 
 /// The environment variable's spelling of a librdkafka option: `linger.ms` is `LINGER_MS`.
+/// Kafka's rule for a `group.instance.id`: 1 to 249 of `[A-Za-z0-9._-]`.
+fn check_group_instance_id(id: &str) -> Result<(), String> {
+    if id.is_empty() || id.len() > 249 {
+        return Err(format!("must be 1 to 249 characters long, not {}", id.len()));
+    }
+    if let Some(c) =
+        id.chars().find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-')))
+    {
+        return Err(format!("may hold only letters, digits, '.', '_' and '-', not {c:?}"));
+    }
+    Ok(())
+}
+
 fn env_name(option: &str) -> String {
     option.to_ascii_uppercase().replace('.', "_")
 }
@@ -1928,6 +1963,35 @@ mod tests {
         for fixed in FIXED_KAFKA_OPTIONS {
             assert!(fixed.takes(fixed.value));
         }
+    }
+
+    #[test]
+    fn a_group_instance_id_is_each_processors_own_and_as_kafka_takes_it() {
+        let mut config = defaults();
+        config.processor.group_instance_id = Some("processor-0.jobfold_a".into());
+        assert!(config.validate().is_ok());
+        for (id, says) in [
+            ("", "1 to 249"),
+            ("p 1", "not ' '"),
+            ("p/1", "not '/'"),
+            (&"p".repeat(250), "not 250"),
+        ] {
+            config.processor.group_instance_id = Some(id.to_owned());
+            let refused = problem(config.validate());
+            assert!(
+                refused.contains("processor.group_instance_id") && refused.contains(says),
+                "{id:?}: {refused}"
+            );
+        }
+        // In `[kafka]` it would be every processor's that shares the file.
+        let mut config = defaults();
+        config.kafka.0.insert("group.instance.id".into(), "p1".into());
+        let refused = problem(config.validate());
+        assert!(
+            refused.contains("kafka.group.instance.id")
+                && refused.contains("JOBFOLD_PROCESSOR__GROUP_INSTANCE_ID"),
+            "{refused}"
+        );
     }
 
     #[test]

@@ -37,6 +37,25 @@ const METADATA_ATTEMPT: Duration = Duration::from_secs(5);
 /// How long a binary waits at start for the brokers to answer before it gives up.
 const BROKERS_AT_START: Duration = Duration::from_secs(60);
 
+/// A client's fatal error, if it hit one (the client is dead then: the process must stop
+/// and be restarted), told plainly: librdkafka's reason, and for a name another process took
+/// over in the group (`FENCED_INSTANCE_ID`), which setting must differ. librdkafka reports a
+/// fatal error to the poll under its own code, not `_FATAL`: the client says whether it is.
+pub fn fatal_error<C: rdkafka::ClientContext>(
+    client: &rdkafka::client::Client<C>,
+    group_instance_id: Option<&str>,
+) -> Option<String> {
+    let (code, reason) = client.fatal_error()?;
+    Some(match code {
+        RDKafkaErrorCode::FencedInstanceId => format!(
+            "another process joined the group as processor.group_instance_id {:?}, which \
+             fences this one; each processor needs a name of its own ({reason})",
+            group_instance_id.unwrap_or_default()
+        ),
+        code => format!("{code:?}: {reason}"),
+    })
+}
+
 /// The topics the cluster has. An unreachable cluster is reported, naming the brokers, after
 /// `METADATA_ATTEMPT`, then asked again up to `BROKERS_AT_START` (a broker still starting).
 ///

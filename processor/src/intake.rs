@@ -81,6 +81,8 @@ pub struct Intake {
     pool: PgPool,
     group: String,
     max_batch: usize,
+    /// `processor.group_instance_id`, named should another process take it over.
+    instance: Option<String>,
 }
 
 impl std::fmt::Debug for Intake {
@@ -100,13 +102,15 @@ impl Intake {
         acceptor: Acceptor,
         pool: PgPool,
     ) -> anyhow::Result<Self> {
-        let consumer: StreamConsumer = config
-            .kafka_client_for(
-                jobfold_common::config::KafkaRole::Consumer,
-                jobfold_common::kafka::CONSUMER_DEFAULTS,
-            )
-            .set("group.id", &config.intake.group)
-            .create()?;
+        let mut client = config.kafka_client_for(
+            jobfold_common::config::KafkaRole::Consumer,
+            jobfold_common::kafka::CONSUMER_DEFAULTS,
+        );
+        client.set("group.id", &config.intake.group);
+        if let Some(id) = &config.processor.group_instance_id {
+            client.set("group.instance.id", id);
+        }
+        let consumer: StreamConsumer = client.create()?;
         consumer.subscribe(&[&config.topics.requests])?;
         Ok(Self {
             consumer,
@@ -115,6 +119,7 @@ impl Intake {
             pool,
             group: config.intake.group.clone(),
             max_batch: config.intake.max_batch,
+            instance: config.processor.group_instance_id.clone(),
         })
     }
 
@@ -188,8 +193,16 @@ impl Intake {
                 let backoff = errors.after_error();
                 ConsumerFailed { stage: "intake", error: &e, backoff }.emit();
                 // A fatal error leaves the consumer dead: stop, to be restarted.
-                if e.rdkafka_error_code() == Some(rdkafka::types::RDKafkaErrorCode::Fatal) {
-                    anyhow::bail!("the intake consumer hit a fatal error: {e}");
+                let fatal = jobfold_common::kafka::fatal_error(
+                    self.consumer.client(),
+                    self.instance.as_deref(),
+                )
+                .or_else(|| {
+                    (e.rdkafka_error_code() == Some(rdkafka::types::RDKafkaErrorCode::Fatal))
+                        .then(|| e.to_string())
+                });
+                if let Some(why) = fatal {
+                    anyhow::bail!("the intake consumer hit a fatal error: {why}");
                 }
                 if !backoff.is_zero() {
                     tokio::select! {

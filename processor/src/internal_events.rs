@@ -185,6 +185,9 @@ impl PartitionsMoved<'_> {
         metrics::gauge!(pm::ASSIGNED_PARTITIONS).set(self.held as f64);
         let (partitions, held) = (self.partitions, self.held);
         if self.assigned {
+            // Each rebalance this member takes part in ends in an assignment (empty when
+            // nothing moved to it); a static member's restart makes none.
+            metrics::counter!(pm::GROUP_REBALANCES_TOTAL).increment(1);
             tracing::info!(?partitions, held, "Partitions assigned.");
         } else {
             tracing::info!(?partitions, held, "Partitions revoked.");

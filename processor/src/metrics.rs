@@ -23,6 +23,8 @@ pub const PARTITION_PAUSES_TOTAL: &str = "jobfold_partition_pauses_total";
 pub const WAITING_FOR_HANDLER: &str = "jobfold_waiting_for_handler";
 /// Partitions of the events topic this processor holds in its consumer group.
 pub const ASSIGNED_PARTITIONS: &str = "jobfold_assigned_partitions";
+/// Rebalances of the processors' group this processor took part in.
+pub const GROUP_REBALANCES_TOTAL: &str = "jobfold_group_rebalances_total";
 /// Attempts completed, by outcome: succeeded, retry_scheduled, throttled, snoozed, released,
 /// quarantined, superseded.
 pub const COMPLETED_TOTAL: &str = "jobfold_completed_total";
@@ -156,6 +158,12 @@ pub fn describe() {
         ASSIGNED_PARTITIONS,
         Unit::Count,
         "Partitions of the events topic this processor holds in its consumer group."
+    );
+    describe_counter!(
+        GROUP_REBALANCES_TOTAL,
+        Unit::Count,
+        "Rebalances of the processors' group this processor took part in, each ended by an \
+         assignment (empty when nothing moved to it)."
     );
     describe_counter!(COMPLETED_TOTAL, Unit::Count, "Attempts completed, by outcome.");
     describe_counter!(

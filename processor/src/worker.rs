@@ -394,6 +394,9 @@ pub async fn run(
         jobfold_common::kafka::CONSUMER_DEFAULTS,
     );
     client.set("group.id", &config.processor.group);
+    if let Some(id) = &config.processor.group_instance_id {
+        client.set("group.instance.id", id);
+    }
     // What librdkafka fetches ahead is bounded as the buffer is: by default it holds up to
     // 100,000 messages a partition or 64 MiB, which a burst fills (two in three of them
     // events passed over) while the buffer holds its own.
@@ -536,8 +539,17 @@ pub async fn run(
                 let backoff = errors.after_error();
                 ConsumerFailed { stage: "dispatch", error: &e, backoff }.emit();
                 // A fatal error leaves the consumer dead: stop, to be restarted.
-                if e.rdkafka_error_code() == Some(rdkafka::types::RDKafkaErrorCode::Fatal) {
-                    failed = Some(anyhow::anyhow!("the dispatch consumer hit a fatal error: {e}"));
+                let fatal = jobfold_common::kafka::fatal_error(
+                    shared.consumer.client(),
+                    shared.config.processor.group_instance_id.as_deref(),
+                )
+                .or_else(|| {
+                    (e.rdkafka_error_code() == Some(rdkafka::types::RDKafkaErrorCode::Fatal))
+                        .then(|| e.to_string())
+                });
+                if let Some(why) = fatal {
+                    failed =
+                        Some(anyhow::anyhow!("the dispatch consumer hit a fatal error: {why}"));
                     shutdown.cancel();
                     break;
                 }
