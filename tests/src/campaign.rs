@@ -294,6 +294,11 @@ impl Services {
 
 impl Drop for Services {
     fn drop(&mut self) {
+        // Left running for a look at the history (the state directory is printed).
+        if std::env::var_os("CAMPAIGN_KEEP_SERVICES").is_some() {
+            eprintln!("services kept running: {:?}", self.env);
+            return;
+        }
         for service in ["registry", "kafka", "postgres"] {
             let _ = self.script(service, "stop");
         }
@@ -307,6 +312,8 @@ struct Slot {
     service: Option<Service>,
     http: u16,
     armed: Option<String>,
+    /// A processor's `processor.group_instance_id`, its replacement's too.
+    name: Option<String>,
     paused_until: Option<Instant>,
     last: BTreeMap<&'static str, f64>,
 }
@@ -341,6 +348,8 @@ struct Fleet {
     /// by pid: a job running alone in one when it died is charged a crash it may not have
     /// caused ([`history::Observed::deaths`]).
     deaths: std::collections::HashSet<u32>,
+    /// Processor names given so far.
+    named: usize,
 }
 
 impl Fleet {
@@ -354,12 +363,32 @@ impl Fleet {
         }
     }
 
+    /// Starts `binary` in a new slot; a processor under a name of its own in the group.
     fn start(&mut self, binary: &'static str, armed: Option<String>) -> usize {
+        let name = (binary == "jobfold-test-processor").then(|| {
+            self.named += 1;
+            format!("campaign-processor-{}", self.named)
+        });
+        self.start_as(binary, armed, name)
+    }
+
+    /// Starts `binary` in a new slot, a processor as `name` in the group (static
+    /// membership, as a StatefulSet's pods run: a restart under the same name takes the
+    /// partitions back without a rebalance).
+    fn start_as(
+        &mut self,
+        binary: &'static str,
+        armed: Option<String>,
+        name: Option<String>,
+    ) -> usize {
         let http = free_port();
         let mut env = self.env.clone();
         env.insert("JOBFOLD_HTTP_ADDR".into(), format!("127.0.0.1:{http}"));
         if let Some(armed) = &armed {
             env.insert("JOBFOLD_FAILPOINT".into(), armed.clone());
+        }
+        if let Some(name) = &name {
+            env.insert("JOBFOLD_PROCESSOR__GROUP_INSTANCE_ID".into(), name.clone());
         }
         let service = Service::start(binary, &env);
         self.slots.push(Slot {
@@ -367,6 +396,7 @@ impl Fleet {
             service: Some(service),
             http,
             armed,
+            name,
             paused_until: None,
             last: BTreeMap::new(),
         });
@@ -486,7 +516,8 @@ impl Fleet {
     /// Starts a new process in slot `i`'s place.
     fn replace(&mut self, i: usize, armed: Option<String>) {
         let binary = self.slots[i].binary;
-        let new = self.start(binary, armed);
+        let name = self.slots[i].name.clone();
+        let new = self.start_as(binary, armed, name);
         self.slots.swap(i, new);
         self.slots.pop();
         self.publish_ports();
@@ -639,6 +670,7 @@ pub async fn run(plan: &Plan) -> anyhow::Result<Outcome> {
         under_min_isr: Vec::new(),
         ports: Arc::clone(&ports),
         deaths: std::collections::HashSet::new(),
+        named: 0,
     };
     for binary in
         ["jobfold-relay", "jobfold-relay", "jobfold-test-processor", "jobfold-test-processor"]

@@ -9,7 +9,7 @@ use jobfold_common::accept::{Acceptor, NewJob};
 use jobfold_common::failpoint;
 use jobfold_processor::handler::{Handlers, JobContext};
 use jobfold_tests::harness::{
-    Installation, Pipeline, Service, eventually, fold_mismatches, index_job as job,
+    Installation, Pipeline, Service, eventually, eventually_some, fold_mismatches, index_job as job,
 };
 use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
@@ -521,6 +521,89 @@ async fn a_member_joining_and_leaving_mid_run_loses_and_repeats_nothing() {
     assert!(index_versions.iter().all(|v| *v == 5), "every document ends at its newest version");
     assert_eq!(fold_mismatches(&it).await, Vec::<String>::new());
     drop(first);
+    it.cleanup().await;
+}
+
+/// The partitions a processor's presence row shows, once it shows some.
+async fn partitions_of(it: &Installation, processor: &Service) -> Vec<i32> {
+    let owner = format!("%/{}", processor.pid());
+    eventually_some(Duration::from_secs(60), "the processor's presence row", || {
+        let (pool, owner) = (it.pool.clone(), owner.clone());
+        async move {
+            let partitions: Option<Vec<i32>> = sqlx::query_scalar(
+                "SELECT partitions FROM processors WHERE owner LIKE $1 AND partitions <> '{}'",
+            )
+            .bind(owner)
+            .fetch_optional(&pool)
+            .await
+            .unwrap();
+            partitions.map(|mut p| {
+                p.sort_unstable();
+                p
+            })
+        }
+    })
+    .await
+}
+
+/// Static membership (`processor.group_instance_id`): a processor killed and started again
+/// under its name gets its partitions back at once — the group does not wait out the dead
+/// one's session (two minutes here, longer than the test waits), and the other member takes
+/// part in no rebalance. A second process under a name in use fences the first, which stops
+/// saying which setting must differ.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_processor_started_again_under_its_name_takes_its_partitions_back_without_a_rebalance() {
+    let (it, acceptor) = fast_installation("proc-static").await;
+    let mut env = fast_env(&it);
+    env.insert("JOBFOLD_KAFKA__SESSION_TIMEOUT_MS".into(), "120000".into());
+    let named = |name: &str| {
+        let mut env = env.clone();
+        env.insert("JOBFOLD_PROCESSOR__GROUP_INSTANCE_ID".into(), name.into());
+        env
+    };
+    let _relay = Service::start("jobfold-relay", &env);
+    let mut a = Service::start("jobfold-test-processor", &named("proc-a"));
+    let mut b = Service::start("jobfold-test-processor", &named("proc-b"));
+    let total = f64::from(it.config.topics.partitions);
+    let assigned = "jobfold_assigned_partitions";
+    eventually(Duration::from_secs(60), "the two members to share every partition", || async {
+        let held = (a.metric(assigned).await, b.metric(assigned).await);
+        matches!(held, (Some(x), Some(y)) if x > 0.0 && y > 0.0 && x + y == total)
+    })
+    .await;
+    let before = partitions_of(&it, &a).await;
+    let rebalances = "jobfold_group_rebalances_total";
+    let b_rebalances = b.metric(rebalances).await.expect("b's rebalances");
+
+    a.kill9();
+    let again = Service::start("jobfold-test-processor", &named("proc-a"));
+    eventually(Duration::from_secs(60), "the restarted member to hold its partitions", || async {
+        again.metric(assigned).await.unwrap_or(0.0) > 0.0
+    })
+    .await;
+    assert_eq!(partitions_of(&it, &again).await, before, "the same partitions, back");
+    assert_eq!(
+        b.metric(rebalances).await,
+        Some(b_rebalances),
+        "the other member took part in no rebalance:\n{}",
+        b.log_text()
+    );
+    // And it runs their jobs (the other member holds none of its partitions).
+    let jobs: Vec<NewJob> =
+        (0..40).map(|i| job(&format!("doc-{i}"), 1, json!({ "text": "x" }))).collect();
+    accept_all(&acceptor, &it, &jobs).await;
+    eventually(Duration::from_secs(60), "every job to finish", || all_finished(&it, 40)).await;
+
+    // A second process under b's name: b is fenced, and stops naming the setting.
+    let _twin = Service::start("jobfold-test-processor", &named("proc-b"));
+    let status = b.wait_exit(Duration::from_secs(60)).expect("the fenced processor stops");
+    assert!(!status.success());
+    let log = b.log_text();
+    assert!(
+        log.contains("processor.group_instance_id \"proc-b\"")
+            && log.contains("each processor needs a name of its own"),
+        "{log}"
+    );
     it.cleanup().await;
 }
 
@@ -1153,21 +1236,26 @@ async fn jobs_a_death_found_running_run_inside_lease_transactions_one_at_a_time(
         wary: lease::Wary::default(),
     });
     // Each dispatch offers an inline run; one offered is held (never answered), so its
-    // transaction stays open for the whole window and then commits the lease alone.
+    // transaction stays open for the whole window and then commits the lease alone. The
+    // events are read first, so that a round's dispatches come in together.
     let round = |ids: Vec<Uuid>| {
         let (leaser, pool) = (leaser.clone(), it.pool.clone());
         async move {
-            let tasks: Vec<_> = ids
+            let mut dispatched = Vec::with_capacity(ids.len());
+            for job_id in ids {
+                let event_id: Uuid =
+                    sqlx::query_scalar("SELECT event_id FROM job_events WHERE job_id = $1")
+                        .bind(job_id)
+                        .fetch_one(&pool)
+                        .await
+                        .unwrap();
+                dispatched.push((job_id, event_id));
+            }
+            let tasks: Vec<_> = dispatched
                 .into_iter()
-                .map(|job_id| {
-                    let (leaser, pool) = (leaser.clone(), pool.clone());
+                .map(|(job_id, event_id)| {
+                    let leaser = leaser.clone();
                     tokio::spawn(async move {
-                        let event_id: Uuid =
-                            sqlx::query_scalar("SELECT event_id FROM job_events WHERE job_id = $1")
-                                .bind(job_id)
-                                .fetch_one(&pool)
-                                .await
-                                .unwrap();
                         let dispatch = Dispatch {
                             job_id,
                             event_id,
