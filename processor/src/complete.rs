@@ -305,6 +305,7 @@ pub struct CommitPanicked(pub String);
 /// Counts a committed outcome; an ended job also records its acceptance-to-end time.
 pub(crate) fn count(job: &JobRow, outcome: &'static str, handlers: &Handlers) {
     metrics::counter!(pm::COMPLETED_TOTAL, "outcome" => outcome).increment(1);
+    crate::history::ended(&handlers.label(&job.kind), outcome);
     if !matches!(outcome, "retry_scheduled" | "throttled" | "snoozed" | "released") {
         let took = (Utc::now() - job.accepted_at).to_std().unwrap_or_default();
         let kind = handlers.label(&job.kind);

@@ -219,6 +219,63 @@ pub async fn delete(pool: &PgPool, id: i64) -> Result<bool, sqlx::Error> {
     Ok(gone.rows_affected() == 1)
 }
 
+/// Which dead letters a bulk delete takes: those of a topic, of a consumer group, received
+/// before a time (each optional; together, all must hold).
+#[derive(Debug, Clone, Default, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DeleteFilter {
+    pub topic: Option<String>,
+    pub consumer_group: Option<String>,
+    pub before: Option<chrono::DateTime<chrono::Utc>>,
+    /// Count them, delete nothing.
+    #[serde(default)]
+    pub dry_run: bool,
+}
+
+/// What a bulk delete found and did.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct Deleted {
+    pub matched: i64,
+    pub deleted: i64,
+    pub dry_run: bool,
+}
+
+/// Deletes the dead letters `filter` selects (counts them with `dry_run`), in one statement.
+///
+/// # Errors
+/// The database failed.
+pub async fn delete_matching(pool: &PgPool, filter: &DeleteFilter) -> Result<Deleted, sqlx::Error> {
+    let (topic, group, before) =
+        (filter.topic.as_deref(), filter.consumer_group.as_deref(), filter.before);
+    if filter.dry_run {
+        let matched = sqlx::query_scalar!(
+            r#"SELECT count(*) AS "n!" FROM dead_letters
+               WHERE ($1::text IS NULL OR topic = $1) AND ($2::text IS NULL OR consumer_group = $2)
+                 AND ($3::timestamptz IS NULL OR received_at < $3)"#,
+            topic,
+            group,
+            before,
+        )
+        .fetch_one(pool)
+        .await?;
+        return Ok(Deleted { matched, deleted: 0, dry_run: true });
+    }
+    let gone = sqlx::query!(
+        "DELETE FROM dead_letters \
+         WHERE ($1::text IS NULL OR topic = $1) AND ($2::text IS NULL OR consumer_group = $2) \
+           AND ($3::timestamptz IS NULL OR received_at < $3)",
+        topic,
+        group,
+        before,
+    )
+    .execute(pool)
+    .await?;
+    let deleted = i64::try_from(gone.rows_affected()).unwrap_or(i64::MAX);
+    metrics::counter!(m::DEAD_LETTER_ACTIONS_TOTAL, "action" => "deleted")
+        .increment(gone.rows_affected());
+    Ok(Deleted { matched: deleted, deleted, dry_run: false })
+}
+
 /// Why a re-inject was refused.
 #[derive(Debug, thiserror::Error)]
 pub enum ReinjectError {

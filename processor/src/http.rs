@@ -24,8 +24,10 @@
 //!   open job ends `cancelled` (a running one's handler is cancelled within a heartbeat and
 //!   its completion fenced); 200 (again for a job already cancelled, `was`
 //!   `cancelled`, nothing appended), or 409 with the state if it ended otherwise.
-//! - `GET /v1/kinds`: every kind with its pause (who, when, why) and the jobs waiting for
-//!   its resume. `POST /v1/kinds/{kind}/pause` and `POST /v1/kinds/{kind}/resume`
+//! - `GET /v1/kinds?minutes=`: every kind with its pause (who, when, why), the jobs waiting
+//!   for its resume, its open jobs by state, what ended over the last `minutes` (60) with the
+//!   wait and run times' p50 and p99, and its limits; `GET /v1/kinds/{kind}` one kind and its
+//!   minutes. `GET /v1/history?minutes=`: the overview's minutes ([`crate::history`]). `POST /v1/kinds/{kind}/pause` and `POST /v1/kinds/{kind}/resume`
 //!   (`{"reason": "...", "requested_by": "..."}`, optional): pause or resume a kind for the
 //!   whole group; 200 with `paused`, `was_paused` and (resume) `dispatched`; 404 for a kind
 //!   no processor registered. A paused kind's jobs wait unleased, their attempts unspent.
@@ -45,7 +47,8 @@
 //!   `"dry_run": true` only counts them.
 //! - `GET /v1/dead-letters?topic=&consumer_group=&after=&limit=`, `GET /v1/dead-letters/{id}`
 //!   (raw key and value as hex and text), `POST /v1/dead-letters/{id}/reinject` (back to the
-//!   intake topic), `DELETE /v1/dead-letters/{id}`.
+//!   intake topic), `DELETE /v1/dead-letters/{id}`; `DELETE /v1/dead-letters?topic=&
+//!   consumer_group=&before=&dry_run=` deletes (or counts) a filter's letters.
 //! - `GET /v1/jobs/{id}/input`, `GET /v1/jobs/{id}/result`: the job's input and its committed
 //!   result as JSON (`?download=true` to save them as a file).
 //! - `GET /v1/overview`: the unfinished-work gauges, recent rates and every partition's
@@ -205,7 +208,9 @@ pub fn router(state: ApiState, max_body: usize) -> Router {
         .route("/v1/quarantine", get(quarantine))
         .route("/v1/quarantine/groups", get(quarantine_groups))
         .route("/v1/quarantine/replay", post(replay_matching))
-        .route("/v1/dead-letters", get(dead_letters))
+        .route("/v1/dead-letters", get(dead_letters).delete(delete_dead_letters))
+        .route("/v1/history", get(history))
+        .route("/v1/kinds/{kind}", get(kind))
         .route("/v1/dead-letters/{id}", get(dead_letter).delete(delete_dead_letter))
         .route("/v1/dead-letters/{id}/reinject", post(reinject_dead_letter))
         .route("/metrics", get(metrics))
@@ -1026,9 +1031,104 @@ async fn processors(
     Ok(axum::Json(json!({ "processors": processors })))
 }
 
-async fn kinds(State(state): State<ApiState>) -> Result<axum::Json<serde_json::Value>, ApiError> {
-    let kinds = crate::store::kinds::kinds(&state.pool).await?;
-    Ok(axum::Json(json!({ "kinds": kinds })))
+/// Minutes of history a page may ask for: a day, what is kept.
+const HISTORY_MINUTES_MAX: i64 = 24 * 60;
+
+#[derive(Debug, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct HistoryQuery {
+    minutes: Option<i64>,
+}
+
+impl HistoryQuery {
+    fn minutes(&self) -> Result<i64, ApiError> {
+        match self.minutes.unwrap_or(60) {
+            m @ 1..=HISTORY_MINUTES_MAX => Ok(m),
+            m => Err(ApiError::new(
+                StatusCode::BAD_REQUEST,
+                "bad_query",
+                format!("minutes must be 1 to {HISTORY_MINUTES_MAX}, not {m}"),
+            )),
+        }
+    }
+}
+
+/// The overview's minutes: accepted, ended, the gauges as each minute ended.
+async fn history(
+    State(state): State<ApiState>,
+    query: Result<Query<HistoryQuery>, QueryRejection>,
+) -> Result<axum::Json<serde_json::Value>, ApiError> {
+    let Query(query) = query.map_err(bad_query)?;
+    let minutes = query.minutes()?;
+    let points = crate::history::overview(&state.pool, minutes).await?;
+    Ok(axum::Json(json!({ "minutes": minutes, "points": points })))
+}
+
+/// Every kind with its pause, its open jobs by state, what ended over the last `minutes`
+/// (60) and its times, and its limits as configured.
+async fn kinds(
+    State(state): State<ApiState>,
+    query: Result<Query<HistoryQuery>, QueryRejection>,
+) -> Result<axum::Json<serde_json::Value>, ApiError> {
+    let Query(query) = query.map_err(bad_query)?;
+    let minutes = query.minutes()?;
+    let (kinds, _) = kind_figures(&state, minutes, None).await?;
+    Ok(axum::Json(json!({ "minutes": minutes, "kinds": kinds })))
+}
+
+/// One kind as `GET /v1/kinds` shows it, and its minutes.
+async fn kind(
+    State(state): State<ApiState>,
+    Path(kind): Path<String>,
+    query: Result<Query<HistoryQuery>, QueryRejection>,
+) -> Result<axum::Json<serde_json::Value>, ApiError> {
+    let Query(query) = query.map_err(bad_query)?;
+    let minutes = query.minutes()?;
+    let (kinds, series) = kind_figures(&state, minutes, Some(&kind)).await?;
+    let Some(found) = kinds.into_iter().find(|k| k["kind"] == kind.as_str()) else {
+        let shown: String = kind.chars().take(200).collect();
+        return Err(ApiError::new(
+            StatusCode::NOT_FOUND,
+            "unknown_kind",
+            format!("no kind {shown:?} was registered, paused or run"),
+        ));
+    };
+    Ok(axum::Json(json!({ "minutes": minutes, "kind": found, "series": series })))
+}
+
+async fn kind_figures(
+    state: &ApiState,
+    minutes: i64,
+    series_of: Option<&str>,
+) -> Result<(Vec<serde_json::Value>, Vec<crate::history::KindPoint>), ApiError> {
+    let pauses = crate::store::kinds::kinds(&state.pool).await?;
+    let open = crate::history::open_by_kind(&state.pool).await?;
+    let (mut figures, series) = crate::history::kinds(&state.pool, minutes, series_of).await?;
+    let mut names: std::collections::BTreeSet<String> =
+        pauses.iter().map(|k| k.kind.clone()).collect();
+    names.extend(open.keys().cloned());
+    names.extend(figures.keys().cloned());
+    let kinds = names
+        .into_iter()
+        .map(|name| {
+            let pause = pauses.iter().find(|k| k.kind == name);
+            let config = state.config.kind(&name);
+            let mut kind = serde_json::to_value(pause).unwrap_or_default();
+            if kind.is_null() {
+                kind = json!({ "kind": name, "paused": false, "waiting": 0 });
+            }
+            kind["open"] = json!(open.get(&name).cloned().unwrap_or_default());
+            kind["ended"] = json!(figures.remove(&name).unwrap_or_default());
+            kind["limits"] = json!({
+                "concurrency": config.concurrency,
+                "cost_per_minute": config.cost_per_minute,
+                "max_attempts": config.max_attempts,
+                "run_timeout_seconds": config.run_timeout.map(|t| t.as_secs_f64()),
+            });
+            kind
+        })
+        .collect();
+    Ok((kinds, series))
 }
 
 async fn pause_kind(
@@ -1125,6 +1225,23 @@ async fn dead_letter(
         .await?
         .map(axum::Json)
         .ok_or_else(|| no_dead_letter(&id))
+}
+
+/// Deletes the dead letters a filter selects, or counts them (`dry_run=true`).
+async fn delete_dead_letters(
+    State(state): State<ApiState>,
+    Extension(caller): Extension<Caller>,
+    filter: Result<Query<crate::dead_letter::DeleteFilter>, QueryRejection>,
+) -> Result<axum::Json<crate::dead_letter::Deleted>, ApiError> {
+    let Query(filter) = filter.map_err(bad_query)?;
+    let done = crate::dead_letter::delete_matching(&state.pool, &filter).await?;
+    if !done.dry_run {
+        let detail = json!({ "filter": {
+            "topic": filter.topic, "consumer_group": filter.consumer_group, "before": filter.before,
+        }, "done": done });
+        audited(&state.pool, &caller, "delete_dead_letters", None, detail).await;
+    }
+    Ok(axum::Json(done))
 }
 
 async fn delete_dead_letter(

@@ -40,6 +40,7 @@ pub mod console;
 pub mod dead_letter;
 pub mod handler;
 pub mod heartbeat;
+pub mod history;
 pub mod http;
 pub mod intake;
 pub mod internal_events;

@@ -132,7 +132,7 @@ pub const JOBS_LIMIT_MAX: i64 = 1000;
 /// Job ids are UUIDv7 minted right after the accept reads its clock for `accepted_at`, so a
 /// job accepted at or after `at` has an id at or above this, and `since` becomes a range of
 /// the primary key.
-fn first_id_at(at: DateTime<Utc>) -> Uuid {
+pub(crate) fn first_id_at(at: DateTime<Utc>) -> Uuid {
     let millis = u128::try_from(at.timestamp_millis()).unwrap_or(0);
     Uuid::from_u128(millis << 80)
 }

@@ -504,6 +504,10 @@ pub async fn run(
             ),
         );
     }
+    tasks.spawn(
+        "history",
+        crate::history::run(shared.pool.clone(), shared.owner.clone(), shutdown.clone()),
+    );
     let dispatcher_stopped = shutdown.child_token();
     let (stop_dispatcher, dispatching) = (dispatcher_stopped.clone(), Arc::clone(&shared));
     tasks.spawn("dispatcher", async move {
@@ -633,6 +637,7 @@ pub async fn run(
     if let Err(e) = jobfold_common::kafka::commit_stored(&*shared.consumer) {
         tracing::warn!(error = %e, "Committing offsets on shutdown failed.");
     }
+    crate::history::flush(&shared.pool, &shared.owner).await;
     tasks.stop().await;
     failed.map_or(Ok(()), Err)
 }
@@ -1305,6 +1310,10 @@ async fn run_handler(
         cancel.clone(),
     );
     let started = std::time::Instant::now();
+    if job.attempt == 1 {
+        let due = job.run_at.map_or(job.accepted_at, |at| at.max(job.accepted_at));
+        crate::history::started(&job.kind, (Utc::now() - due).to_std().unwrap_or_default());
+    }
     let run = std::panic::AssertUnwindSafe(handler.run_boxed(&context, cancel.clone()))
         .catch_unwind()
         .instrument(span.clone());
@@ -1343,6 +1352,7 @@ async fn run_handler(
     };
     metrics::histogram!(pm::HANDLER_DURATION_SECONDS, "kind" => shared.handlers.label(&job.kind))
         .record(started.elapsed().as_secs_f64());
+    crate::history::ran(&job.kind, started.elapsed());
     metrics::counter!(pm::HANDLER_RUNS_TOTAL).increment(1);
     failpoint::hit(failpoint::PROCESSOR_IN_HANDLER);
     drop(lease);
