@@ -13,7 +13,8 @@ const ROLES = ['read', 'submit', 'operate', 'admin'];
 const OVERVIEW_EVERY_MS = 2000;
 const JOB_EVERY_MS = 2000;
 const PREVIEW_CHARS = 4096;
-const HISTORY_POINTS = 90;
+const HISTORY_MINUTES = 60;
+const HISTORY_EVERY_MS = 30000;
 const STATES = ['queued', 'leased', 'retry_wait', 'succeeded', 'quarantined', 'superseded', 'cancelled'];
 const OPEN_STATES = new Set(['queued', 'leased', 'retry_wait']);
 const UUID = /^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$/i;
@@ -22,8 +23,6 @@ const app = {
   tokenRequired: false,
   // Bumped on every navigation: a refresh loop of an earlier page sees it changed and stops.
   page: 0,
-  // The overview's recent readings, for its charts; kept across visits.
-  history: [],
 };
 
 // ---- DOM helpers -------------------------------------------------------------------------
@@ -249,6 +248,7 @@ function route() {
   if (section === 'overview') overviewPage();
   else if (section === 'jobs' && parts[1]) jobPage(parts[1]);
   else if (section === 'jobs') jobsPage(params);
+  else if (section === 'kinds' && parts[1]) kindPage(parts[1]);
   else if (section === 'kinds') kindsPage();
   else if (section === 'processors') processorsPage();
   else if (section === 'quarantine') quarantinePage(params);
@@ -342,6 +342,7 @@ function overviewPage() {
       el('span', { class: 'updated', id: 'updated', 'aria-live': 'off', text: 'loading…' })),
     errorLine('overview-error'),
     el('section', { class: 'tiles', 'aria-label': 'Figures' }, tiles),
+    el('p', { class: 'note', id: 'history-note', text: 'Charts: per minute, the last hour.' }),
     el('div', { class: 'columns' },
       el('section', { 'aria-labelledby': 'owners-title' },
         el('h2', { id: 'owners-title', text: 'Quarantined by owner' }),
@@ -351,6 +352,14 @@ function overviewPage() {
         el('p', { class: 'note', id: 'lag-error' }),
         el('div', { id: 'lag' }))),
   ]);
+  every(HISTORY_EVERY_MS, async () => {
+    try {
+      const { data } = await api('GET', `/v1/history?minutes=${HISTORY_MINUTES}`);
+      renderHistory(data.points);
+    } catch (e) {
+      showError('overview-error', e);
+    }
+  });
   every(OVERVIEW_EVERY_MS, async () => {
     try {
       const { data } = await api('GET', '/v1/overview');
@@ -385,9 +394,6 @@ function renderOverview(o) {
   note('oldest_queued_age_seconds', 'since it became due');
   note('relay_oldest_unpublished_age_seconds', 'oldest event not on Kafka');
   note('relay_parked', o.relay_parked ? 'Kafka refuses them: jobfold parked list' : 'none');
-  app.history.push({ accepted: o.rates.accepted_per_second, succeeded: o.rates.succeeded_per_second, backlog: o.relay_backlog });
-  if (app.history.length > HISTORY_POINTS) app.history.shift();
-  for (const chart of document.querySelectorAll('[data-chart]')) drawSpark(chart, app.history.map((h) => h[chart.dataset.chart]));
 
   document.getElementById('owners').replaceChildren(...(Object.keys(o.quarantined).length
     ? Object.entries(o.quarantined).map(([owner, n]) => el('tr', {},
@@ -417,18 +423,58 @@ function renderOverview(o) {
   document.getElementById('updated').textContent = `Updated ${time(o.at).slice(11)} · every ${OVERVIEW_EVERY_MS / 1000} s`;
 }
 
+/** The charts from the recorded minutes (kept in Postgres: a reload shows the same). */
+function renderHistory(points) {
+  const end = Math.floor(Date.now() / 60000);
+  const byMinute = new Map(points.map((p) => [Math.floor(new Date(p.minute).getTime() / 60000), p]));
+  // One value a minute from HISTORY_MINUTES ago to now; a minute nobody recorded is a gap.
+  const minutes = Array.from({ length: HISTORY_MINUTES }, (_, i) => byMinute.get(end - HISTORY_MINUTES + 1 + i));
+  const series = {
+    accepted: minutes.map((p) => (p ? p.accepted / 60 : null)),
+    succeeded: minutes.map((p) => (p ? p.succeeded / 60 : null)),
+    backlog: minutes.map((p) => (p && p.relay_backlog !== null ? p.relay_backlog : null)),
+  };
+  for (const chart of document.querySelectorAll('[data-chart]')) drawSpark(chart, series[chart.dataset.chart]);
+  const first = points.length ? (Date.now() - new Date(points[0].minute).getTime()) / 1000 : null;
+  const note = document.getElementById('history-note');
+  if (note) {
+    note.dataset.points = String(points.length);
+    note.textContent = points.length
+      ? `Charts: per minute, from ${HISTORY_MINUTES} min ago to now (${count(points.length)} ${points.length === 1 ? 'minute' : 'minutes'} recorded, the oldest ${ago(first)}).`
+      : 'Charts: per minute, the last hour — nothing recorded yet (each processor writes a minute once it is over).';
+  }
+}
+
+/** A line over `values` (one a minute, oldest left, `null` where none was recorded). */
 function drawSpark(host, values) {
   const width = 120;
   const height = 28;
-  const max = Math.max(1, ...values);
-  // The readings so far spread over the whole width; one reading is a level line.
-  const shown = values.length === 1 ? [values[0], values[0]] : values;
-  const step = width / Math.max(1, shown.length - 1);
-  const points = shown.map((v, i) => `${(i * step).toFixed(1)},${(height - 1 - (v / max) * (height - 2)).toFixed(1)}`);
+  const known = values.filter((v) => v !== null);
+  const max = Math.max(1, ...known);
+  const step = width / Math.max(1, values.length - 1);
+  const at = (v, i) => `${(i * step).toFixed(1)},${(height - 1 - (v / max) * (height - 2)).toFixed(1)}`;
   const chart = svg('svg', { viewBox: `0 0 ${width} ${height}`, width, height, focusable: 'false' });
-  chart.append(svg('polyline', { points: points.join(' '), fill: 'none', stroke: 'currentColor', 'stroke-width': 1.5 }));
+  // Each run of recorded minutes is a line of its own; a lone minute, a dot.
+  let run = [];
+  const flush = () => {
+    if (run.length === 1) {
+      const [x, y] = run[0].split(',');
+      chart.append(svg('circle', { cx: x, cy: y, r: 1.5, fill: 'currentColor' }));
+    } else if (run.length > 1) {
+      chart.append(svg('polyline', { points: run.join(' '), fill: 'none', stroke: 'currentColor', 'stroke-width': 1.5 }));
+    }
+    run = [];
+  };
+  values.forEach((v, i) => {
+    if (v === null) flush();
+    else run.push(at(v, i));
+  });
+  flush();
   host.replaceChildren(chart);
-  host.title = `last ${values.length} readings, highest ${rate(max)}`;
+  host.dataset.points = String(known.length);
+  host.title = known.length
+    ? `per minute, ${values.length} min ago to now: highest ${rate(max)}, now ${rate(values[values.length - 1])}`
+    : 'nothing recorded in the last hour';
 }
 
 // -- Jobs --
@@ -747,7 +793,8 @@ function kindsPage() {
     el('h1', { text: 'Kinds' }),
     el('p', { class: 'note', text: 'Pausing a kind holds its jobs in every processor: they wait unleased, their attempts unspent, until it resumes; what runs finishes. Periodic jobs are listed below.' }),
     errorLine('kinds-error'),
-    table('Kinds', ['Kind', 'State', 'Waiting', 'Since', 'By', 'Reason', ''], 'kinds'),
+    el('p', { class: 'note', text: 'Open jobs now; what ended, and the times, over the last hour (each time the upper bound of its histogram bucket).' }),
+    table('Kinds', ['Kind', 'State', 'Queued', 'Running', 'Retry', 'Succeeded 1 h', 'Failed 1 h', 'Quarantined 1 h', 'Wait p50 / p99', 'Run p50 / p99', 'Waiting', 'Since', 'By', 'Reason', ''], 'kinds'),
     el('h2', { text: 'Periodic jobs' }),
     table('Periodic schedules', ['Schedule', 'Kind', 'Pattern', 'Time zone', 'Next tick', 'Last tick', 'Last job or error'], 'periodic'),
   ]);
@@ -787,7 +834,7 @@ function kindsPage() {
     // A reason being typed is kept: the rows are redrawn only when nothing has the focus there.
     if (body.contains(document.activeElement)) return;
     body.replaceChildren();
-    if (!data.kinds.length) body.append(el('tr', {}, el('td', { colspan: 7, class: 'empty', text: 'No kinds registered yet.' })));
+    if (!data.kinds.length) body.append(el('tr', {}, el('td', { colspan: 15, class: 'empty', text: 'No kinds registered yet.' })));
     for (const k of data.kinds) {
       const path = `/v1/kinds/${encodeURIComponent(k.kind)}`;
       const reason = el('input', { type: 'text', 'aria-label': `Why pause ${k.kind}`, placeholder: 'why', 'data-reason': k.kind, maxlength: 2000 });
@@ -799,9 +846,18 @@ function kindsPage() {
           el('button', { type: 'button', class: 'small danger', 'data-pause': k.kind, text: 'Pause',
             onclick: () => act('POST', `${path}/pause`, { requested_by: 'console', reason: reason.value.trim() || undefined },
               (d) => `Paused ${d.kind} in every processor.`) }));
+      const figure = (key, value, text) => el('td', { class: 'num', [`data-${key}`]: value, text: text === undefined ? count(value) : text });
       body.append(el('tr', { 'data-kind': k.kind },
-        el('td', { text: k.kind }),
+        el('td', {}, el('a', { href: `#/kinds/${encodeURIComponent(k.kind)}`, text: k.kind })),
         el('td', {}, el('span', { class: `badge ${k.paused ? 'state-quarantined' : 'state-succeeded'}`, 'data-kind-state': k.paused ? 'paused' : 'running', text: k.paused ? 'paused' : 'running' })),
+        figure('queued', k.open.queued),
+        figure('running', k.open.leased),
+        figure('retry', k.open.retry_wait),
+        figure('succeeded', k.ended.succeeded),
+        figure('failed', k.ended.failed),
+        figure('quarantined', k.ended.quarantined),
+        figure('wait', `${k.ended.wait_p50_ms ?? ''}/${k.ended.wait_p99_ms ?? ''}`, `${bound(k.ended.wait_p50_ms)} / ${bound(k.ended.wait_p99_ms)}`),
+        figure('run', `${k.ended.run_p50_ms ?? ''}/${k.ended.run_p99_ms ?? ''}`, `${bound(k.ended.run_p50_ms)} / ${bound(k.ended.run_p99_ms)}`),
         el('td', { class: 'num', 'data-waiting': k.waiting, text: count(k.waiting) }),
         el('td', { class: 'time', text: k.paused_at ? time(k.paused_at) : '' }),
         el('td', { text: k.paused_by || '' }),
@@ -809,6 +865,115 @@ function kindsPage() {
         el('td', {}, action)));
     }
   });
+}
+
+/** A histogram bucket's upper bound: "≤ 250 ms", "> 1 h" past the last one, "–" for none. */
+function bound(ms) {
+  if (ms === null || ms === undefined) return '–';
+  if (ms >= Number.MAX_SAFE_INTEGER) return '> 1 h';
+  return `≤ ${ms < 1000 ? `${ms} ms` : age(ms / 1000)}`;
+}
+
+function kindPage(name) {
+  const path = `/v1/kinds/${encodeURIComponent(name)}`;
+  append(main(), [
+    el('div', { class: 'page-head' },
+      el('h1', {}, 'Kind ', el('span', { class: 'mono', text: name })),
+      el('span', { id: 'kind-state' })),
+    errorLine('kind-error'),
+    el('p', { class: 'actions' },
+      el('a', { href: '#/jobs?' + new URLSearchParams({ kind: name }), text: 'Its jobs' }), ' · ',
+      el('a', { href: '#/jobs?' + new URLSearchParams({ kind: name, state: 'retry_wait' }), text: 'waiting to retry' }), ' · ',
+      el('a', { href: '#/quarantine?' + new URLSearchParams({ kind: name }), text: 'quarantined' }), ' · ',
+      el('a', { href: '#/kinds', text: 'all kinds' })),
+    el('div', { class: 'columns' },
+      el('section', { 'aria-labelledby': 'kind-now' },
+        el('h2', { id: 'kind-now', text: 'Now' }),
+        el('dl', { class: 'summary', id: 'kind-open' })),
+      el('section', { 'aria-labelledby': 'kind-hour' },
+        el('h2', { id: 'kind-hour', text: 'Last hour' }),
+        el('dl', { class: 'summary', id: 'kind-ended' }))),
+    el('section', { 'aria-labelledby': 'kind-minutes' },
+      el('h2', { id: 'kind-minutes', text: 'Per minute, last hour' }),
+      el('div', { id: 'kind-chart', class: 'minutes' })),
+    el('section', { 'aria-labelledby': 'kind-limits' },
+      el('h2', { id: 'kind-limits', text: 'Limits' }),
+      el('dl', { class: 'summary', id: 'kind-config' })),
+  ]);
+  const pairs = (id, rows) => {
+    const box = document.getElementById(id);
+    if (box) box.replaceChildren(...rows.flatMap(([label, key, value]) => [el('dt', { text: label }), el('dd', { [`data-${key}`]: '', text: value })]));
+  };
+  every(10000, async () => {
+    let data;
+    try {
+      ({ data } = await api('GET', path));
+    } catch (e) {
+      showError('kind-error', e);
+      return e.status !== 404;
+    }
+    showError('kind-error', null);
+    const k = data.kind;
+    const state = document.getElementById('kind-state');
+    if (!state) return false;
+    state.replaceChildren(el('span', { class: `badge ${k.paused ? 'state-quarantined' : 'state-succeeded'}`, 'data-kind-state': k.paused ? 'paused' : 'running', text: k.paused ? `paused${k.paused_by ? ` by ${k.paused_by}` : ''}` : 'running' }),
+      ' ', k.paused
+        ? el('button', { type: 'button', class: 'small', 'data-needs': 'operate', 'data-resume': k.kind, text: 'Resume',
+          onclick: () => act('POST', `${path}/resume`, { requested_by: 'console' }, (d) => `Resumed ${d.kind}: ${count(d.dispatched)} waiting dispatched again.`) })
+        : el('button', { type: 'button', class: 'small danger', 'data-needs': 'operate', 'data-pause': k.kind, text: 'Pause',
+          onclick: () => act('POST', `${path}/pause`, { requested_by: 'console' }, (d) => `Paused ${d.kind} in every processor.`) }));
+    pairs('kind-open', [
+      ['Queued', 'queued', count(k.open.queued)], ['of them scheduled', 'scheduled', count(k.open.scheduled)],
+      ['Running', 'running', count(k.open.leased)], ['Waiting to retry', 'retry', count(k.open.retry_wait)],
+      ['Held by the pause', 'waiting', count(k.waiting)]]);
+    const e = k.ended;
+    pairs('kind-ended', [
+      ['Runs', 'runs', count(e.runs)], ['Succeeded', 'succeeded', count(e.succeeded)],
+      ['Failed, retried', 'failed', count(e.failed)], ['Quarantined', 'quarantined', count(e.quarantined)],
+      ['Superseded', 'superseded', count(e.superseded)], ['Cancelled', 'cancelled', count(e.cancelled)],
+      ['Succeeded / min', 'per-minute', rate(e.succeeded / data.minutes)],
+      ['Wait p50 / p99', 'wait', `${bound(e.wait_p50_ms)} / ${bound(e.wait_p99_ms)}`],
+      ['Run p50 / p99', 'run', `${bound(e.run_p50_ms)} / ${bound(e.run_p99_ms)}`]]);
+    const l = k.limits;
+    pairs('kind-config', [
+      ['Concurrency', 'concurrency', l.concurrency ?? 'the processor\'s'],
+      ['Quota (cost / min)', 'quota', l.cost_per_minute ?? 'none'],
+      ['Attempts', 'attempts', count(l.max_attempts)],
+      ['Run time-out', 'run-timeout', l.run_timeout_seconds ? age(l.run_timeout_seconds) : 'none']]);
+    drawMinutes(document.getElementById('kind-chart'), data.series, data.minutes);
+  });
+}
+
+/** Bars of succeeded and failed attempts per minute over the last `minutes`, oldest left. */
+function drawMinutes(host, series, minutes) {
+  if (!host) return;
+  const end = Math.floor(Date.now() / 60000);
+  const byMinute = new Map(series.map((p) => [Math.floor(new Date(p.minute).getTime() / 60000), p]));
+  const width = 600;
+  const height = 80;
+  const slot = width / minutes;
+  const max = Math.max(1, ...series.map((p) => p.succeeded + p.failed + p.quarantined));
+  const chart = svg('svg', { viewBox: `0 0 ${width} ${height + 14}`, width, height: height + 14, role: 'img', 'aria-label': `Attempts per minute, last ${minutes} minutes` });
+  for (let i = 0; i < minutes; i++) {
+    const p = byMinute.get(end - minutes + 1 + i);
+    if (!p) continue;
+    let y = height;
+    for (const [n, cls] of [[p.succeeded, 'bar-ok'], [p.failed + p.quarantined, 'bar-bad']]) {
+      const h = (n / max) * (height - 2);
+      if (h <= 0) continue;
+      y -= h;
+      chart.append(svg('rect', { x: (i * slot).toFixed(1), y: y.toFixed(1), width: Math.max(1, slot - 1).toFixed(1), height: h.toFixed(1), class: cls }));
+    }
+  }
+  for (const [x, label, anchor] of [[0, `${minutes} min ago`, 'start'], [width, 'now', 'end']]) {
+    const text = svg('text', { x, y: height + 12, 'text-anchor': anchor, class: 'axis' });
+    text.textContent = label;
+    chart.append(text);
+  }
+  host.dataset.points = String(series.length);
+  host.replaceChildren(chart, el('p', { class: 'note', text: series.length
+    ? `${count(series.reduce((n, p) => n + p.succeeded, 0))} succeeded, ${count(series.reduce((n, p) => n + p.failed + p.quarantined, 0))} failed or quarantined; highest minute ${count(max)}.`
+    : 'Nothing ran in this hour.' }));
 }
 
 // -- Quarantine --
@@ -898,10 +1063,38 @@ async function bulkCount(filter) {
 
 // -- Dead letters --
 
+/** Deletes the dead letters listed (this topic's, or all), counted first. */
+function bulkDeleteBar(params) {
+  const query = new URLSearchParams();
+  if (params.get('topic')) query.set('topic', params.get('topic'));
+  const ask = el('span', { class: 'ask', id: 'delete-ask', hidden: true });
+  const countMatching = async () => {
+    let counted;
+    try {
+      ({ data: counted } = await api('DELETE', `/v1/dead-letters?${query}&dry_run=true`));
+    } catch (e) {
+      toast(`Refused: ${e.message}${e.status ? ` (${e.status})` : ''}`, 'error');
+      return;
+    }
+    const what = params.get('topic') ? `on ${params.get('topic')}` : 'in all';
+    ask.replaceChildren(
+      el('span', { id: 'delete-matched', 'data-matched': counted.matched, text: `${count(counted.matched)} dead letters ${what}. Delete them for good?` }),
+      counted.matched ? el('button', { type: 'button', id: 'delete-all-yes', class: 'danger', text: `Delete ${count(counted.matched)}`,
+        onclick: () => act('DELETE', `/v1/dead-letters?${query}`, undefined, (d) => `Deleted ${count(d.deleted)} dead letters.`) }) : null,
+      el('button', { type: 'button', class: 'secondary', text: 'Never mind', onclick: () => { ask.hidden = true; } }));
+    ask.hidden = false;
+    (ask.querySelector('#delete-all-yes') || ask.querySelector('button')).focus();
+  };
+  return el('div', { class: 'actions', 'data-needs': 'admin' },
+    el('button', { type: 'button', id: 'delete-count', class: 'secondary', text: 'Delete all listed…', onclick: countMatching }),
+    ask);
+}
+
 function deadLettersPage(params) {
   append(main(), [
     el('h1', { text: 'Dead letters' }),
     el('p', { class: 'note', text: 'Messages the intake or a processor could not decode, kept with their Kafka coordinates. Re-inject one once its cause is fixed.' }),
+    bulkDeleteBar(params),
     errorLine('dead-letters-error'),
     table('Dead letters', ['Id', 'Topic', 'Partition', 'Offset', 'Group', 'Error', 'Received', 'Re-injected'], 'dead-letters'),
     el('button', { type: 'button', id: 'dead-letters-more', class: 'secondary', hidden: true, text: 'Next page' }),
