@@ -162,6 +162,51 @@ fn number(text: &str) -> i64 {
     text.replace(',', "").trim().parse().unwrap_or_else(|_| panic!("not a count: {text:?}"))
 }
 
+/// History as processors record it: the ten minutes before this one on the overview (the
+/// third-last the busiest: 6,000 accepted, 100 a second), and two minutes of a kind no
+/// processor here runs — 47 succeeded, 2 failed, 1 quarantined; waits all ≤ 50 ms; runs 46
+/// ≤ 250 ms and 4 ≤ 5 s (p50 250 ms, p99 5 s).
+async fn seed_history(it: &Installation) {
+    use jobfold_processor::history::{BUCKETS, bucket};
+    sqlx::query(
+        "INSERT INTO overview_minutes (minute, accepted, unfinished, quarantined, relay_backlog) \
+         SELECT date_trunc('minute', now()) - make_interval(mins => i), \
+                CASE WHEN i = 3 THEN 6000 ELSE 60 * i END, 5, 3, 0 \
+         FROM generate_series(1, 10) i",
+    )
+    .execute(&it.pool)
+    .await
+    .unwrap();
+    let histogram = |pairs: &[(u64, i32)]| {
+        let mut h = vec![0_i32; BUCKETS];
+        for (ms, n) in pairs {
+            h[bucket(Duration::from_millis(*ms))] += n;
+        }
+        h
+    };
+    for (ago, runs, succeeded, failed, quarantined, wait, run) in [
+        (4, 40, 37, 2, 1, histogram(&[(40, 40)]), histogram(&[(200, 36), (3000, 4)])),
+        (2, 10, 10, 0, 0, histogram(&[(40, 10)]), histogram(&[(200, 10)])),
+    ] {
+        sqlx::query(
+            "INSERT INTO kind_minutes (minute, kind, owner, runs, succeeded, failed, quarantined, \
+                                       superseded, cancelled, wait_ms, run_ms) \
+             VALUES (date_trunc('minute', now()) - make_interval(mins => $1), 'seeded-kind', \
+                     'seeded/1', $2, $3, $4, $5, 0, 0, $6, $7)",
+        )
+        .bind(ago)
+        .bind(runs)
+        .bind(succeeded)
+        .bind(failed)
+        .bind(quarantined)
+        .bind(&wait)
+        .bind(&run)
+        .execute(&it.pool)
+        .await
+        .unwrap();
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_console_shows_finds_fixes_and_escapes_in_a_real_browser() {
     let mut it = Installation::new("console").await;
@@ -170,6 +215,7 @@ async fn the_console_shows_finds_fixes_and_escapes_in_a_real_browser() {
     let running = Running::start(&it, TOKEN, &[("JOBFOLD_CONSOLE__TRACE_URL", TRACE_URL)]);
     running.ready().await;
     let seeded = seed(&it, &running).await;
+    seed_history(&it).await;
     let ui = running.url("/ui/");
     let browser = Browser::start(1280, 900).await;
 
@@ -237,7 +283,19 @@ async fn the_console_shows_finds_fixes_and_escapes_in_a_real_browser() {
         .until("another refresh", "return new Promise(r => setTimeout(() => r(true), 2200));")
         .await;
     assert_eq!(browser.js(layout).await, before, "the layout moved on refresh");
+    // The charts: the recorded minutes (the busiest 100 accepted a second), again after a
+    // reload — they come from Postgres, not from what this page saw.
+    let charts = "const n = document.getElementById('history-note'); \
+                  const a = document.querySelector(\"[data-chart='accepted']\"); \
+                  return n && a && Number(n.dataset.points) >= 10 && Number(a.dataset.points) >= 10 \
+                      ? [n.textContent, a.title] : null;";
+    let shown = browser.until("the recorded minutes charted", charts).await;
+    assert!(shown[0].as_str().unwrap().contains("from 60 min ago to now"), "{shown}");
+    assert!(shown[1].as_str().unwrap().contains("highest 100"), "{shown}");
     browser.screenshot("overview").await;
+    browser.client.refresh().await.unwrap();
+    let again = browser.until("the recorded minutes after a reload", charts).await;
+    assert!(again[1].as_str().unwrap().contains("highest 100"), "{again}");
 
     // --- Processors: the one running, its partitions, and a slow job running in it. ---
     let slow =
@@ -610,7 +668,7 @@ async fn the_console_shows_finds_fixes_and_escapes_in_a_real_browser() {
         )
         .await;
     assert_eq!(state(&it, held).await, "queued", "a paused kind's job is not leased");
-    browser.screenshot("kinds").await;
+    browser.screenshot("kinds-paused").await;
     browser.click("[data-resume='index-document']").await;
     browser
         .until(
@@ -623,6 +681,32 @@ async fn the_console_shows_finds_fixes_and_escapes_in_a_real_browser() {
     })
     .await;
     assert_eq!(writes(&it, held).await, 1);
+
+    // --- Kinds: each kind's open jobs, last hour and times; a kind's own page. ---
+    browser.goto(&format!("{ui}#/kinds")).await;
+    let row = browser
+        .until(
+            "the recorded kind's figures",
+            "const r = document.querySelector(\"tr[data-kind='seeded-kind']\"); \
+             return r && ['succeeded', 'failed', 'quarantined', 'wait', 'run'] \
+                 .map(k => r.querySelector(`[data-${k}]`).dataset[k]);",
+        )
+        .await;
+    assert_eq!(row, json!(["47", "2", "1", "50/50", "250/5000"]), "as recorded");
+    browser.screenshot("kinds").await;
+    browser.click("tr[data-kind='seeded-kind'] a").await;
+    let page = browser
+        .until(
+            "the kind's page",
+            "const c = document.getElementById('kind-chart'); \
+             const s = document.querySelector('#kind-ended [data-succeeded]'); \
+             return c && s && c.dataset.points ? [c.dataset.points, s.textContent, \
+                 document.querySelector('#kind-ended [data-run]').textContent, \
+                 c.querySelectorAll('rect').length] : null;",
+        )
+        .await;
+    assert_eq!(page, json!(["2", "47", "≤ 250 ms / ≤ 5.0 s", 3]), "two minutes, three bars");
+    browser.screenshot("kind").await;
 
     // --- Dead letters: shown as text, re-injected once its cause is fixed, deleted. ---
     browser.goto(&format!("{ui}#/dead-letters")).await;
@@ -679,6 +763,42 @@ async fn the_console_shows_finds_fixes_and_escapes_in_a_real_browser() {
     browser.until("the list again", "return location.hash === '#/dead-letters';").await;
     let (status, _) = running.get(&format!("/v1/dead-letters/{}", id.as_str().unwrap())).await;
     assert_eq!(status, 404, "deleted");
+    // In bulk: counted first, then deleted.
+    for offset in [1, 2] {
+        sqlx::query(
+            "INSERT INTO dead_letters (consumer_group, topic, kafka_partition, kafka_offset, raw_value, error) \
+             VALUES ('g', 'jobfold.events', 0, $1, '\\x00'::bytea, 'undecodable')",
+        )
+        .bind(offset)
+        .execute(&it.pool)
+        .await
+        .unwrap();
+    }
+    // The list is shown already: read it again.
+    browser.client.refresh().await.unwrap();
+    browser
+        .until(
+            "the two letters",
+            "return document.querySelectorAll('tr[data-dead-letter]').length === 2;",
+        )
+        .await;
+    browser.click("#delete-count").await;
+    let matched = browser
+        .until(
+            "the count",
+            "const m = document.getElementById('delete-matched'); return m && m.dataset.matched;",
+        )
+        .await;
+    assert_eq!(matched, json!("2"));
+    assert_eq!(it.count("dead_letters").await, 2, "counting deletes nothing");
+    browser.click("#delete-all-yes").await;
+    browser
+        .until(
+            "the delete answer",
+            "return document.getElementById('toast').textContent === 'Deleted 2 dead letters.';",
+        )
+        .await;
+    assert_eq!(it.count("dead_letters").await, 0);
 
     // --- The audit trail: each change, by whom, on the page and in Postgres. ---
     browser.goto(&format!("{ui}#/audit")).await;
@@ -701,6 +821,7 @@ async fn the_console_shows_finds_fixes_and_escapes_in_a_real_browser() {
         "oncall resume_kind",
         "oncall reinject_dead_letter",
         "api_token delete_dead_letter",
+        "api_token delete_dead_letters",
     ] {
         assert!(shown.iter().any(|s| s == change), "{change} not in {shown:?}");
     }
@@ -767,6 +888,25 @@ async fn the_console_shows_finds_fixes_and_escapes_in_a_real_browser() {
         .await;
     assert!(browser.fits_width().await, "the job page is wider than a phone");
     browser.screenshot("job-phone").await;
+    for (page, name, ready) in [
+        ("#/jobs", "jobs", "tr[data-job]"),
+        ("#/processors", "processors", "[data-processor]"),
+        ("#/kinds", "kinds", "tr[data-kind='seeded-kind']"),
+        ("#/kinds/seeded-kind", "kind", "#kind-chart[data-points]"),
+        ("#/quarantine", "quarantine", "main tbody tr"),
+        ("#/dead-letters", "dead-letters", "main tbody tr"),
+        ("#/audit", "audit", "tr[data-audit-action]"),
+    ] {
+        browser.goto(&format!("{ui}{page}")).await;
+        browser
+            .until(
+                &format!("the {name} page"),
+                &format!("return document.querySelector({});", json!(ready)),
+            )
+            .await;
+        assert!(browser.fits_width().await, "the {name} page is wider than a phone");
+        browser.screenshot(&format!("{name}-phone")).await;
+    }
 
     browser.close().await;
     it.cleanup().await;

@@ -8,7 +8,7 @@
 use std::collections::HashSet;
 use std::time::Duration;
 
-use chrono::{DateTime, Utc};
+use chrono::{DateTime, DurationRound, Utc};
 use jobfold_common::accept::{Acceptor, NewJob};
 use jobfold_processor::store;
 use jobfold_schemas::event::ErrorClass;
@@ -720,6 +720,142 @@ async fn a_dead_letter_reinjected_after_its_cause_is_fixed_is_accepted_once() {
         .unwrap();
     assert_eq!(deleted.status().as_u16(), 204);
     assert_eq!(running.get(&format!("/v1/dead-letters/{id}")).await.0, 404);
+
+    // In bulk: the events topic's letters (three more) counted first, then deleted in one
+    // statement; the requests topic's are kept. An operator may not; an admin may.
+    for offset in [8, 9, 10] {
+        sqlx::query(
+            "INSERT INTO dead_letters (consumer_group, topic, kafka_partition, kafka_offset, raw_value, error) \
+             VALUES ('g', $1, 0, $2, '\\x00'::bytea, 'undecodable')",
+        )
+        .bind(&it.config.topics.events)
+        .bind(offset)
+        .execute(&it.pool)
+        .await
+        .unwrap();
+    }
+    let kept: i64 = sqlx::query_scalar(
+        "INSERT INTO dead_letters (consumer_group, topic, kafka_partition, kafka_offset, raw_value, error) \
+         VALUES ('g', $1, 0, 1, '\\x00'::bytea, 'undecodable') RETURNING id",
+    )
+    .bind(&it.config.topics.requests)
+    .fetch_one(&it.pool)
+    .await
+    .unwrap();
+    let bulk = |token: &'static str, dry_run: bool| {
+        let url = running
+            .url(&format!("/v1/dead-letters?topic={}&dry_run={dry_run}", it.config.topics.events));
+        async move {
+            let answer = client().delete(url).bearer_auth(token).send().await.unwrap();
+            (answer.status().as_u16(), answer.json::<Value>().await.unwrap_or(Value::Null))
+        }
+    };
+    let (status, _) = bulk(jobfold_tests::harness::OPERATE_TOKEN, false).await;
+    assert_eq!(status, 403, "deleting needs admin");
+    let (status, counted) = bulk(TOKEN, true).await;
+    assert_eq!(status, 200);
+    assert_eq!(counted, json!({ "matched": 4, "deleted": 0, "dry_run": true }));
+    let letters = "SELECT count(*) FROM dead_letters";
+    assert_eq!(sqlx::query_scalar::<_, i64>(letters).fetch_one(&it.pool).await.unwrap(), 5);
+    let (status, done) = bulk(TOKEN, false).await;
+    assert_eq!((status, done["deleted"].as_i64()), (200, Some(4)), "{done}");
+    let left: Vec<i64> =
+        sqlx::query_scalar("SELECT id FROM dead_letters").fetch_all(&it.pool).await.unwrap();
+    assert_eq!(left, vec![kept], "the requests topic's letter is kept");
+    let audited: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM audit_log WHERE action = 'delete_dead_letters' AND actor = 'api_token'",
+    )
+    .fetch_one(&it.pool)
+    .await
+    .unwrap();
+    assert_eq!(audited, 1, "the delete is audited, the dry run is not");
+    it.cleanup().await;
+}
+
+/// What each processor ran is kept per minute (kind_minutes): the Kinds API shows a kind's
+/// open jobs, what ended over the hour and its times' quantiles from it, and the overview's
+/// history the jobs accepted each minute. A graceful stop writes the minute so far.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_kinds_and_the_overview_show_the_last_hour_from_what_processors_recorded() {
+    let (it, acceptor) = installation("ops-history").await;
+    let mut running = Running::start(&it, TOKEN, &[]);
+    running.ready().await;
+    let slow = |i: i64| {
+        jobfold_tests::harness::index_job(
+            &format!("doc-slow-{i}"),
+            1,
+            json!({ "text": "x", "simulate": { "sleep_ms": 300 } }),
+        )
+    };
+    let mut jobs: Vec<NewJob> = (0..6).map(slow).collect();
+    jobs.push(jobfold_tests::harness::index_job("doc-bad", 1, json!({ "title": "no text" })));
+    let accepted_from = Utc::now();
+    for job in &jobs {
+        acceptor.accept(&it.pool, job).await.unwrap();
+    }
+    eventually(Duration::from_secs(60), "every job to end", || async {
+        let open: i64 = sqlx::query_scalar("SELECT count(*) FROM jobs WHERE finished_at IS NULL")
+            .fetch_one(&it.pool)
+            .await
+            .unwrap();
+        open == 0
+    })
+    .await;
+    // A graceful stop writes the minute so far.
+    running.processor.signal("TERM");
+    assert!(running.processor.wait_exit(Duration::from_secs(60)).is_some_and(|s| s.success()));
+    let (runs, succeeded, quarantined, run_ms): (i64, i64, i64, Vec<i32>) = sqlx::query_as(
+        "SELECT sum(runs)::bigint, sum(succeeded)::bigint, sum(quarantined)::bigint, \
+                (SELECT ARRAY(SELECT sum(b)::int FROM kind_minutes k2, unnest(k2.run_ms) \
+                              WITH ORDINALITY u(b, i) WHERE k2.kind = 'index-document' \
+                              GROUP BY i ORDER BY i)) \
+         FROM kind_minutes WHERE kind = 'index-document'",
+    )
+    .fetch_one(&it.pool)
+    .await
+    .unwrap();
+    assert_eq!((runs, succeeded, quarantined), (7, 6, 1));
+    let bucket = jobfold_processor::history::bucket(Duration::from_millis(300));
+    assert_eq!(run_ms[bucket], 6, "each 300 ms run in the ≤ 500 ms bucket: {run_ms:?}");
+
+    running.restart_processor();
+    running.ready().await;
+    let (status, kinds) = running.get("/v1/kinds").await;
+    assert_eq!(status, 200, "{kinds}");
+    let kind = kinds["kinds"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|k| k["kind"] == "index-document")
+        .unwrap_or_else(|| panic!("{kinds}"))
+        .clone();
+    assert_eq!(kind["ended"]["succeeded"], 6, "{kind}");
+    assert_eq!(kind["ended"]["quarantined"], 1, "{kind}");
+    assert_eq!(kind["ended"]["run_p50_ms"], 500, "{kind}");
+    assert_eq!(kind["open"]["queued"], 0, "{kind}");
+    assert!(kind["ended"]["wait_p99_ms"].as_i64().is_some(), "{kind}");
+    let (status, one) = running.get("/v1/kinds/index-document?minutes=10").await;
+    assert_eq!(status, 200, "{one}");
+    let series = one["series"].as_array().unwrap();
+    let ran: i64 = series.iter().map(|p| p["succeeded"].as_i64().unwrap()).sum();
+    assert_eq!(ran, 6, "{one}");
+    assert_eq!(running.get("/v1/kinds/no-such-kind").await.0, 404);
+    assert_eq!(running.get("/v1/history?minutes=0").await.0, 400);
+
+    // The overview's minute: what was accepted in it, counted on the job ids.
+    let minute = accepted_from.duration_trunc(chrono::TimeDelta::minutes(1)).unwrap();
+    let last = Utc::now().duration_trunc(chrono::TimeDelta::minutes(1)).unwrap();
+    let mut at = minute;
+    while at <= last {
+        jobfold_processor::history::write_overview(&it.pool, at).await.unwrap();
+        at += chrono::TimeDelta::minutes(1);
+    }
+    let (status, history) = running.get("/v1/history?minutes=30").await;
+    assert_eq!(status, 200, "{history}");
+    let points = history["points"].as_array().unwrap();
+    let accepted: i64 = points.iter().map(|p| p["accepted"].as_i64().unwrap()).sum();
+    let ended: i64 = points.iter().map(|p| p["succeeded"].as_i64().unwrap()).sum();
+    assert_eq!((accepted, ended), (7, 6), "{history}");
     it.cleanup().await;
 }
 
