@@ -693,6 +693,12 @@ async fn the_console_shows_finds_fixes_and_escapes_in_a_real_browser() {
         )
         .await;
     assert_eq!(row, json!(["47", "2", "1", "50/50", "250/5000"]), "as recorded");
+    browser
+        .until(
+            "the resume's note gone",
+            "return !document.getElementById('toast').classList.contains('shown');",
+        )
+        .await;
     browser.screenshot("kinds").await;
     browser.click("tr[data-kind='seeded-kind'] a").await;
     let page = browser
