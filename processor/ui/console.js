@@ -793,8 +793,8 @@ function kindsPage() {
     el('h1', { text: 'Kinds' }),
     el('p', { class: 'note', text: 'Pausing a kind holds its jobs in every processor: they wait unleased, their attempts unspent, until it resumes; what runs finishes. Periodic jobs are listed below.' }),
     errorLine('kinds-error'),
-    el('p', { class: 'note', text: 'Open jobs now; what ended, and the times, over the last hour (each time the upper bound of its histogram bucket).' }),
-    table('Kinds', ['Kind', 'State', 'Queued', 'Running', 'Retry', 'Succeeded 1 h', 'Failed 1 h', 'Quarantined 1 h', 'Wait p50 / p99', 'Run p50 / p99', 'Waiting', 'Since', 'By', 'Reason', ''], 'kinds'),
+    el('p', { class: 'note', text: 'Open jobs now; what succeeded, failed and was quarantined, and the wait and run times, over the last hour (each time the upper bound of its histogram bucket).' }),
+    table('Kinds', ['Kind', 'State', 'Queued', 'Running', 'Retry', 'Succeeded', 'Failed', 'Quarantined', 'Wait p50 / p99', 'Run p50 / p99', 'Held', 'Paused', ''], 'kinds'),
     el('h2', { text: 'Periodic jobs' }),
     table('Periodic schedules', ['Schedule', 'Kind', 'Pattern', 'Time zone', 'Next tick', 'Last tick', 'Last job or error'], 'periodic'),
   ]);
@@ -834,7 +834,7 @@ function kindsPage() {
     // A reason being typed is kept: the rows are redrawn only when nothing has the focus there.
     if (body.contains(document.activeElement)) return;
     body.replaceChildren();
-    if (!data.kinds.length) body.append(el('tr', {}, el('td', { colspan: 15, class: 'empty', text: 'No kinds registered yet.' })));
+    if (!data.kinds.length) body.append(el('tr', {}, el('td', { colspan: 13, class: 'empty', text: 'No kinds registered yet.' })));
     for (const k of data.kinds) {
       const path = `/v1/kinds/${encodeURIComponent(k.kind)}`;
       const reason = el('input', { type: 'text', 'aria-label': `Why pause ${k.kind}`, placeholder: 'why', 'data-reason': k.kind, maxlength: 2000 });
@@ -859,9 +859,10 @@ function kindsPage() {
         figure('wait', `${k.ended.wait_p50_ms ?? ''}/${k.ended.wait_p99_ms ?? ''}`, `${bound(k.ended.wait_p50_ms)} / ${bound(k.ended.wait_p99_ms)}`),
         figure('run', `${k.ended.run_p50_ms ?? ''}/${k.ended.run_p99_ms ?? ''}`, `${bound(k.ended.run_p50_ms)} / ${bound(k.ended.run_p99_ms)}`),
         el('td', { class: 'num', 'data-waiting': k.waiting, text: count(k.waiting) }),
-        el('td', { class: 'time', text: k.paused_at ? time(k.paused_at) : '' }),
-        el('td', { text: k.paused_by || '' }),
-        el('td', { class: 'error-text', text: k.reason || '' }),
+        el('td', { 'data-paused': k.paused ? 'yes' : 'no' }, k.paused
+          ? [el('span', { class: 'time', text: time(k.paused_at) }), ` by ${k.paused_by || 'someone'}`,
+            k.reason ? el('span', { class: 'error-text', text: `: ${k.reason}` }) : null]
+          : ''),
         el('td', {}, action)));
     }
   });

@@ -696,7 +696,7 @@ async fn the_console_shows_finds_fixes_and_escapes_in_a_real_browser() {
     browser
         .until(
             "the resume's note gone",
-            "return !document.getElementById('toast').classList.contains('shown');",
+            "const t = document.getElementById('toast'); return !t.classList.contains('shown') && getComputedStyle(t).opacity === '0';",
         )
         .await;
     browser.screenshot("kinds").await;
