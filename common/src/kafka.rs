@@ -48,8 +48,10 @@ pub fn fatal_error<C: rdkafka::ClientContext>(
     let (code, reason) = client.fatal_error()?;
     Some(match code {
         RDKafkaErrorCode::FencedInstanceId => format!(
-            "another process joined the group as processor.group_instance_id {:?}, which \
-             fences this one; each processor needs a name of its own ({reason})",
+            "the group fenced this processor's name, processor.group_instance_id {:?}: another \
+             process joined under it (each processor needs a name of its own), or this one \
+             rejoined under it after the coordinator went unanswered past the session \
+             time-out (librdkafka fences itself then); stopping, to be started again ({reason})",
             group_instance_id.unwrap_or_default()
         ),
         code => format!("{code:?}: {reason}"),

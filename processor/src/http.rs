@@ -1104,6 +1104,7 @@ async fn kind_figures(
     let pauses = crate::store::kinds::kinds(&state.pool).await?;
     let open = crate::history::open_by_kind(&state.pool).await?;
     let (mut figures, series) = crate::history::kinds(&state.pool, minutes, series_of).await?;
+    let throttles = crate::quota::throttles(&state.pool).await?;
     let mut names: std::collections::BTreeSet<String> =
         pauses.iter().map(|k| k.kind.clone()).collect();
     names.extend(open.keys().cloned());
@@ -1119,8 +1120,10 @@ async fn kind_figures(
             }
             kind["open"] = json!(open.get(&name).cloned().unwrap_or_default());
             kind["ended"] = json!(figures.remove(&name).unwrap_or_default());
+            kind["throttle"] = json!(throttles.get(&name));
             kind["limits"] = json!({
                 "concurrency": config.concurrency,
+                "rate_per_second": config.rate_per_second,
                 "cost_per_minute": config.cost_per_minute,
                 "max_attempts": config.max_attempts,
                 "run_timeout_seconds": config.run_timeout.map(|t| t.as_secs_f64()),

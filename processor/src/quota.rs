@@ -339,3 +339,46 @@ mod tests {
         assert_eq!(seconds(f64::INFINITY), Duration::MAX);
     }
 }
+
+/// A kind's throttle as the processors share it: paused after a provider's 429 until when
+/// (if still ahead), the factor its rates run at now (1: full, grown back since the last
+/// throttle), how often it was throttled and when last.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Throttle {
+    pub paused_until: Option<chrono::DateTime<chrono::Utc>>,
+    pub factor: f64,
+    pub throttles: i64,
+    pub throttled_at: Option<chrono::DateTime<chrono::Utc>>,
+}
+
+/// Every kind's throttle that has a quota row.
+///
+/// # Errors
+/// The database failed.
+pub async fn throttles(
+    pool: &PgPool,
+) -> Result<std::collections::HashMap<String, Throttle>, sqlx::Error> {
+    let rows = sqlx::query!(
+        r#"SELECT kind,
+                  CASE WHEN paused_until > clock_timestamp() THEN paused_until END AS paused_until,
+                  kind_quota_factor(q, clock_timestamp(), $1) AS "factor!",
+                  throttles,
+                  CASE WHEN throttles > 0 THEN throttled_at END AS throttled_at
+           FROM kind_quotas q"#,
+        RECOVERY.as_secs_f64(),
+    )
+    .fetch_all(pool)
+    .await?;
+    Ok(rows
+        .into_iter()
+        .map(|r| {
+            let throttle = Throttle {
+                paused_until: r.paused_until,
+                factor: r.factor,
+                throttles: r.throttles,
+                throttled_at: r.throttled_at,
+            };
+            (r.kind, throttle)
+        })
+        .collect())
+}

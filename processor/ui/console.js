@@ -849,7 +849,8 @@ function kindsPage() {
       const figure = (key, value, text) => el('td', { class: 'num', [`data-${key}`]: value, text: text === undefined ? count(value) : text });
       body.append(el('tr', { 'data-kind': k.kind },
         el('td', {}, el('a', { href: `#/kinds/${encodeURIComponent(k.kind)}`, text: k.kind })),
-        el('td', {}, el('span', { class: `badge ${k.paused ? 'state-quarantined' : 'state-succeeded'}`, 'data-kind-state': k.paused ? 'paused' : 'running', text: k.paused ? 'paused' : 'running' })),
+        el('td', {}, el('span', { class: `badge ${k.paused ? 'state-quarantined' : 'state-succeeded'}`, 'data-kind-state': k.paused ? 'paused' : 'running', text: k.paused ? 'paused' : 'running' }),
+          k.throttle && k.throttle.paused_until ? [' ', el('span', { class: 'badge state-retry_wait', 'data-throttled': k.throttle.paused_until, title: `a provider's 429: paused until ${time(k.throttle.paused_until)}`, text: 'throttled' })] : null),
         figure('queued', k.open.queued),
         figure('running', k.open.leased),
         figure('retry', k.open.retry_wait),
@@ -936,9 +937,13 @@ function kindPage(name) {
       ['Wait p50 / p99', 'wait', `${bound(e.wait_p50_ms)} / ${bound(e.wait_p99_ms)}`],
       ['Run p50 / p99', 'run', `${bound(e.run_p50_ms)} / ${bound(e.run_p99_ms)}`]]);
     const l = k.limits;
+    const t = k.throttle;
     pairs('kind-config', [
       ['Concurrency', 'concurrency', l.concurrency ?? 'the processor\'s'],
+      ['Rate (requests / s)', 'rate', l.rate_per_second ?? 'none'],
       ['Quota (cost / min)', 'quota', l.cost_per_minute ?? 'none'],
+      ['Throttled', 'throttle', !t || !t.throttles ? 'never'
+        : `${t.paused_until ? `paused until ${time(t.paused_until)}; ` : ''}rates at ${Math.round(t.factor * 100)}%; ${count(t.throttles)} times, last ${time(t.throttled_at)}`],
       ['Attempts', 'attempts', count(l.max_attempts)],
       ['Run time-out', 'run-timeout', l.run_timeout_seconds ? age(l.run_timeout_seconds) : 'none']]);
     drawMinutes(document.getElementById('kind-chart'), data.series, data.minutes);
