@@ -601,7 +601,7 @@ async fn a_processor_started_again_under_its_name_takes_its_partitions_back_with
     let log = b.log_text();
     assert!(
         log.contains("processor.group_instance_id \"proc-b\"")
-            && log.contains("each processor needs a name of its own"),
+            && log.contains("another process joined under it"),
         "{log}"
     );
     it.cleanup().await;

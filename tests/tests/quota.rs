@@ -210,6 +210,11 @@ async fn a_429_holds_the_kind_back_everywhere_without_spending_attempts() {
             .unwrap();
     assert_eq!(throttles, 2);
     assert!(factor <= 0.5, "the kind's rate after the 429s: {factor}");
+    // As the Kinds API and page show it.
+    let shown = jobfold_processor::quota::throttles(&it.pool).await.unwrap();
+    let busy_throttle = &shown["busy"];
+    assert_eq!(busy_throttle.throttles, 2, "{shown:?}");
+    assert!(busy_throttle.factor <= 1.0 && busy_throttle.throttled_at.is_some(), "{shown:?}");
     assert_eq!(fold_mismatches(&it).await, Vec::<String>::new());
     let mut throttled = HashMap::new();
     for (i, processor) in services[1..].iter().enumerate() {
