@@ -894,7 +894,16 @@ async fn the_console_shows_finds_fixes_and_escapes_in_a_real_browser() {
         .await;
     assert!(browser.fits_width().await, "the job page is wider than a phone");
     browser.screenshot("job-phone").await;
+    let letter: i64 = sqlx::query_scalar(
+        "INSERT INTO dead_letters (consumer_group, topic, kafka_partition, kafka_offset, raw_value, error) \
+         VALUES ('g', 'jobfold.events', 0, 3, '\\x00'::bytea, 'undecodable') RETURNING id",
+    )
+    .fetch_one(&it.pool)
+    .await
+    .unwrap();
+    let letter_page = format!("#/dead-letters/{letter}");
     for (page, name, ready) in [
+        (letter_page.as_str(), "dead-letter", "[data-field=value_text]"),
         ("#/jobs", "jobs", "tr[data-job]"),
         ("#/processors", "processors", "[data-processor]"),
         ("#/kinds", "kinds", "tr[data-kind='seeded-kind']"),
