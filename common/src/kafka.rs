@@ -37,15 +37,19 @@ const METADATA_ATTEMPT: Duration = Duration::from_secs(5);
 /// How long a binary waits at start for the brokers to answer before it gives up.
 const BROKERS_AT_START: Duration = Duration::from_secs(60);
 
-/// A client's fatal error, if it hit one (the client is dead then: the process must stop
+/// A client's fatal error, if `error` from its poll is one (the client is dead then: the process must stop
 /// and be restarted), told plainly: librdkafka's reason, and for a name another process took
 /// over in the group (`FENCED_INSTANCE_ID`), which setting must differ. librdkafka reports a
 /// fatal error to the poll under its own code, not `_FATAL`: the client says whether it is.
 pub fn fatal_error<C: rdkafka::ClientContext>(
     client: &rdkafka::client::Client<C>,
+    error: &KafkaError,
     group_instance_id: Option<&str>,
 ) -> Option<String> {
-    let (code, reason) = client.fatal_error()?;
+    let Some((code, reason)) = client.fatal_error() else {
+        return (error.rdkafka_error_code() == Some(RDKafkaErrorCode::Fatal))
+            .then(|| error.to_string());
+    };
     Some(match code {
         RDKafkaErrorCode::FencedInstanceId => format!(
             "the group fenced this processor's name, processor.group_instance_id {:?}: another \

@@ -195,12 +195,9 @@ impl Intake {
                 // A fatal error leaves the consumer dead: stop, to be restarted.
                 let fatal = jobfold_common::kafka::fatal_error(
                     self.consumer.client(),
+                    &e,
                     self.instance.as_deref(),
-                )
-                .or_else(|| {
-                    (e.rdkafka_error_code() == Some(rdkafka::types::RDKafkaErrorCode::Fatal))
-                        .then(|| e.to_string())
-                });
+                );
                 if let Some(why) = fatal {
                     anyhow::bail!("the intake consumer hit a fatal error: {why}");
                 }

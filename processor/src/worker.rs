@@ -545,12 +545,9 @@ pub async fn run(
                 // A fatal error leaves the consumer dead: stop, to be restarted.
                 let fatal = jobfold_common::kafka::fatal_error(
                     shared.consumer.client(),
+                    &e,
                     shared.config.processor.group_instance_id.as_deref(),
-                )
-                .or_else(|| {
-                    (e.rdkafka_error_code() == Some(rdkafka::types::RDKafkaErrorCode::Fatal))
-                        .then(|| e.to_string())
-                });
+                );
                 if let Some(why) = fatal {
                     failed =
                         Some(anyhow::anyhow!("the dispatch consumer hit a fatal error: {why}"));
