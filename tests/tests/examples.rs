@@ -271,7 +271,19 @@ async fn examples_survive_a_crash_at(name: &str, window: &str) {
     .unwrap();
     let committed: BTreeMap<String, _> = committed.into_iter().collect();
     let calls = calls.lock().unwrap().clone();
-    assert!(calls.len() >= 12, "{calls:?}");
+    // Every summary that committed asked the model under its key. (A first version may be
+    // superseded by its second before it runs, so how many calls there were is not fixed.)
+    let summarized: Vec<String> = sqlx::query_scalar(
+        "SELECT j.job_id::text || ':' || j.input_version FROM jobs j \
+         WHERE j.kind = 'summarize-conversation' AND j.state = 'succeeded'",
+    )
+    .fetch_all(&it.pool)
+    .await
+    .unwrap();
+    assert!(summarized.len() >= 6, "{summarized:?}");
+    for key in &summarized {
+        assert!(calls.iter().any(|(_, k, _, _)| k == key), "no model call for {key}: {calls:?}");
+    }
     drop(python);
     for (_, key, at, _) in &calls {
         let done = committed.get(key).unwrap_or_else(|| panic!("a call with key {key:?}"));
