@@ -478,6 +478,7 @@ impl Fleet {
             let service = self.slots[i].service.as_mut().expect("present");
             if let Some(status) = service.wait_exit(Duration::ZERO) {
                 let pid = service.pid();
+                let log = service.log_text();
                 let binary = self.slots[i].binary;
                 let kind = match &self.slots[i].armed {
                     Some(armed) => {
@@ -487,7 +488,15 @@ impl Fleet {
                     None if std::os::unix::process::ExitStatusExt::signal(&status) == Some(6) => {
                         format!("{binary} aborted by a bad job's handler")
                     }
-                    None => format!("{binary} exited by itself ({status})"),
+                    None => {
+                        // Not a fault the campaign made: say why, from the process's own log.
+                        let tail: Vec<&str> = log.lines().rev().take(4).collect();
+                        eprintln!(
+                            "campaign: {binary} (pid {pid}) exited by itself ({status}); its log ends:\n  {}",
+                            tail.into_iter().rev().collect::<Vec<_>>().join("\n  ")
+                        );
+                        format!("{binary} exited by itself ({status})")
+                    }
                 };
                 self.count(kind);
                 self.bank(i);
