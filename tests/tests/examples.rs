@@ -350,6 +350,45 @@ impl Drop for PythonWorker {
     }
 }
 
+/// The Python worker answers each call in one write, headers and body together: written as
+/// two, the body of a keep-alive call waits for the caller's delayed ACK (Nagle's algorithm),
+/// about 40 ms a call, and the first read here would hold the headers alone.
+#[test]
+fn the_python_worker_answers_each_keep_alive_call_in_one_write() {
+    use std::io::{Read, Write};
+    let python = PythonWorker::start();
+    let mut stream = std::net::TcpStream::connect(("127.0.0.1", python.1)).unwrap();
+    let body = r#"{"job_id": "j", "input": {"text": "one two three"}}"#;
+    let request = format!(
+        "POST /count-words HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    let mut took = Vec::new();
+    for _ in 0..20 {
+        let started = Instant::now();
+        stream.write_all(request.as_bytes()).unwrap();
+        let mut buffer = vec![0u8; 1 << 16];
+        let n = stream.read(&mut buffer).unwrap();
+        took.push(started.elapsed());
+        let text = String::from_utf8_lossy(&buffer[..n]);
+        let (head, answer) = text.split_once("\r\n\r\n").expect("the headers in one read");
+        assert!(head.starts_with("HTTP/1.1 200"), "{text}");
+        let length: usize = head
+            .lines()
+            .find_map(|line| {
+                line.to_ascii_lowercase()
+                    .strip_prefix("content-length:")
+                    .map(|v| v.trim().parse().unwrap())
+            })
+            .expect("a Content-Length");
+        assert_eq!(answer.len(), length, "the body in the same read as its headers: {text:?}");
+        assert!(answer.contains(r#""words": 3"#), "{answer}");
+    }
+    took.sort();
+    eprintln!("a keep-alive call to worker.py: median {:?}, slowest {:?}", took[10], took[19]);
+}
+
 /// The shipped processor runs the kinds its configuration names a URL for, by the protocol:
 /// the Python worker's results, its 422 as invalid input, a 503's Retry-After respected, a
 /// 404 as permanent, an answer past `max_output_bytes` cut off; and a `simulate` input means nothing to it.
