@@ -1216,6 +1216,7 @@ mod tests {
                 attempt: 1,
                 lease_owner: "w".into(),
                 lease_until: DateTime::from_timestamp_millis(at_ms + 30_000).unwrap(),
+                leased_at: DateTime::from_timestamp_millis(at_ms),
                 dispatch_event_id: Uuid::now_v7(),
             }),
             _ => Payload::JobSucceeded(JobSucceeded {

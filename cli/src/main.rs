@@ -263,14 +263,15 @@ enum Command {
         /// ... at this quantile.
         #[arg(long, default_value_t = 0.99, requires = "wait")]
         quantile: f64,
-        /// Service times lengthened by this many percent for the answer, so that it holds on
-        /// a day a little busier than the window.
+        /// A margin for a different day: service times lengthened by this many percent for
+        /// the answer (0: the window's own times, as measured).
         #[arg(long, default_value_t = 10.0, requires = "wait")]
         headroom: f64,
         /// Also write the figures to this file, as JSON.
         #[arg(long)]
         json: Option<PathBuf>,
-        /// Also plot arrivals, jobs in service and queue waits over the window to this SVG.
+        /// Also plot arrivals, workers busy, queue waits against the objective and the
+        /// simulated wait by number of workers to this SVG.
         #[arg(long)]
         plot: Option<PathBuf>,
     },

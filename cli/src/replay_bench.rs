@@ -137,6 +137,7 @@ fn synthetic(job_id: Uuid, document: &str, step: i32) -> JobEvent {
             attempt: 1,
             lease_owner: "bench/1".into(),
             lease_until: Utc::now() + chrono::Duration::seconds(30),
+            leased_at: Some(Utc::now()),
             dispatch_event_id: Uuid::now_v7(),
         }),
         _ => Payload::JobSucceeded(JobSucceeded {

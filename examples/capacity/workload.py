@@ -32,6 +32,9 @@ def model_server(port, median, sigma, fail_share, seed):
 
     class Model(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
+        # Each answer in one write (flushed after the request), not held by Nagle's algorithm.
+        wbufsize = 1 << 16
+        disable_nagle_algorithm = True
 
         def do_POST(self):
             body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")

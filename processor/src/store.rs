@@ -256,6 +256,7 @@ pub fn lease(
         attempt: job.attempt,
         lease_owner: owner.to_owned(),
         lease_until: until,
+        leased_at: Some(now),
         dispatch_event_id,
     }))
 }

@@ -139,6 +139,10 @@ pub struct JobLeased {
     pub attempt: i32,
     pub lease_owner: String,
     pub lease_until: DateTime<Utc>,
+    /// When the lease was taken and the attempt began; `None` in events written before the
+    /// field was added. The event's `occurred_at` can be later: a run inside its lease
+    /// transaction is recorded when that transaction commits.
+    pub leased_at: Option<DateTime<Utc>>,
     pub dispatch_event_id: Uuid,
 }
 
@@ -376,6 +380,7 @@ impl From<&Payload> for Value {
                     ("attempt", Value::Int(p.attempt)),
                     ("lease_owner", Value::String(p.lease_owner.clone())),
                     ("lease_until", millis(p.lease_until)),
+                    ("leased_at", nullable(p.leased_at.map(millis))),
                     ("dispatch_event_id", Value::Uuid(p.dispatch_event_id)),
                 ]),
             ),
@@ -682,6 +687,7 @@ impl Payload {
                 attempt: f.int("attempt")?,
                 lease_owner: f.string("lease_owner")?,
                 lease_until: f.timestamp("lease_until")?,
+                leased_at: f.nullable("leased_at", as_timestamp)?,
                 dispatch_event_id: f.uuid("dispatch_event_id")?,
             }),
             2 => Self::JobSucceeded(JobSucceeded {

@@ -36,6 +36,7 @@ fn leased(generation: i64, attempt: i32) -> Payload {
         attempt,
         lease_owner: "w".into(),
         lease_until: chrono::Utc::now(),
+        leased_at: None,
         dispatch_event_id: Uuid::new_v4(),
     })
 }

@@ -54,17 +54,26 @@ pub fn payload() -> impl Strategy<Value = Payload> {
                     run_at,
                 })
             }),
-        (any::<i64>(), any::<i32>(), text(), timestamp(), uuid()).prop_map(
-            |(generation, attempt, lease_owner, lease_until, dispatch_event_id)| {
-                Payload::JobLeased(JobLeased {
-                    generation,
-                    attempt,
-                    lease_owner,
-                    lease_until,
-                    dispatch_event_id,
-                })
-            }
-        ),
+        (
+            any::<i64>(),
+            any::<i32>(),
+            text(),
+            timestamp(),
+            proptest::option::of(timestamp()),
+            uuid()
+        )
+            .prop_map(
+                |(generation, attempt, lease_owner, lease_until, leased_at, dispatch_event_id)| {
+                    Payload::JobLeased(JobLeased {
+                        generation,
+                        attempt,
+                        lease_owner,
+                        lease_until,
+                        leased_at,
+                        dispatch_event_id,
+                    })
+                }
+            ),
         (any::<i64>(), any::<i32>(), text()).prop_map(|(generation, attempt, result)| {
             Payload::JobSucceeded(JobSucceeded { generation, attempt, result })
         }),
@@ -219,6 +228,7 @@ impl StreamBuilder {
             attempt: self.state.attempt + 1,
             lease_owner: "worker".into(),
             lease_until: self.clock + chrono::Duration::seconds(30),
+            leased_at: Some(self.clock),
             dispatch_event_id: Uuid::new_v4(),
         });
         self.push(payload, self.state.input_version);
