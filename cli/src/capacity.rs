@@ -172,6 +172,8 @@ pub struct KindReport {
     /// The simulated wait quantile (with the headroom) at each concurrency from the stable
     /// floor to past the recommendation and the window's concurrency.
     pub wait_by_concurrency: Vec<CurvePoint>,
+    /// Why there is no recommendation for the objective, when none meets it.
+    pub unreachable: Option<String>,
     /// What one processor is configured with: the kind's `concurrency`, else
     /// `processor.max_in_flight`.
     pub configured_concurrency: usize,
@@ -447,6 +449,7 @@ fn figures(
     let simulated_window = (attempts > 0)
         .then(|| simulate(&lengthened(&customers, 0.0), window_concurrency, quantile_of));
     let (mut recommended, mut simulated, mut curve) = (None, None, Vec::new());
+    let mut unreachable = None;
     if let Some(objective) = objective
         && attempts > 0
     {
@@ -454,9 +457,20 @@ fn figures(
         // still show waits within the objective, so the search starts above it.
         let stable = (in_service_mean * (1.0 + objective.headroom)).floor() as usize + 1;
         let customers = lengthened(&customers, objective.headroom);
-        let (c, wait) = recommend(&customers, objective, stable);
-        (recommended, simulated) = (Some(c), Some(wait));
-        curve = wait_curve(&customers, objective.quantile, stable, c.max(window_concurrency));
+        match recommend(&customers, objective, stable) {
+            Ok((c, wait)) => {
+                (recommended, simulated) = (Some(c), Some(wait));
+                curve =
+                    wait_curve(&customers, objective.quantile, stable, c.max(window_concurrency));
+            }
+            Err(wait) => {
+                unreachable = Some(format!(
+                    "no concurrency meets the objective: with a worker for every attempt the \
+                     simulated {} wait is {wait:.3} s, what the dispatch latency alone adds",
+                    percentile_name(objective.quantile)
+                ));
+            }
+        }
     }
     let report = KindReport {
         kind: name.to_owned(),
@@ -478,28 +492,73 @@ fn figures(
         recommended_concurrency: recommended,
         simulated_wait_seconds: simulated,
         wait_by_concurrency: curve,
+        unreachable,
         configured_concurrency: configured,
         configured_from: "",
     };
     (report, series(kind, window, quantile_of))
 }
 
+/// How many attempts were in service over time: the count after each start (+1) and end
+/// (-1) in time order, with a sparse table for the most over any span.
+struct Busy {
+    times: Vec<f64>,
+    /// `most[k][i]`: the most in service after any of the edges `i .. i + 2^k`.
+    most: Vec<Vec<usize>>,
+}
+
+impl Busy {
+    fn of(attempts: &[Attempt]) -> Self {
+        let mut edges: Vec<(f64, i64)> =
+            attempts.iter().flat_map(|a| [(a.started, 1), (a.ended, -1)]).collect();
+        // Ends before starts at the same instant.
+        edges.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
+        let mut now = 0i64;
+        let counts: Vec<usize> = edges
+            .iter()
+            .map(|(_, step)| {
+                now += step;
+                usize::try_from(now).unwrap_or(0)
+            })
+            .collect();
+        let mut most = vec![counts];
+        while 1 << most.len() <= most[0].len() {
+            let (half, last) = (1 << (most.len() - 1), &most[most.len() - 1]);
+            let next =
+                (0..last.len().saturating_sub(half)).map(|i| last[i].max(last[i + half])).collect();
+            most.push(next);
+        }
+        Self { times: edges.into_iter().map(|(t, _)| t).collect(), most }
+    }
+
+    /// The most in service at any instant of `[from, to)`.
+    fn most(&self, from: f64, to: f64) -> usize {
+        let first = self.times.partition_point(|&t| t < from);
+        let end = self.times.partition_point(|&t| t < to);
+        let before = if first == 0 { 0 } else { self.most[0][first - 1] };
+        if end <= first {
+            return before;
+        }
+        let level = (usize::BITS - 1 - (end - first).leading_zeros()) as usize;
+        let span = self.most[level][first].max(self.most[level][end - (1 << level)]);
+        before.max(span)
+    }
+}
+
 /// The window's attempts as the simulation's customers, in the order they join the queue,
-/// and the dispatch latencies measured: the waits of the attempts that found fewer than
-/// `concurrency` in service when they became ready. Such an attempt joins at its own
-/// latency; one that queued, at the measured latencies taken in turn; one ready before the
-/// window, at its start (it holds a server; its wait is not counted).
+/// and the dispatch latencies measured: the waits of the attempts that found a free worker
+/// — fewer than `concurrency` in service from when they became ready until they started.
+/// Such an attempt joins at its own latency; one that queued, at the measured latencies
+/// taken in turn; one ready before the window, at its start (it holds a server; its wait
+/// is not counted).
 fn customers(attempts: &[Attempt], concurrency: usize) -> (Vec<f64>, Vec<Customer>) {
-    let mut starts: Vec<f64> = attempts.iter().map(|a| a.started).collect();
-    let mut ends: Vec<f64> = attempts.iter().map(|a| a.ended).collect();
-    starts.sort_by(f64::total_cmp);
-    ends.sort_by(f64::total_cmp);
-    // Started before `t` and not ended before it.
-    let busy_at = |t: f64| starts.partition_point(|&s| s < t) - ends.partition_point(|&e| e < t);
+    let busy = Busy::of(attempts);
     let mut ready: Vec<&Attempt> = attempts.iter().filter(|a| a.ready.is_some()).collect();
     ready.sort_by(|a, b| a.ready.unwrap_or(0.0).total_cmp(&b.ready.unwrap_or(0.0)));
-    let free: Vec<bool> =
-        ready.iter().map(|a| busy_at(a.ready.unwrap_or(0.0)) < concurrency).collect();
+    let free: Vec<bool> = ready
+        .iter()
+        .map(|a| busy.most(a.ready.unwrap_or(a.started), a.started) < concurrency)
+        .collect();
     let mut latency: Vec<f64> = ready
         .iter()
         .zip(&free)
@@ -545,19 +604,24 @@ fn lengthened(customers: &[Customer], headroom: f64) -> Vec<Customer> {
 
 /// The least number of servers, at least `least`, whose simulated `objective.quantile` wait
 /// is within the objective, and that wait. Waits never grow with more servers, so a binary
-/// search; at most one server per customer.
-fn recommend(customers: &[Customer], objective: Objective, least: usize) -> (usize, f64) {
+/// search; at most one server per customer. `Err` with the wait a server for every customer
+/// gives when even that is past the objective: the dispatch latency alone is.
+fn recommend(
+    customers: &[Customer],
+    objective: Objective,
+    least: usize,
+) -> Result<(usize, f64), f64> {
     let wait_at = |servers: usize| simulate(customers, servers, objective.quantile);
     let (mut low, mut high) = (least.max(1), customers.len().max(least).max(1));
-    if wait_at(high) > objective.wait {
-        // Not even one server per attempt meets it: the latency alone is over the objective.
-        return (high, wait_at(high));
+    let unhurried = wait_at(high);
+    if unhurried > objective.wait {
+        return Err(unhurried);
     }
     while low < high {
         let mid = (low + high) / 2;
         if wait_at(mid) <= objective.wait { high = mid } else { low = mid + 1 }
     }
-    (low, wait_at(low))
+    Ok((low, wait_at(low)))
 }
 
 /// The simulated `quantile` wait at each concurrency from `from` to two past `to`: at most
@@ -750,6 +814,9 @@ impl fmt::Display for Report {
                     .collect();
                 writeln!(f, "  {p} wait by workers  {}", near.join(", "))?;
             } else {
+                if let Some(why) = &k.unreachable {
+                    writeln!(f, "  concurrency     {why}")?;
+                }
                 writeln!(
                     f,
                     "  concurrency     configured {} per processor ({})",
@@ -809,8 +876,14 @@ impl Report {
             let seconds = "seconds into the window";
 
             let top = series.arrivals_per_second.iter().copied().fold(0.0, f64::max);
-            let mut chart =
-                panel(rows.next(), format!("{name}: arrivals / s"), 0.0..window, top, seconds)?;
+            let mut chart = panel(
+                rows.next(),
+                format!("{name}: arrivals / s"),
+                0.0..window,
+                top,
+                seconds,
+                false,
+            )?;
             chart.draw_series(LineSeries::new(
                 t.iter().copied().zip(series.arrivals_per_second.iter().copied()),
                 &BLUE,
@@ -827,7 +900,7 @@ impl Report {
                 k.window_utilization * 100.0,
                 k.window_concurrency
             );
-            let mut chart = panel(rows.next(), caption, 0.0..window, top, seconds)?;
+            let mut chart = panel(rows.next(), caption, 0.0..window, top, seconds, false)?;
             chart
                 .draw_series(LineSeries::new(
                     t.iter().copied().zip(series.in_service.iter().copied()),
@@ -854,7 +927,7 @@ impl Report {
                 "{name}: queue wait {p} (s), each step over at least {} jobs",
                 series.min_jobs
             );
-            let mut chart = panel(rows.next(), caption, 0.0..window, top, seconds)?;
+            let mut chart = panel(rows.next(), caption, 0.0..window, top, seconds, false)?;
             chart
                 .draw_series(LineSeries::new(
                     series.waits.iter().flat_map(|&(from, to, w)| [(from, w), (to, w)]),
@@ -882,7 +955,7 @@ impl Report {
                     o.headroom * 100.0
                 );
                 let mut chart =
-                    panel(rows.next(), caption, range.clone(), top, "workers for the group")?;
+                    panel(rows.next(), caption, range.clone(), top, "workers for the group", true)?;
                 let points: Vec<(f64, f64)> = k
                     .wait_by_concurrency
                     .iter()
@@ -924,7 +997,8 @@ type Panel<'a, 'b> = plotters::chart::ChartContext<
     >,
 >;
 
-/// One panel: a caption, the x range, a y axis from 0 to a little above `top`, a grid.
+/// One panel: a caption, the x range (labelled at whole numbers only if `whole`), a y axis
+/// from 0 to a little above `top`, a grid.
 fn panel<'a, 'b>(
     area: Option<
         &'a plotters::drawing::DrawingArea<
@@ -936,6 +1010,7 @@ fn panel<'a, 'b>(
     x: std::ops::Range<f64>,
     top: f64,
     x_desc: &str,
+    whole: bool,
 ) -> anyhow::Result<Panel<'a, 'b>> {
     use plotters::prelude::*;
     let area = area.context("a panel more than the plot was divided into")?;
@@ -946,7 +1021,15 @@ fn panel<'a, 'b>(
         .x_label_area_size(36)
         .y_label_area_size(56)
         .build_cartesian_2d(x, 0.0..top.max(1e-3) * 1.15)?;
-    chart.configure_mesh().x_desc(x_desc).draw()?;
+    let mut mesh = chart.configure_mesh();
+    mesh.x_desc(x_desc);
+    if whole {
+        // Workers come whole: no label between them.
+        mesh.x_label_formatter(&|x: &f64| {
+            if (x - x.round()).abs() < 1e-6 { format!("{x:.0}") } else { String::new() }
+        });
+    }
+    mesh.draw()?;
     Ok(chart)
 }
 
@@ -996,17 +1079,21 @@ mod tests {
         let customers: Vec<Customer> = (0..10).map(|_| customer(0.0, 1.0)).collect();
         let objective = Objective { wait: 1.5, quantile: 1.0, headroom: 0.0 };
         // Ten at once, 1 s each: 5 servers → waits up to 1 s; 4 → up to 2 s.
-        assert_eq!(recommend(&customers, objective, 1), (5, 1.0));
+        assert_eq!(recommend(&customers, objective, 1), Ok((5, 1.0)));
         // 0.6 s of dispatch latency leaves 0.9 s: ten servers.
         let late: Vec<Customer> =
             customers.iter().map(|c| Customer { enters: 0.6, ..*c }).collect();
-        assert_eq!(recommend(&late, objective, 1).0, 10);
+        assert_eq!(recommend(&late, objective, 1), Ok((10, 0.6)));
+        // 1.6 s of latency: no number of servers meets 1.5 s.
+        let later: Vec<Customer> =
+            customers.iter().map(|c| Customer { enters: 1.6, ..*c }).collect();
+        assert_eq!(recommend(&later, objective, 1), Err(1.6));
         // Never below the least it is given (the stable concurrency).
-        assert_eq!(recommend(&customers, objective, 7), (7, 1.0));
+        assert_eq!(recommend(&customers, objective, 7), Ok((7, 1.0)));
         // With 50% headroom the jobs count as 1.5 s: five servers still meet 1.5 s ...
-        assert_eq!(recommend(&lengthened(&customers, 0.5), objective, 1), (5, 1.5));
+        assert_eq!(recommend(&lengthened(&customers, 0.5), objective, 1), Ok((5, 1.5)));
         // ... and with 60%, 1.6 s jobs: any wait is too long, so one server each.
-        assert_eq!(recommend(&lengthened(&customers, 0.6), objective, 1), (10, 0.0));
+        assert_eq!(recommend(&lengthened(&customers, 0.6), objective, 1), Ok((10, 0.0)));
         // The curve runs from the floor to two past the answer, falling.
         let curve = wait_curve(&customers, 1.0, 3, 5);
         let points: Vec<(usize, f64)> =
@@ -1047,6 +1134,23 @@ mod tests {
         for (q, wanted) in [(0.33, 0.1), (0.66, 0.2), (1.0, 0.6)] {
             assert!((simulate(&customers, 1, q) - wanted).abs() < 1e-6, "q {q}");
         }
+    }
+
+    #[test]
+    fn an_attempt_ready_in_a_handoffs_gap_still_queued() {
+        // One worker. A runs 0..1; B, ready at 0.5, starts 10 ms after A ends; C, ready in
+        // that gap (nothing in service at its instant), starts after B.
+        let attempts = vec![
+            Attempt { ready: Some(0.0), started: 0.0, ended: 1.0, failed: false },
+            Attempt { ready: Some(0.5), started: 1.01, ended: 2.0, failed: false },
+            Attempt { ready: Some(1.005), started: 2.01, ended: 3.0, failed: false },
+        ];
+        let busy = Busy::of(&attempts);
+        assert_eq!(busy.most(1.005, 1.005), 0);
+        assert_eq!(busy.most(1.005, 2.01), 1);
+        assert_eq!(busy.most(0.0, 3.0), 1);
+        let (latency, _) = customers(&attempts, 1);
+        assert_eq!(latency, [0.0], "only A found the worker free");
     }
 
     #[test]
