@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Checks `jobfold capacity` against what the workers did: an M/M/c workload
 # (examples/capacity/mmc.py) run by the shipped jobfold-processor at each concurrency in
-# CONCURRENCIES, and for each window the tool's recommendation for two objectives (p99 wait
-# at most 1 s, and at most 0.5 s) next to the p99 wait the window measured. The least
-# concurrency whose own window met an objective is the answer a recommendation should give
-# (or one more, never fewer) from any of the windows.
+# CONCURRENCIES, and for each window the tool's recommendation for each p99 wait objective
+# in OBJECTIVES next to the p99 wait the window measured. The least concurrency whose own
+# window met an objective is the answer a recommendation should give (or one more, never
+# fewer) from any of the windows.
 #
 #   docker/services.sh start && cargo build --release --bins
-#   examples/capacity/sweep.sh         # MEAN_MS=200 RATE=15 SECONDS=180 CONCURRENCIES="4 5 6 7 32"
+#   examples/capacity/sweep.sh
+#   # MEAN_MS=200 RATE=15 SECONDS=180 CONCURRENCIES="4 5 6 7 32" OBJECTIVES="1s 500ms 250ms 100ms"
 #
 # Topics and groups of its own on the services in services.env; logs and figures in
 # target/capacity-sweep/.
@@ -19,6 +20,7 @@ MEAN_MS=${MEAN_MS:-200}
 RATE=${RATE:-15}
 SECONDS_EACH=${SECONDS:-180}
 CONCURRENCIES=${CONCURRENCIES:-4 5 6 7 32}
+OBJECTIVES=${OBJECTIVES:-1s 500ms 250ms 100ms}
 HTTP_PORT=${HTTP_PORT:-18081}
 HANDLER_PORT=${HANDLER_PORT:-18091}
 # shellcheck disable=SC1091
@@ -27,9 +29,10 @@ mkdir -p "$OUT"
 
 figure() { python3 -c "import json,sys; k=json.load(open(sys.argv[1]))['kinds'][0]; print(eval(sys.argv[2]))" "$@"; }
 
-printf '| %s | %s | %s | %s | %s | %s | %s |\n' "service, arrivals" "window at" "busy" \
-    "p99 wait measured" "p99 replayed" "for p99 ≤ 1 s" "for p99 ≤ 0.5 s"
-printf '| --- | ---: | ---: | ---: | ---: | ---: | ---: |\n'
+header="| service, arrivals | window at | busy | p99 wait measured | p99 replayed |"
+rule="| --- | ---: | ---: | ---: | ---: |"
+for wait in $OBJECTIVES; do header="$header for p99 ≤ $wait |"; rule="$rule ---: |"; done
+printf '%s\n%s\n' "$header" "$rule"
 for c in $CONCURRENCIES; do
     run=capacity-sweep-$MEAN_MS-$RATE-$c-$(date +%s)
     dir=$OUT/$MEAN_MS-$RATE-$c
@@ -53,15 +56,17 @@ for c in $CONCURRENCIES; do
         --handler-port "$HANDLER_PORT" --rate "$RATE" --mean-ms "$MEAN_MS" \
         --seconds "$SECONDS_EACH" 2>"$dir/mmc.log" | tail -n 1)
     kill "$relay" "$processor" 2>/dev/null; wait "$relay" "$processor" 2>/dev/null || true
-    for wait in 1s 500ms; do
+    for wait in $OBJECTIVES; do
         # shellcheck disable=SC2086 # the window is two options and their values
         "$BIN/jobfold" capacity $window --wait "$wait" --json "$dir/$wait.json" \
             --plot "$dir/$wait.svg" >"$dir/$wait.txt"
     done
-    printf '| %s ms at %s/s | %s | %s%% | %s s | %s s | %s | %s |\n' "$MEAN_MS" "$RATE" "$c" \
-        "$(figure "$dir/1s.json" "round(k['window_utilization']*100)")" \
-        "$(figure "$dir/1s.json" "'%.3f' % k['wait_seconds']['p99']")" \
-        "$(figure "$dir/1s.json" "'%.3f' % k['simulated_window_wait_seconds']")" \
-        "$(figure "$dir/1s.json" "k['recommended_concurrency']")" \
-        "$(figure "$dir/500ms.json" "k['recommended_concurrency']")"
+    first=$dir/${OBJECTIVES%% *}.json
+    row="| $MEAN_MS ms at $RATE/s | $c | $(figure "$first" "round(k['window_utilization']*100)")% |"
+    row="$row $(figure "$first" "'%.3f' % k['wait_seconds']['p99']") s |"
+    row="$row $(figure "$first" "'%.3f' % k['simulated_window_wait_seconds']") s |"
+    for wait in $OBJECTIVES; do
+        row="$row $(figure "$dir/$wait.json" "k['recommended_concurrency']") |"
+    done
+    echo "$row"
 done
