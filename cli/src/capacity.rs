@@ -158,8 +158,9 @@ pub struct KindReport {
     pub handoff_seconds: Spread,
     /// The processors that leased the kind's jobs in the window.
     pub processors: usize,
-    /// The concurrency the window ran with, as far as the log shows it: the configured
-    /// concurrency times the processors, or the peak in service if that is less.
+    /// The concurrency the window could run at once: the configured concurrency times the
+    /// processors, or the peak in service if more ran than that (the processors configured
+    /// otherwise than here).
     pub window_concurrency: usize,
     /// Mean in service over `window_concurrency`: how busy the workers were.
     pub window_utilization: f64,
@@ -448,7 +449,9 @@ fn figures(
     }
     let peak = usize::try_from(peak).unwrap_or(0);
     let processors = kind.owners.len().max(1);
-    let window_concurrency = configured.saturating_mul(processors).min(peak).max(1);
+    // What the window could run at once: as configured here, unless more ran (a different
+    // configuration where the processors run).
+    let window_concurrency = configured.saturating_mul(processors).max(peak).max(1);
     let in_service_mean = attempts as f64 / window * service_seconds.mean;
     let (latency, handoffs, customers) = customers(&kind.attempts, window_concurrency);
     // A worker is held a little past each attempt's end and before the next one's start
@@ -474,8 +477,8 @@ fn figures(
         match recommend(&customers, objective, stable) {
             Ok((c, wait)) => {
                 (recommended, simulated) = (Some(c), Some(wait));
-                curve =
-                    wait_curve(&customers, objective.quantile, stable, c.max(window_concurrency));
+                let near = c.max(window_concurrency.min(peak));
+                curve = wait_curve(&customers, objective.quantile, stable, near);
             }
             Err(wait) => {
                 unreachable = Some(format!(
@@ -789,8 +792,12 @@ impl fmt::Display for Report {
                 "  in service      {:.2} on average (Little's law), {} at the peak",
                 k.in_service_mean, k.in_service_peak
             )?;
-            let ran = if k.window_concurrency < k.configured_concurrency * k.processors {
-                "the peak in service, below what is configured".to_owned()
+            let ran = if k.window_concurrency > k.configured_concurrency * k.processors {
+                format!(
+                    "the peak in service, more than the {} configured here: run this with the \
+                     processors' configuration",
+                    k.configured_concurrency * k.processors
+                )
             } else {
                 format!(
                     "{} per processor × {} processor(s)",
@@ -927,12 +934,16 @@ impl Report {
                 &BLUE,
             ))?;
 
-            let top = series
-                .in_service
-                .iter()
-                .copied()
-                .fold(k.window_concurrency as f64, f64::max)
-                .max(k.recommended_concurrency.unwrap_or(0) as f64);
+            // The window's concurrency is drawn when it is near what ran: 256 slots would
+            // flatten a line of 10 in service.
+            let busiest =
+                series.in_service.iter().copied().fold(k.in_service_peak as f64, f64::max);
+            let shown = (k.window_concurrency as f64) <= busiest * 2.0 + 2.0;
+            let top = busiest.max(k.recommended_concurrency.unwrap_or(0) as f64).max(if shown {
+                k.window_concurrency as f64
+            } else {
+                0.0
+            });
             let caption = format!(
                 "{name}: workers busy, on average {:.0}% of the {} the window ran with",
                 k.window_utilization * 100.0,
@@ -947,10 +958,12 @@ impl Report {
                 .label("in service")
                 .legend(|(x, y)| PathElement::new([(x, y), (x + 16, y)], GREEN));
             let level = |c: f64| [(0.0, c), (window, c)];
-            chart
-                .draw_series(LineSeries::new(level(k.window_concurrency as f64), &grey))?
-                .label(format!("window concurrency ({})", k.window_concurrency))
-                .legend(move |(x, y)| PathElement::new([(x, y), (x + 16, y)], grey));
+            if shown {
+                chart
+                    .draw_series(LineSeries::new(level(k.window_concurrency as f64), &grey))?
+                    .label(format!("window concurrency ({})", k.window_concurrency))
+                    .legend(move |(x, y)| PathElement::new([(x, y), (x + 16, y)], grey));
+            }
             if let Some(c) = k.recommended_concurrency {
                 chart
                     .draw_series(LineSeries::new(level(c as f64), &MAGENTA))?
@@ -984,9 +997,11 @@ impl Report {
             if let (Some(o), Some(c), [first, .., last]) =
                 (self.objective, k.recommended_concurrency, k.wait_by_concurrency.as_slice())
             {
-                // Near the stable floor the waits run away: the panel shows up to four
-                // times the objective.
-                let top = (o.wait * 4.0).max(k.simulated_wait_seconds.unwrap_or(0.0));
+                // Near the stable floor the waits run away: the panel shows one and a half
+                // to four times the objective.
+                let longest =
+                    k.wait_by_concurrency.iter().map(|p| p.wait_seconds).fold(0.0, f64::max);
+                let top = longest.clamp(o.wait * 1.5, o.wait * 4.0);
                 let range = first.concurrency as f64 - 0.5..last.concurrency as f64 + 0.5;
                 let caption = format!(
                     "{name}: simulated {p} wait (s) by workers, service {:.0}% longer",
@@ -1014,10 +1029,12 @@ impl Report {
                     .draw_series(LineSeries::new(upright(c), &MAGENTA))?
                     .label(format!("recommended ({c})"))
                     .legend(|(x, y)| PathElement::new([(x, y), (x + 16, y)], MAGENTA));
-                chart
-                    .draw_series(LineSeries::new(upright(k.window_concurrency), &grey))?
-                    .label(format!("window concurrency ({})", k.window_concurrency))
-                    .legend(move |(x, y)| PathElement::new([(x, y), (x + 16, y)], grey));
+                if range.contains(&(k.window_concurrency as f64)) {
+                    chart
+                        .draw_series(LineSeries::new(upright(k.window_concurrency), &grey))?
+                        .label(format!("window concurrency ({})", k.window_concurrency))
+                        .legend(move |(x, y)| PathElement::new([(x, y), (x + 16, y)], grey));
+                }
                 legend(&mut chart)?;
             }
         }
@@ -1202,14 +1219,17 @@ mod tests {
             attempts: (0..100).map(|i| attempt(f64::from(i), 2.0)).collect(),
             owners: HashSet::from(["host/1".to_owned()]),
         };
-        let (report, series) = figures("k", &kind, 100.0, None, 256);
+        let (report, series) = figures("k", &kind, 100.0, None, 4);
         assert!((report.arrival_rate - 1.0).abs() < 1e-9);
         assert!((report.in_service_mean - 2.0).abs() < 1e-9);
         assert_eq!(report.in_service_peak, 2);
         assert_eq!(report.service_seconds.p99, 2.0);
-        // 256 configured, 2 ever in service: the window ran at 2, fully busy.
-        assert_eq!((report.processors, report.window_concurrency), (1, 2));
-        assert!((report.window_utilization - 1.0).abs() < 1e-9);
+        // 4 configured, 2 ever in service: the window could run 4, half busy.
+        assert_eq!((report.processors, report.window_concurrency), (1, 4));
+        assert!((report.window_utilization - 0.5).abs() < 1e-9);
+        // Configured for 1 here, but 2 ran: the processors were configured otherwise.
+        let (report, _) = figures("k", &kind, 100.0, None, 1);
+        assert_eq!(report.window_concurrency, 2);
         let middle = series.in_service[BUCKETS / 2];
         assert!((middle - 2.0).abs() < 1e-6, "{middle}");
         // The wait quantile is taken over spans of at least 300 jobs: one span of 100 here.

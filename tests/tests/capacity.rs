@@ -168,12 +168,15 @@ fn capacity(
     it: &Installation,
     from: &str,
     window: (chrono::DateTime<chrono::Utc>, chrono::DateTime<chrono::Utc>),
+    config: &std::path::Path,
 ) -> Value {
     let dir = std::env::temp_dir().join(format!("jobfold-capacity-{}", Uuid::new_v4().simple()));
     std::fs::create_dir_all(&dir).unwrap();
     let (json, plot) = (dir.join("figures.json"), dir.join("plot.svg"));
     let output = jobfold_cli()
         .envs(it.env())
+        // The processors' configuration: the kind's concurrency is the window's.
+        .env("JOBFOLD_CONFIG", config)
         .args(["capacity", "--from", from, "--wait", OBJECTIVE])
         .args(["--since", &window.0.to_rfc3339(), "--until", &window.1.to_rfc3339()])
         .arg("--json")
@@ -247,8 +250,7 @@ async fn capacity_recovers_a_known_workload_and_its_concurrency_meets_the_object
     .await;
     let window = run(&it, "measure").await;
     drop((worker, relay));
-    let _ = std::fs::remove_file(file);
-    let work = capacity(&it, "postgres", window);
+    let work = capacity(&it, "postgres", window, &file);
     assert_eq!(work["arrivals"].as_u64().unwrap() as usize, jobs.len());
     within(number(&work, "arrival_rate"), window_rate, 0.03, 0.0, "arrival rate");
     within(number(&work, "arrival_rate"), known_rate, 0.03, 0.0, "arrival rate (known)");
@@ -261,8 +263,10 @@ async fn capacity_recovers_a_known_workload_and_its_concurrency_meets_the_object
     within(number(&work, "in_service_mean"), offered, 0.05, 0.1, "jobs in service (Little)");
     assert_eq!(number(&work, "retry_share"), 0.0);
     assert_eq!(work["processors"], 1);
+    assert_eq!(work["window_concurrency"], GENEROUS);
     // The same log read from Kafka gives the same counts.
-    let from_kafka = capacity(&it, "kafka", window);
+    let from_kafka = capacity(&it, "kafka", window, &file);
+    let _ = std::fs::remove_file(file);
     assert_eq!(from_kafka["arrivals"], work["arrivals"]);
     assert_eq!(from_kafka["attempts"], work["attempts"]);
     let recommended = work["recommended_concurrency"].as_u64().unwrap() as usize;
@@ -300,8 +304,8 @@ async fn capacity_recovers_a_known_workload_and_its_concurrency_meets_the_object
     .await;
     let window = run(&it, "replay").await;
     drop((worker, relay));
+    let replayed = capacity(&it, "postgres", window, &file);
     let _ = std::fs::remove_file(file);
-    let replayed = capacity(&it, "postgres", window);
     let p99 = replayed["wait_seconds"]["p99"].as_f64().unwrap();
     assert!(
         p99 <= OBJECTIVE_SECONDS,
