@@ -20,9 +20,11 @@ const SECONDS: f64 = 20.0;
 /// Service times: exponential with this mean (ms), at most `MAX_SERVICE_MS`.
 const MEAN_SERVICE_MS: f64 = 200.0;
 const MAX_SERVICE_MS: u64 = 3_000;
-/// The objective: 99% of queue waits at most 0.5 s.
-const OBJECTIVE: &str = "500ms";
-const OBJECTIVE_SECONDS: f64 = 0.5;
+/// The objective: 99% of queue waits at most 0.6 s. (With this trace the least concurrency
+/// meeting it leaves a margin of a fifth: a run on a loaded machine may measure a little
+/// slower than the one it was sized from, and the recommendation must still hold.)
+const OBJECTIVE: &str = "600ms";
+const OBJECTIVE_SECONDS: f64 = 0.6;
 const QUANTILE: f64 = 0.99;
 /// The headroom the tool adds by default: 10% on service times.
 const HEADROOM_SHARE: f64 = 0.1;
@@ -195,15 +197,19 @@ fn capacity(
         "work: workers busy",
         "work: queue wait p99 (s), each step over at least 300 jobs",
         "work: simulated p99 wait (s) by workers",
-        "objective (0.5 s)",
+        "objective (0.6 s)",
         "recommended (",
-        "window concurrency (",
     ] {
         assert!(svg.contains(panel), "the plot has {panel}: {svg}");
     }
     let figures: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
     let _ = std::fs::remove_dir_all(dir);
-    figures["kinds"].as_array().unwrap().iter().find(|k| k["kind"] == "work").unwrap().clone()
+    let work =
+        figures["kinds"].as_array().unwrap().iter().find(|k| k["kind"] == "work").unwrap().clone();
+    // Busy is over what the window could run.
+    let ran = format!("of the {} the window ran with", work["window_concurrency"]);
+    assert!(svg.contains(&ran), "the plot says {ran}");
+    work
 }
 
 fn within(measured: f64, known: f64, share: f64, plus: f64, what: &str) {
@@ -319,7 +325,9 @@ async fn capacity_recovers_a_known_workload_and_its_concurrency_meets_the_object
     // The simulation at the run's own concurrency (no headroom) predicts what it measured.
     let predicted = number(&replayed, "simulated_window_wait_seconds");
     eprintln!(
-        "capacity: at {recommended}, p99 wait measured {p99:.3} s, replayed {predicted:.3} s"
+        "capacity: at {recommended}, p99 wait measured {p99:.3} s, replayed {predicted:.3} s; \
+         handoff {}",
+        replayed["handoff_seconds"]
     );
     within(predicted, p99, 0.25, 0.1, "the replay's p99 wait at the window's concurrency");
     it.cleanup().await;
