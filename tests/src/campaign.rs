@@ -489,11 +489,12 @@ impl Fleet {
                         format!("{binary} aborted by a bad job's handler")
                     }
                     None => {
-                        // Not a fault the campaign made: say why, from the process's own log.
-                        let tail: Vec<&str> = log.lines().rev().take(4).collect();
+                        // Not a fault the campaign made: say why, from the process's own log —
+                        // its error and causes (before a backtrace), else its last lines.
                         eprintln!(
-                            "campaign: {binary} (pid {pid}) exited by itself ({status}); its log ends:\n  {}",
-                            tail.into_iter().rev().collect::<Vec<_>>().join("\n  ")
+                            "campaign: {binary} (pid {pid}) exited by itself ({status}); its log \
+                             says:\n  {}",
+                            exit_reason(&log).join("\n  ")
                         );
                         format!("{binary} exited by itself ({status})")
                     }
@@ -1532,4 +1533,20 @@ async fn intake_producer(
         }
     }
     Ok(())
+}
+
+/// Why a process exited, from its log: the last `Error:` and its causes, up to the
+/// backtrace, else the last four lines.
+fn exit_reason(log: &str) -> Vec<&str> {
+    let lines: Vec<&str> = log.lines().collect();
+    match lines.iter().rposition(|line| line.starts_with("Error:")) {
+        Some(at) => lines[at..]
+            .iter()
+            .take_while(|line| !line.starts_with("Stack backtrace"))
+            .filter(|line| !line.trim().is_empty())
+            .take(8)
+            .copied()
+            .collect(),
+        None => lines[lines.len().saturating_sub(4)..].to_vec(),
+    }
 }
