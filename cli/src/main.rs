@@ -949,29 +949,15 @@ async fn kinds(config: Config, command: KindCommand) -> anyhow::Result<()> {
     match command {
         KindCommand::List { json } => {
             let pool = db::connect(&config, 1).await?;
-            let listed = kinds::kinds(&pool).await?;
+            let (listed, _) =
+                jobfold_processor::history::kind_table(&pool, &config, 60, None).await?;
             if json {
                 for kind in &listed {
                     println!("{}", serde_json::to_string(kind)?);
                 }
                 return Ok(());
             }
-            println!(
-                "{:<24}  {:<7}  {:>7}  {:<19}  {:<16}  reason",
-                "kind", "state", "waiting", "since", "by"
-            );
-            for k in &listed {
-                let since = k.paused_at.map(|at| at.format("%Y-%m-%d %H:%M:%S").to_string());
-                println!(
-                    "{:<24.24}  {:<7}  {:>7}  {:<19}  {:<16.16}  {}",
-                    k.kind,
-                    if k.paused { "paused" } else { "running" },
-                    k.waiting,
-                    since.unwrap_or_default(),
-                    k.paused_by.as_deref().unwrap_or(""),
-                    k.reason.as_deref().unwrap_or(""),
-                );
-            }
+            print!("{}", kind_lines(&listed));
         }
         KindCommand::Pause { kind, reason, by } => {
             let pool = db::connect_and_migrate(&config, 1).await?;
@@ -999,6 +985,60 @@ async fn kinds(config: Config, command: KindCommand) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// `jobfold kinds list`'s table: each kind's state, open jobs, the last hour's outcomes and
+/// times (the upper bound of each one's bucket, in ms), and a pause's since, by and why.
+fn kind_lines(kinds: &[serde_json::Value]) -> String {
+    use std::fmt::Write;
+    let ms = |v: &serde_json::Value| match v.as_i64() {
+        None => "–".to_owned(),
+        Some(i64::MAX) => "more".to_owned(),
+        Some(ms) => ms.to_string(),
+    };
+    let mut out = format!(
+        "{:<24}  {:<7}  {:>6}  {:>7}  {:>5}  {:>9}  {:>6}  {:>6}  {:>11}  {:>11}  {}\n",
+        "kind",
+        "state",
+        "queued",
+        "running",
+        "retry",
+        "done 1h",
+        "failed",
+        "quar.",
+        "wait p50/99",
+        "run p50/99",
+        "paused since, by, why"
+    );
+    for k in kinds {
+        let (open, ended) = (&k["open"], &k["ended"]);
+        let pause = match k["paused"].as_bool() {
+            Some(true) => format!(
+                "{} {} {} ({} waiting)",
+                k["paused_at"].as_str().map_or("", |at| at.get(..19).unwrap_or(at)),
+                k["paused_by"].as_str().unwrap_or(""),
+                k["reason"].as_str().unwrap_or(""),
+                k["waiting"]
+            ),
+            _ => String::new(),
+        };
+        let _ = writeln!(
+            out,
+            "{:<24.24}  {:<7}  {:>6}  {:>7}  {:>5}  {:>9}  {:>6}  {:>6}  {:>11}  {:>11}  {}",
+            k["kind"].as_str().unwrap_or(""),
+            if k["paused"].as_bool() == Some(true) { "paused" } else { "running" },
+            open["queued"].as_i64().unwrap_or(0),
+            open["leased"].as_i64().unwrap_or(0),
+            open["retry_wait"].as_i64().unwrap_or(0),
+            ended["succeeded"].as_i64().unwrap_or(0),
+            ended["failed"].as_i64().unwrap_or(0),
+            ended["quarantined"].as_i64().unwrap_or(0),
+            format!("{}/{}", ms(&ended["wait_p50_ms"]), ms(&ended["wait_p99_ms"])),
+            format!("{}/{}", ms(&ended["run_p50_ms"]), ms(&ended["run_p99_ms"])),
+            pause.trim(),
+        );
+    }
+    out
 }
 
 fn print_jobs(page: &status::JobPage, json: bool) -> anyhow::Result<()> {

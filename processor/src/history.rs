@@ -464,6 +464,52 @@ pub async fn overview(pool: &PgPool, minutes: i64) -> Result<Vec<OverviewPoint>,
     .await
 }
 
+/// Every kind with its pause, its open jobs by state, what ended over the last `minutes` and
+/// its times, its provider throttle and its limits as `config` has them: the Kinds API's and
+/// `jobfold kinds list`'s rows (and, for `series_of`, that kind's minutes).
+///
+/// # Errors
+/// The database failed.
+pub async fn kind_table(
+    pool: &PgPool,
+    config: &jobfold_common::config::Config,
+    minutes: i64,
+    series_of: Option<&str>,
+) -> Result<(Vec<serde_json::Value>, Vec<KindPoint>), sqlx::Error> {
+    use serde_json::json;
+    let pauses = crate::store::kinds::kinds(pool).await?;
+    let open = open_by_kind(pool).await?;
+    let (mut figures, series) = kinds(pool, minutes, series_of).await?;
+    let throttles = crate::quota::throttles(pool).await?;
+    let mut names: std::collections::BTreeSet<String> =
+        pauses.iter().map(|k| k.kind.clone()).collect();
+    names.extend(open.keys().cloned());
+    names.extend(figures.keys().cloned());
+    let kinds = names
+        .into_iter()
+        .map(|name| {
+            let pause = pauses.iter().find(|k| k.kind == name);
+            let config = config.kind(&name);
+            let mut kind = serde_json::to_value(pause).unwrap_or_default();
+            if kind.is_null() {
+                kind = json!({ "kind": name, "paused": false, "waiting": 0 });
+            }
+            kind["open"] = json!(open.get(&name).cloned().unwrap_or_default());
+            kind["ended"] = json!(figures.remove(&name).unwrap_or_default());
+            kind["throttle"] = json!(throttles.get(&name));
+            kind["limits"] = json!({
+                "concurrency": config.concurrency,
+                "rate_per_second": config.rate_per_second,
+                "cost_per_minute": config.cost_per_minute,
+                "max_attempts": config.max_attempts,
+                "run_timeout_seconds": config.run_timeout.map(|t| t.as_secs_f64()),
+            });
+            kind
+        })
+        .collect();
+    Ok((kinds, series))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1101,37 +1101,7 @@ async fn kind_figures(
     minutes: i64,
     series_of: Option<&str>,
 ) -> Result<(Vec<serde_json::Value>, Vec<crate::history::KindPoint>), ApiError> {
-    let pauses = crate::store::kinds::kinds(&state.pool).await?;
-    let open = crate::history::open_by_kind(&state.pool).await?;
-    let (mut figures, series) = crate::history::kinds(&state.pool, minutes, series_of).await?;
-    let throttles = crate::quota::throttles(&state.pool).await?;
-    let mut names: std::collections::BTreeSet<String> =
-        pauses.iter().map(|k| k.kind.clone()).collect();
-    names.extend(open.keys().cloned());
-    names.extend(figures.keys().cloned());
-    let kinds = names
-        .into_iter()
-        .map(|name| {
-            let pause = pauses.iter().find(|k| k.kind == name);
-            let config = state.config.kind(&name);
-            let mut kind = serde_json::to_value(pause).unwrap_or_default();
-            if kind.is_null() {
-                kind = json!({ "kind": name, "paused": false, "waiting": 0 });
-            }
-            kind["open"] = json!(open.get(&name).cloned().unwrap_or_default());
-            kind["ended"] = json!(figures.remove(&name).unwrap_or_default());
-            kind["throttle"] = json!(throttles.get(&name));
-            kind["limits"] = json!({
-                "concurrency": config.concurrency,
-                "rate_per_second": config.rate_per_second,
-                "cost_per_minute": config.cost_per_minute,
-                "max_attempts": config.max_attempts,
-                "run_timeout_seconds": config.run_timeout.map(|t| t.as_secs_f64()),
-            });
-            kind
-        })
-        .collect();
-    Ok((kinds, series))
+    Ok(crate::history::kind_table(&state.pool, &state.config, minutes, series_of).await?)
 }
 
 async fn pause_kind(

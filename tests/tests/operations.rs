@@ -834,6 +834,16 @@ async fn the_kinds_and_the_overview_show_the_last_hour_from_what_processors_reco
     assert_eq!(kind["ended"]["run_p50_ms"], 500, "{kind}");
     assert_eq!(kind["open"]["queued"], 0, "{kind}");
     assert!(kind["ended"]["wait_p99_ms"].as_i64().is_some(), "{kind}");
+    // The CLI's table has the same figures: none open, 6 done and 1 quarantined in the hour,
+    // runs at most 500 ms.
+    let listed = cli(&it, &["kinds", "list"]);
+    let line = listed
+        .lines()
+        .find(|l| l.starts_with("index-document "))
+        .unwrap_or_else(|| panic!("{listed}"));
+    let cells: Vec<&str> = line.split_whitespace().collect();
+    assert_eq!(cells[1..8], ["running", "0", "0", "0", "6", "0", "1"], "{listed}");
+    assert_eq!(cells[9], "500/500", "{listed}");
     let (status, one) = running.get("/v1/kinds/index-document?minutes=10").await;
     assert_eq!(status, 200, "{one}");
     let series = one["series"].as_array().unwrap();
