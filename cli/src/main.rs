@@ -1022,8 +1022,7 @@ fn kind_lines(kinds: &[serde_json::Value]) -> String {
             ),
             _ => String::new(),
         };
-        let _ = writeln!(
-            out,
+        let line = format!(
             "{:<24.24}  {:<7}  {:>6}  {:>7}  {:>5}  {:>9}  {:>6}  {:>6}  {:>11}  {:>11}  {}",
             k["kind"].as_str().unwrap_or(""),
             if k["paused"].as_bool() == Some(true) { "paused" } else { "running" },
@@ -1037,6 +1036,7 @@ fn kind_lines(kinds: &[serde_json::Value]) -> String {
             format!("{}/{}", ms(&ended["run_p50_ms"]), ms(&ended["run_p99_ms"])),
             pause.trim(),
         );
+        let _ = writeln!(out, "{}", line.trim_end());
     }
     out
 }
