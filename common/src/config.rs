@@ -527,6 +527,17 @@ pub struct Processor {
     /// How long a remote handler's connection may take to open.
     #[serde(with = "humantime_serde")]
     pub connect_timeout: Duration,
+    /// A remote handler that answered `202 Accepted` must call back (a heartbeat or its
+    /// completion) within this, each time, or its attempt fails as one whose outcome is
+    /// unknown.
+    #[serde(with = "humantime_serde")]
+    pub callback_timeout: Duration,
+    /// Where remote handlers reach this processor's API to call back (`http://10.0.3.7:8080`,
+    /// a pod's own address): the base of the `heartbeat_url` and `complete_url` each call
+    /// carries. Unset: `http://` and `http_addr` (its host name when it listens on all
+    /// addresses).
+    #[serde(default)]
+    pub callback_base_url: Option<String>,
     /// How long a revoked partition's running jobs may take to finish before it is released.
     #[serde(with = "humantime_serde")]
     pub revoke_timeout: Duration,
@@ -771,6 +782,17 @@ pub struct Kind {
     /// (`/estimated_tokens`); a job without one costs 1.
     #[serde(default)]
     pub cost_pointer: Option<String>,
+    /// For a kind run at `url`: the secret (at least 32 bytes) that signs every call
+    /// (`Jobfold-Signature: t=<unix seconds>,v1=<hex HMAC-SHA256 of "<t>.<body>">`) and that
+    /// the handler's callbacks must be signed with. Absent: calls are not signed, and
+    /// callbacks need what any write of the API needs (a token, when tokens are set).
+    #[serde(default)]
+    pub secret: Option<Sensitive<String>>,
+    /// For a kind run at `url` whose handler answers `202 Accepted` and completes by calling
+    /// back: how long it may go without a heartbeat before its attempt fails as one whose
+    /// outcome is unknown: `processor.callback_timeout`.
+    #[serde(default, with = "humantime_serde")]
+    pub callback_timeout: Option<Duration>,
 }
 
 /// One kind's settings with the global defaults filled in.
@@ -796,6 +818,9 @@ pub struct KindSettings {
     pub owner: String,
     pub rate_per_second: Option<f64>,
     pub cost_per_minute: Option<f64>,
+    /// The secret signing calls to the kind's `url` and its callbacks, if any.
+    pub secret: Option<Sensitive<String>>,
+    pub callback_timeout: Duration,
 }
 
 /// What accepting a job needs: the input limit and each kind's budgets.
@@ -886,6 +911,8 @@ impl Config {
             owner: k.owner.unwrap_or_else(|| p.default_owner.clone()),
             rate_per_second: k.rate_per_second,
             cost_per_minute: k.cost_per_minute,
+            secret: k.secret,
+            callback_timeout: k.callback_timeout.unwrap_or(p.callback_timeout),
         }
     }
 
@@ -1026,6 +1053,9 @@ const NOT_CONFIG: [&str; 17] = [
     "JOBFOLD_SASL_USERNAME",
     "JOBFOLD_STATE_DIR",
 ];
+
+/// The shortest secret a kind's calls are signed with.
+pub const MIN_SECRET_BYTES: usize = 32;
 
 /// Top-level keys that `JOBFOLD_*` variables may set.
 const ENV_KEYS: [&str; 20] = [
@@ -1246,6 +1276,18 @@ impl Config {
         if p.max_snoozes < 0 {
             return invalid("processor.max_snoozes", "must be at least 0");
         }
+        if p.callback_timeout.is_zero() {
+            return invalid("processor.callback_timeout", "must be above zero");
+        }
+        if let Some(base) = &p.callback_base_url
+            && !url::Url::parse(base)
+                .is_ok_and(|u| matches!(u.scheme(), "http" | "https") && u.has_host())
+        {
+            return invalid(
+                "processor.callback_base_url",
+                "must be an http:// or https:// URL with a host",
+            );
+        }
         if p.max_crashes < 1 {
             return invalid("processor.max_crashes", "must be at least 1");
         }
@@ -1402,6 +1444,12 @@ impl Config {
             && !pointer.starts_with('/')
         {
             return invalid("cost_pointer", "must be a JSON pointer, starting with /");
+        }
+        if k.secret.as_ref().is_some_and(|s| s.expose().len() < MIN_SECRET_BYTES) {
+            return invalid("secret", "must have at least 32 bytes");
+        }
+        if k.callback_timeout.is_zero() {
+            return invalid("callback_timeout", "must be above zero");
         }
         if let Some(url) = self.kinds.get(name).and_then(|k| k.url.as_ref()) {
             let parsed = url::Url::parse(url.expose());

@@ -261,13 +261,24 @@ pub fn bearer(authorization: &str) -> Option<&str> {
     (scheme.eq_ignore_ascii_case("bearer") && !secret.is_empty()).then_some(secret)
 }
 
+/// Whether `path` is a handler's callback (`/v1/jobs/{id}/heartbeat` or `/complete`).
+pub fn is_callback(path: &str) -> bool {
+    path.strip_prefix("/v1/jobs/").is_some_and(|rest| {
+        rest.split_once('/')
+            .is_some_and(|(id, route)| !id.is_empty() && matches!(route, "heartbeat" | "complete"))
+    })
+}
+
 /// The role `method` on `path` needs once tokens are configured: reads `read`; accepting
-/// jobs `submit`; deleting `admin`; any other change `operate`.
+/// jobs and a handler's callbacks (unsigned: its kind has no secret) `submit`; deleting
+/// `admin`; any other change `operate`.
 pub fn required(method: &Method, path: &str) -> Role {
     match *method {
         Method::GET | Method::HEAD | Method::OPTIONS => Role::Read,
         Method::DELETE => Role::Admin,
-        Method::POST if path == "/v1/jobs" || path == "/v1/jobs/batch" => Role::Submit,
+        Method::POST if path == "/v1/jobs" || path == "/v1/jobs/batch" || is_callback(path) => {
+            Role::Submit
+        }
         _ => Role::Operate,
     }
 }
@@ -344,6 +355,9 @@ mod tests {
         assert_eq!(a.required(&Method::GET, "/metrics"), None);
         assert_eq!(a.required(&Method::GET, "/v1/jobs/x/input"), Some(Role::Read));
         assert_eq!(a.required(&Method::POST, "/v1/jobs"), Some(Role::Submit));
+        assert_eq!(a.required(&Method::POST, "/v1/jobs/x/heartbeat"), Some(Role::Submit));
+        assert_eq!(a.required(&Method::POST, "/v1/jobs/x/complete"), Some(Role::Submit));
+        assert_eq!(a.required(&Method::POST, "/v1/jobs/x/completes"), Some(Role::Operate));
         assert_eq!(a.required(&Method::POST, "/v1/jobs/x/cancel"), Some(Role::Operate));
         assert_eq!(a.required(&Method::DELETE, "/v1/dead-letters/1"), Some(Role::Admin));
         let who = a.authenticate(None, Some("bearer read-secret-0123456789")).unwrap();

@@ -239,6 +239,7 @@ impl Batch<'_> {
                     throttled: e.throttled,
                     snooze: e.snoozed.then(|| self.config.kind(&job.kind).max_snoozes),
                     released: attempt.released,
+                    ambiguous: e.ambiguous || attempt.released,
                 },
             };
             if let Some(lease) = lease {

@@ -44,6 +44,48 @@ pub struct JobContext {
     pub trace: Option<TraceContext>,
     /// When the job's elapsed-time budget ends, if it has one: no attempt starts after it.
     pub deadline: Option<chrono::DateTime<chrono::Utc>>,
+    /// The job's attempt budget: `attempt == max_attempts` is the last try.
+    pub max_attempts: i32,
+    /// How the attempt before this one ended: a handler calling an outside service looks
+    /// its [`JobContext::idempotency_key`] up there after [`PreviousOutcome::Ambiguous`]
+    /// before acting again.
+    pub previous_outcome: PreviousOutcome,
+}
+
+/// How the job's previous attempt ended, as the next attempt is told.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PreviousOutcome {
+    /// No attempt before this one failed (the first attempt, or one after a success).
+    #[default]
+    None,
+    /// It failed with a definite answer: whatever it did was refused or undone by its own
+    /// handler, which said so.
+    Failed,
+    /// Its outcome is unknown: it timed out, lost its connection after the request was
+    /// sent, panicked, lost its lease or died with its process. Its side effects may have
+    /// happened.
+    Ambiguous,
+}
+
+impl PreviousOutcome {
+    /// As the job row stores it (`jobs.previous_outcome`: null, `failed`, `ambiguous`).
+    pub fn from_column(column: Option<&str>) -> Self {
+        match column {
+            Some("ambiguous") => Self::Ambiguous,
+            Some(_) => Self::Failed,
+            None => Self::None,
+        }
+    }
+
+    /// The name the protocol and the job row use.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::None => "none",
+            Self::Failed => "failed",
+            Self::Ambiguous => "ambiguous",
+        }
+    }
 }
 
 impl JobContext {
@@ -69,6 +111,9 @@ pub struct HandlerError {
     /// Not now, this job only ([`HandlerError::snooze`]): it runs again after
     /// `retry_after` without spending an attempt, up to the kind's `max_snoozes`.
     pub snoozed: bool,
+    /// Whether the attempt's side effects happened is not known ([`HandlerError::ambiguous`]):
+    /// the next attempt is told so ([`PreviousOutcome::Ambiguous`]).
+    pub ambiguous: bool,
 }
 
 impl HandlerError {
@@ -80,6 +125,7 @@ impl HandlerError {
             retry_after: None,
             throttled: false,
             snoozed: false,
+            ambiguous: false,
         }
     }
 
@@ -91,6 +137,7 @@ impl HandlerError {
             retry_after: None,
             throttled: false,
             snoozed: false,
+            ambiguous: false,
         }
     }
 
@@ -111,6 +158,15 @@ impl HandlerError {
         Self { snoozed: true, retry_after: Some(delay), ..Self::retryable(message) }
     }
 
+    /// The attempt may have had its effects (a call timed out or lost its connection after
+    /// the request was sent): the next attempt's [`JobContext::previous_outcome`] is
+    /// [`PreviousOutcome::Ambiguous`], so it can reconcile first.
+    #[must_use]
+    pub fn ambiguous(mut self) -> Self {
+        self.ambiguous = true;
+        self
+    }
+
     /// The next attempt waits at least `delay` (the backoff, if longer, wins); cut to the
     /// kind's `max_retry_after`.
     #[must_use]
@@ -127,6 +183,7 @@ impl HandlerError {
             retry_after: None,
             throttled: false,
             snoozed: false,
+            ambiguous: false,
         }
     }
 }

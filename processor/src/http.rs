@@ -34,6 +34,11 @@
 //! - `POST /v1/jobs/cancel`: cancels the open jobs a filter selects (`kind`, `document_id`,
 //!   `state`, `since`, `until`; at least one), `batch_size` to a transaction, at most
 //!   `limit`; `"dry_run": true` only counts them; 422 without a filter.
+//! - `POST /v1/jobs/{id}/heartbeat` and `POST /v1/jobs/{id}/complete`: a handler over HTTP
+//!   that answered `202` reports it is still working (`kind`, `generation`, `progress`) and
+//!   how its attempt ended (`result`, or `error` with `status`, `message`, `retry_after`);
+//!   200 while the job is leased at that generation, else 409 with its `state` and
+//!   `generation` ([`crate::callback`]). Signed with the kind's `secret` when it has one.
 //! - `POST /v1/jobs/{id}/run-now`: a scheduled job, or one waiting to retry, is due now and
 //!   dispatched at once (no attempt spent or given); 200 with what it `waited` for
 //!   (`scheduled`, `retry`, or `due`: a queued job already due, nothing done), 409 with the
@@ -200,6 +205,18 @@ pub fn router(state: ApiState, max_body: usize) -> Router {
         .route("/v1/jobs/{id}/replay", post(replay))
         .route("/v1/jobs/{id}/cancel", post(cancel))
         .route("/v1/jobs/{id}/run-now", post(run_now))
+        .route(
+            "/v1/jobs/{id}/heartbeat",
+            post(heartbeat).layer(DefaultBodyLimit::max(
+                crate::callback::MAX_PROGRESS_BYTES + CALLBACK_OVERHEAD_BYTES,
+            )),
+        )
+        .route(
+            "/v1/jobs/{id}/complete",
+            post(complete).layer(DefaultBodyLimit::max(
+                largest_output(&state.config) + CALLBACK_OVERHEAD_BYTES,
+            )),
+        )
         .route("/v1/kinds", get(kinds))
         .route("/v1/periodic", get(periodic))
         .route("/v1/processors", get(processors))
@@ -222,6 +239,18 @@ pub fn router(state: ApiState, max_body: usize) -> Router {
         .layer(DefaultBodyLimit::max(max_body))
         .layer(middleware::from_fn_with_state(state.clone(), authorize))
         .with_state(state)
+}
+
+/// What a callback's body holds besides its progress or result.
+const CALLBACK_OVERHEAD_BYTES: usize = 16 * 1024;
+
+/// The largest result any kind may complete with.
+fn largest_output(config: &jobfold_common::config::Config) -> usize {
+    config
+        .kinds
+        .keys()
+        .map(|kind| config.kind(kind).max_output_bytes)
+        .fold(config.processor.max_output_bytes, usize::max)
 }
 
 /// Who made a request that passed the access check, and the request's id: what the audit
@@ -328,12 +357,17 @@ fn admit(state: &ApiState, request: &Request, request_id: &str) -> Result<Caller
         ));
     }
     let needs = access.required(method, path);
+    // A signed callback is authenticated by its signature, checked with its kind's secret
+    // by the route itself.
+    let signed_callback = *method == Method::POST
+        && request.headers().contains_key(crate::signature::HEADER)
+        && crate::access::is_callback(path);
     let anonymous = || Caller {
         principal: crate::access::Principal::anonymous(),
         request_id: request_id.to_owned(),
         authenticated: false,
     };
-    if !access.tokens_required() || (needs.is_none() && path != "/v1/auth") {
+    if !access.tokens_required() || (needs.is_none() && path != "/v1/auth") || signed_callback {
         return Ok(anonymous());
     }
     let client =
@@ -912,6 +946,141 @@ async fn list_jobs(
 ) -> Result<axum::Json<status::JobPage>, ApiError> {
     let Query(filter) = filter.map_err(bad_query)?;
     Ok(axum::Json(status::jobs(&state.pool, &filter).await?))
+}
+
+/// `POST /v1/jobs/{id}/heartbeat`: a handler that answered 202 is still working.
+async fn heartbeat(
+    State(state): State<ApiState>,
+    Extension(caller): Extension<Caller>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    let job_id = Uuid::parse_str(&id).map_err(|_| not_found(&id))?;
+    let beat: crate::callback::Heartbeat = required_body(&body)?;
+    if let Some(progress) = &beat.progress {
+        let size = serde_json::to_vec(progress).map_or(usize::MAX, |b| b.len());
+        if size > crate::callback::MAX_PROGRESS_BYTES {
+            return Err(ApiError::new(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "progress_too_large",
+                format!(
+                    "progress is {size} bytes as JSON, more than {}",
+                    crate::callback::MAX_PROGRESS_BYTES
+                ),
+            ));
+        }
+    }
+    signed_by_kind(&state, &caller, &beat.kind, &headers, &body)?;
+    let fenced = crate::callback::call_back(
+        &state.pool,
+        job_id,
+        &beat.kind,
+        beat.generation,
+        beat.progress.as_ref(),
+        None,
+    )
+    .await?;
+    called_back("heartbeat", job_id, beat.generation, fenced)
+}
+
+/// `POST /v1/jobs/{id}/complete`: how the attempt of a handler that answered 202 ended.
+async fn complete(
+    State(state): State<ApiState>,
+    Extension(caller): Extension<Caller>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    let job_id = Uuid::parse_str(&id).map_err(|_| not_found(&id))?;
+    let done: crate::callback::Complete = required_body(&body)?;
+    signed_by_kind(&state, &caller, &done.kind, &headers, &body)?;
+    let (kind, generation) = (done.kind.clone(), done.generation);
+    let outcome = done
+        .outcome()
+        .map_err(|e| ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "invalid_completion", e))?;
+    let fenced =
+        crate::callback::call_back(&state.pool, job_id, &kind, generation, None, Some(&outcome))
+            .await?;
+    called_back("complete", job_id, generation, fenced)
+}
+
+/// A callback body, required.
+fn required_body<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+    let deserializer = &mut serde_json::Deserializer::from_slice(body);
+    serde_path_to_error::deserialize(deserializer).map_err(invalid_body)
+}
+
+/// A callback for `kind` passes if it is signed with the kind's secret; for a kind without
+/// one, if the access check let it through on a token (or the API is open).
+fn signed_by_kind(
+    state: &ApiState,
+    caller: &Caller,
+    kind: &str,
+    headers: &HeaderMap,
+    body: &[u8],
+) -> Result<(), ApiError> {
+    let signature = headers.get(crate::signature::HEADER).and_then(|v| v.to_str().ok());
+    let refused = |message: String| {
+        metrics::counter!(crate::metrics::HTTP_REFUSED_TOTAL, "reason" => "signature").increment(1);
+        ApiError::new(StatusCode::UNAUTHORIZED, "bad_signature", message)
+    };
+    match state.config.kinds.get(kind).and_then(|k| k.secret.as_ref()) {
+        Some(secret) => crate::signature::verify(
+            secret.expose().as_bytes(),
+            signature,
+            body,
+            chrono::Utc::now().timestamp(),
+        )
+        .map_err(|e| refused(format!("kind {kind}: {e}"))),
+        None if state.access.tokens_required() && !caller.authenticated => Err(refused(format!(
+            "kind {kind} has no secret: its callbacks need a token (Authorization: Bearer)"
+        ))),
+        None => Ok(()),
+    }
+}
+
+/// The answer to a callback.
+fn called_back(
+    route: &'static str,
+    job_id: Uuid,
+    generation: i64,
+    fenced: crate::callback::Fenced,
+) -> Result<Response, ApiError> {
+    use crate::callback::Fenced;
+    metrics::counter!(crate::metrics::CALLBACKS_TOTAL, "route" => route, "outcome" => match &fenced {
+        Fenced::Written => "written",
+        Fenced::Refused { .. } => "refused",
+        Fenced::NotFound => "not_found",
+    })
+    .increment(1);
+    match fenced {
+        Fenced::Written => Ok((
+            StatusCode::OK,
+            axum::Json(json!({ "job_id": job_id, "generation": generation, "recorded": true })),
+        )
+            .into_response()),
+        Fenced::NotFound => Err(ApiError::new(
+            StatusCode::NOT_FOUND,
+            "not_found",
+            format!("no job {job_id} of this kind"),
+        )),
+        Fenced::Refused { state, generation: now } => {
+            let message = if now != generation {
+                format!(
+                    "generation {generation} is not the job's current {now}: this attempt's \
+                     lease was lost; stop working on it"
+                )
+            } else if state == "leased" {
+                "the attempt was already completed with another outcome".to_owned()
+            } else {
+                format!("the job is {state}: stop working on it")
+            };
+            Err(ApiError::new(StatusCode::CONFLICT, "not_leased", message)
+                .with("state", state)
+                .with("generation", now))
+        }
+    }
 }
 
 async fn cancel(

@@ -458,12 +458,14 @@ fn crashed_attempt(
         Err(HandlerError::permanent(format!(
             "its run killed its processor {} times (max_crashes {max}); last: {what}",
             crash.crashes
-        )))
+        ))
+        .ambiguous())
     } else {
         Err(HandlerError::retryable(format!(
             "{what} (crash {} of max_crashes {max})",
             crash.crashes
-        )))
+        ))
+        .ambiguous())
     };
     let context = JobContext {
         job_id: job.job_id,
@@ -475,6 +477,10 @@ fn crashed_attempt(
         generation: job.generation,
         trace: None,
         deadline: job.deadline,
+        max_attempts: job.max_attempts,
+        previous_outcome: crate::handler::PreviousOutcome::from_column(
+            job.previous_outcome.as_deref(),
+        ),
     };
     Arc::new(Attempt { job, context, result, trace, released: false })
 }

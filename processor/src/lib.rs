@@ -35,6 +35,7 @@
 pub mod access;
 pub mod batch;
 pub mod buffer;
+pub mod callback;
 pub mod complete;
 pub mod console;
 pub mod dead_letter;
@@ -56,6 +57,7 @@ pub mod reaper;
 pub mod remote;
 pub mod retention;
 pub mod retry;
+pub mod signature;
 pub mod status;
 pub mod store;
 pub mod supervise;

@@ -106,8 +106,11 @@ pub const ACCEPT_TO_COMPLETE_SECONDS: &str = "jobfold_accept_to_complete_seconds
 /// topic; `intake`: the requests topic).
 pub const MESSAGE_RETRIES_TOTAL: &str = "jobfold_message_retries_total";
 /// HTTP requests refused before a handler ran, by reason (`host`, `origin`, `token`, `role`,
-/// `failures`).
+/// `failures`; `signature`: a handler's callback not signed with its kind's secret).
 pub const HTTP_REFUSED_TOTAL: &str = "jobfold_http_refused_total";
+/// Callbacks of handlers that answered 202, by route (`heartbeat`, `complete`) and outcome
+/// (`written`; `refused`: the job is not leased at that generation; `not_found`).
+pub const CALLBACKS_TOTAL: &str = "jobfold_callbacks_total";
 /// Client addresses that reached `http.auth_failures_per_minute` (refused for the minute).
 pub const AUTH_LOCKOUTS_TOTAL: &str = "jobfold_auth_lockouts_total";
 /// Changes made whose audit row could not be written (logged as errors).
@@ -121,6 +124,11 @@ pub fn describe() {
         HTTP_REFUSED_TOTAL,
         Unit::Count,
         "HTTP requests refused before a handler ran, by reason."
+    );
+    describe_counter!(
+        CALLBACKS_TOTAL,
+        Unit::Count,
+        "Callbacks of handlers that answered 202, by route and outcome."
     );
     describe_counter!(
         AUTH_LOCKOUTS_TOTAL,

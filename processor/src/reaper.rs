@@ -63,6 +63,11 @@ pub async fn run(config: Config, pool: PgPool, events: Events, shutdown: Cancell
             ),
             Err(e) => tracing::warn!(error = %e, "Sweeping records of inline runs failed."),
         }
+        match crate::callback::forget_ended(&pool).await {
+            Ok(0) => {}
+            Ok(n) => tracing::debug!(deleted = n, "Callback records of ended attempts deleted."),
+            Err(e) => tracing::warn!(error = %e, "Deleting callback records failed."),
+        }
     }
 }
 

@@ -12,7 +12,15 @@
 //! | 503 with `Retry-After` | snoozed: this job alone runs again then, without spending an attempt (up to `max_snoozes`) |
 //! | 408, 5xx, a time-out, a refused or broken connection | retryable, not before `Retry-After` |
 //! | 3xx | permanent: redirects are not followed, the reason names the `Location` |
+//! | 202 | accepted: the handler completes by calling back ([`crate::callback`]) |
 //! | any other 4xx, or a 2xx whose body is not JSON | permanent: quarantined |
+//!
+//! The request carries `attempt`, `max_attempts`, `deadline` and `previous_outcome`
+//! (`none`, `failed`, `ambiguous`: whether the last attempt's effects may have happened),
+//! and, where the processor runs it, `heartbeat_url` and `complete_url` for a `202`. A time-out
+//! or a connection lost after the request was sent fails the attempt as ambiguous; a
+//! connection that never opened does not. For a kind with a `secret`, each call is signed
+//! (`Jobfold-Signature`, [`crate::signature`]).
 //!
 //! Every `Retry-After` is cut to the kind's `max_retry_after`. The processor's heartbeats go
 //! on while the call runs; a lost lease, shutdown or the kind's `request_timeout` (else its
@@ -41,6 +49,10 @@ pub struct Remote {
     cost_pointer: Option<String>,
     /// One call's whole time, from connecting to the answer's last byte.
     request_timeout: Option<Duration>,
+    /// Signs each call ([`crate::signature`]).
+    secret: Option<jobfold_common::config::Sensitive<String>>,
+    /// After a `202`: the longest wait between callbacks.
+    callback_timeout: Duration,
 }
 
 /// How long a connection may take to open, unless the kind says (`connect_timeout`).
@@ -70,6 +82,8 @@ impl Remote {
             max_output_bytes,
             cost_pointer: None,
             request_timeout: None,
+            secret: None,
+            callback_timeout: Duration::from_secs(60),
         })
     }
 
@@ -85,6 +99,8 @@ impl Remote {
         Ok(Self {
             client: client(kind.connect_timeout)?,
             request_timeout: kind.request_timeout,
+            secret: kind.secret.clone(),
+            callback_timeout: kind.callback_timeout,
             ..Self::new(url, kind.max_output_bytes)?
         })
     }
@@ -97,26 +113,61 @@ impl Remote {
         self
     }
 
-    /// The request's body: everything the remote handler is given.
-    fn body(job: &JobContext) -> Value {
-        json!({
+    /// The request's body: everything the remote handler is given, and where it calls back
+    /// (`scope`: run by a processor).
+    fn body(job: &JobContext, scope: Option<&crate::callback::Scope>) -> Value {
+        let mut body = json!({
             "job_id": job.job_id,
             "kind": job.kind,
             "document_id": job.document_id,
             "input_version": job.input_version,
             "input": job.input,
             "attempt": job.attempt,
+            "max_attempts": job.max_attempts,
+            "previous_outcome": job.previous_outcome.as_str(),
             "generation": job.generation,
             "deadline": job.deadline,
-        })
+        });
+        if let Some(scope) = scope {
+            let (heartbeat, complete) = scope.urls(job.job_id);
+            body["heartbeat_url"] = heartbeat.into();
+            body["complete_url"] = complete.into();
+        }
+        body
     }
 
-    async fn call(&self, job: &JobContext) -> Result<Value, HandlerError> {
+    /// The attempt's error for a call that failed before an answer: ambiguous unless the
+    /// connection never opened (the request was not sent).
+    fn unanswered(&self, e: reqwest::Error, doing: &str) -> HandlerError {
+        let sent = !e.is_connect();
+        let error = HandlerError::retryable(format!(
+            "{doing} {}: {}",
+            self.shown,
+            error_chain(&e.without_url())
+        ));
+        if sent { error.ambiguous() } else { error }
+    }
+
+    async fn call(
+        &self,
+        job: &JobContext,
+        cancel: &CancellationToken,
+    ) -> Result<Value, HandlerError> {
+        let scope = crate::callback::SCOPE.try_with(Clone::clone).ok();
+        let body = serde_json::to_vec(&Self::body(job, scope.as_ref()))
+            .map_err(|e| HandlerError::permanent(format!("the request does not encode: {e}")))?;
         let mut request = self
             .client
             .post(self.url.clone())
             .header("Idempotency-Key", job.idempotency_key())
-            .json(&Self::body(job));
+            .header(reqwest::header::CONTENT_TYPE, "application/json");
+        if let Some(secret) = &self.secret {
+            request = request.header(
+                crate::signature::HEADER,
+                crate::signature::sign_now(secret.expose().as_bytes(), &body),
+            );
+        }
+        let mut request = request.body(body);
         if let Some(limit) = self.request_timeout {
             request = request.timeout(limit);
         }
@@ -126,14 +177,20 @@ impl Remote {
                 request = request.header("tracestate", state);
             }
         }
-        let mut response = request.send().await.map_err(|e| {
-            HandlerError::retryable(format!(
-                "calling {}: {}",
-                self.shown,
-                error_chain(&e.without_url())
-            ))
-        })?;
+        let mut response = request.send().await.map_err(|e| self.unanswered(e, "calling"))?;
         let status = response.status();
+        if status == reqwest::StatusCode::ACCEPTED {
+            drop(response);
+            let Some(scope) = scope else {
+                return Err(HandlerError::permanent(format!(
+                    "{} answered 202 Accepted, but this handler is not run by a processor that \
+                     takes callbacks",
+                    self.shown
+                )));
+            };
+            let outcome = crate::callback::wait(&scope, job, self.callback_timeout, cancel).await?;
+            return self.completed(outcome);
+        }
         let retry_after = retry_after(response.headers());
         if status.is_redirection() {
             let location = response
@@ -151,13 +208,8 @@ impl Remote {
         let mut body = Vec::new();
         let mut cut = false;
         loop {
-            let chunk = response.chunk().await.map_err(|e| {
-                HandlerError::retryable(format!(
-                    "reading the answer of {}: {}",
-                    self.shown,
-                    error_chain(&e.without_url())
-                ))
-            })?;
+            let chunk =
+                response.chunk().await.map_err(|e| self.unanswered(e, "reading the answer of"))?;
             let Some(chunk) = chunk else { break };
             body.extend_from_slice(&chunk);
             if body.len() > limit {
@@ -181,6 +233,26 @@ impl Remote {
             });
         }
         Err(failure(&self.url, status, retry_after, &String::from_utf8_lossy(&body)))
+    }
+
+    /// The attempt's end as the handler called it back: as a synchronous answer with its
+    /// status would have been.
+    fn completed(&self, outcome: crate::callback::Outcome) -> Result<Value, HandlerError> {
+        let status = reqwest::StatusCode::from_u16(outcome.status)
+            .unwrap_or(reqwest::StatusCode::INTERNAL_SERVER_ERROR);
+        if status.is_success() {
+            let result = outcome.result.unwrap_or(Value::Null);
+            let size = serde_json::to_vec(&result).map_or(usize::MAX, |b| b.len());
+            if size > self.max_output_bytes {
+                return Err(HandlerError::permanent(format!(
+                    "{} completed with a result of {size} bytes, more than max_output_bytes ({})",
+                    self.shown, self.max_output_bytes
+                )));
+            }
+            return Ok(result);
+        }
+        let message = format!("(completed) {}", outcome.error.unwrap_or_default());
+        Err(failure(&self.url, status, outcome.retry_after.map(Duration::from_secs), &message))
     }
 }
 
@@ -240,8 +312,8 @@ impl Handler for Remote {
     ) -> Result<Value, HandlerError> {
         tokio::select! {
             // Dropping the call closes its connection: the remote side sees the abort.
-            _ = cancel.cancelled() => Err(HandlerError::retryable("cancelled: the lease was lost or the processor is stopping")),
-            result = self.call(job) => result,
+            _ = cancel.cancelled() => Err(HandlerError::retryable("cancelled: the lease was lost or the processor is stopping").ambiguous()),
+            result = self.call(job, &cancel) => result,
         }
     }
 }

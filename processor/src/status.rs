@@ -36,6 +36,13 @@ pub struct JobStatus {
     /// Set while the job is quarantined.
     pub quarantine_reason: Option<String>,
     pub quarantine_owner: Option<String>,
+    /// How the last failed attempt ended, told to the next one: `failed`, `ambiguous`, or
+    /// none.
+    pub previous_outcome: Option<String>,
+    /// What the handler of its current attempt last reported (a handler over HTTP that
+    /// answered 202, in its heartbeats), and when.
+    pub progress: Option<serde_json::Value>,
+    pub progress_at: Option<DateTime<Utc>>,
 }
 
 /// `sqlx::$macro!` over [`JobStatus`] rows: `$head` (`"SELECT"`, or `"EXPLAIN SELECT"` to
@@ -49,7 +56,12 @@ macro_rules! job_status {
             j.attempt, j.max_attempts, j.generation, j.lease_until, j.lease_owner,
             j.next_attempt_at, j.deadline, j.accepted_at, j.run_at, j.finished_at,
             j.last_error, j.stream_version, j.idempotency_key,
-            q.reason AS "quarantine_reason?", q.owner AS "quarantine_owner?"
+            q.reason AS "quarantine_reason?", q.owner AS "quarantine_owner?",
+            j.previous_outcome,
+            (SELECT a.progress FROM async_attempts a WHERE a.job_id = j.job_id
+               AND a.generation = j.generation AND j.state = 'leased') AS "progress?",
+            (SELECT a.beat_at FROM async_attempts a WHERE a.job_id = j.job_id
+               AND a.generation = j.generation AND j.state = 'leased') AS "progress_at?"
             FROM jobs j
             "# $(+ $rest)+
             $(, $arg)*

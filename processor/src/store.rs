@@ -58,6 +58,9 @@ pub struct JobRow {
     pub accepted_at: DateTime<Utc>,
     /// A scheduled job's first due time.
     pub run_at: Option<DateTime<Utc>>,
+    /// How the last failed attempt at this input version ended, if one failed since the
+    /// last success: `failed` or `ambiguous` ([`crate::handler::PreviousOutcome`]).
+    pub previous_outcome: Option<String>,
     /// This transaction's xid is above that of every earlier writer of this job. Only such a
     /// transaction may append to the job's stream, or the relay, which follows xid order,
     /// could publish the job's events out of order. Set by [`lock_job`] (true when the row was
@@ -100,7 +103,7 @@ macro_rules! select_job_rows {
             r#"SELECT job_id, document_id, kind, payload, input_version,
                       state AS "state: crate::store::StateColumn", attempt, generation,
                       lease_until, lease_owner, max_attempts, deadline, stream_version,
-                      dispatch_version, accepted_at, run_at,
+                      dispatch_version, accepted_at, run_at, previous_outcome,
                       pg_current_xact_id_if_assigned() IS NULL AS "fresh_xid!"
                "# + $rest
             $(, $arg)*
@@ -444,12 +447,13 @@ pub async fn quarantine(
     events.append(tx, job, payload, None, trace).await?;
     sqlx::query!(
         "UPDATE jobs SET state = $3::text::job_state, finished_at = now(), lease_until = NULL, \
-         lease_owner = NULL, next_attempt_at = NULL, last_error = $2, dispatch_version = $4 \
-         WHERE job_id = $1",
+         lease_owner = NULL, next_attempt_at = NULL, last_error = $2, dispatch_version = $4, \
+         previous_outcome = $5 WHERE job_id = $1",
         job.job_id,
         reason,
         job.state.as_str(),
         job.dispatch_version,
+        job.previous_outcome.as_deref(),
     )
     .execute(&mut *tx)
     .await?;
@@ -547,7 +551,7 @@ pub async fn succeed_all(
         r#"
         UPDATE jobs j SET state = s.state::job_state, finished_at = now(), lease_until = NULL,
                           lease_owner = NULL, last_error = NULL, next_attempt_at = NULL,
-                          stream_version = s.stream_version, generation = s.generation,
+                          previous_outcome = NULL, stream_version = s.stream_version, generation = s.generation,
                           attempt = s.attempt, dispatch_version = s.dispatch_version
         FROM unnest($1::uuid[], $2::int[], $3::text[], $4::bigint[], $5::int[], $6::int[])
             AS s(job_id, stream_version, state, generation, attempt, dispatch_version)
@@ -604,13 +608,15 @@ pub enum Outcome {
     /// back to the job's budget when it is retried. `snooze`: deferred, this job alone
     /// ([`crate::handler::HandlerError::snooze`]), with the kind's `max_snoozes`: the attempt
     /// is given back while the job's snoozes are within it. `released`: cut short by its
-    /// processor's stop, the attempt given back.
+    /// processor's stop, the attempt given back. `ambiguous`: whether its effects happened
+    /// is unknown (`JobFailed.outcome_unknown`), as the next attempt is told.
     Failed {
         class: ErrorClass,
         message: String,
         throttled: bool,
         snooze: Option<i32>,
         released: bool,
+        ambiguous: bool,
     },
 }
 
@@ -642,13 +648,15 @@ pub async fn complete(
             supersede(tx, events, job, newer, trace).await?;
             Ok("superseded")
         }
-        Outcome::Failed { class, message, throttled, snooze, released } => {
+        Outcome::Failed { class, message, throttled, snooze, released, ambiguous } => {
             let failed = Payload::JobFailed(JobFailed {
                 generation: job.generation,
                 attempt: job.attempt,
                 error_class: class,
                 message: message.clone(),
+                outcome_unknown: Some(ambiguous),
             });
+            job.previous_outcome = Some(if ambiguous { "ambiguous" } else { "failed" }.to_owned());
             events.append(tx, job, failed, None, trace.clone()).await?;
             let snoozed = match snooze {
                 Some(max) if class == ErrorClass::Retryable && !throttled => {
@@ -675,13 +683,14 @@ pub async fn complete(
                 events.append(tx, job, due, Some(retry_at), trace).await?;
                 sqlx::query!(
                     "UPDATE jobs SET state = $4::text::job_state, lease_until = NULL, \
-                     attempt = $5, lease_owner = NULL, next_attempt_at = $2, last_error = $3 \
-                     WHERE job_id = $1",
+                     attempt = $5, lease_owner = NULL, next_attempt_at = $2, last_error = $3, \
+                     previous_outcome = $6 WHERE job_id = $1",
                     job.job_id,
                     retry_at,
                     &message,
                     job.state.as_str(),
                     job.attempt,
+                    job.previous_outcome.as_deref(),
                 )
                 .execute(&mut *tx)
                 .await?;

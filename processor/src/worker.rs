@@ -61,7 +61,7 @@ use tracing::Instrument;
 use crate::buffer::{Bounds, Buffer};
 use crate::complete::{Attempt, Completed, Completer};
 use crate::dead_letter::Raw;
-use crate::handler::{HandlerError, Handlers, JobContext, panic_message};
+use crate::handler::{HandlerError, Handlers, JobContext, PreviousOutcome, panic_message};
 use crate::heartbeat::Heartbeats;
 use crate::internal_events::{
     At, CompletionFenced, ConsumerFailed, ErrorBackoff, MessageError, MessageRetried,
@@ -328,6 +328,8 @@ struct Shared {
     suspects: Semaphore,
     /// This worker's name in leases and run records.
     owner: String,
+    /// Where a run may wait for its handler's callback (a `202` over HTTP).
+    callbacks: crate::callback::Scope,
     /// Keeps every running attempt's lease alive, one statement a beat.
     heartbeats: Heartbeats,
     /// The kinds' rate limits and 429 pauses, shared with the group's other processors.
@@ -449,8 +451,10 @@ pub async fn run(
     let kinds = handlers.kinds().map(str::to_owned).collect();
     let pauses = Arc::new(crate::pauses::Pauses::load(pool.clone(), kinds).await?);
     tasks.spawn("pause poll", Arc::clone(&pauses).poll(shutdown.clone()));
+    let callbacks = crate::callback::Scope::new(&config, pool.clone(), owner.clone());
     let shared = Arc::new(Shared {
         config: config.clone(),
+        callbacks,
         pool,
         consumer: Arc::new(consumer),
         decoder,
@@ -1311,9 +1315,11 @@ async fn run_handler(
         let due = job.run_at.map_or(job.accepted_at, |at| at.max(job.accepted_at));
         crate::history::started(&job.kind, (Utc::now() - due).to_std().unwrap_or_default());
     }
-    let run = std::panic::AssertUnwindSafe(handler.run_boxed(&context, cancel.clone()))
-        .catch_unwind()
-        .instrument(span.clone());
+    let run = crate::callback::SCOPE.scope(
+        shared.callbacks.clone(),
+        std::panic::AssertUnwindSafe(handler.run_boxed(&context, cancel.clone())).catch_unwind(),
+    );
+    let run = run.instrument(span.clone());
     // Past the kind's run time-out the token fires and the run is dropped: a handler that
     // hangs, or ignores its token, costs its own attempt, not a slot for ever.
     let timed = async {
@@ -1332,19 +1338,22 @@ async fn run_handler(
         () = stopped => None,
     };
     let result = match ran {
-        None => Err(HandlerError::retryable("cut short by its processor's stop")),
+        None => Err(HandlerError::retryable("cut short by its processor's stop").ambiguous()),
         Some(Some(Ok(result))) => result,
-        // A panic costs its own attempt: a retryable failure naming it.
+        // A panic costs its own attempt: a retryable failure naming it. What it did before
+        // is not known.
         Some(Some(Err(panic))) => Err(HandlerError::retryable(format!(
             "the handler panicked: {}",
             panic_message(panic.as_ref())
-        ))),
+        ))
+        .ambiguous()),
         Some(None) => {
             cancel.cancel();
             Err(HandlerError::retryable(format!(
                 "the handler ran past its run_timeout ({:?}) and was cancelled",
                 kind.run_timeout.unwrap_or_default()
-            )))
+            ))
+            .ambiguous())
         }
     };
     metrics::histogram!(pm::HANDLER_DURATION_SECONDS, "kind" => shared.handlers.label(&job.kind))
@@ -1388,6 +1397,8 @@ fn context_of(job: &mut JobRow, trace: Option<jobfold_schemas::event::TraceConte
         attempt: job.attempt,
         generation: job.generation,
         deadline: job.deadline,
+        max_attempts: job.max_attempts,
+        previous_outcome: PreviousOutcome::from_column(job.previous_outcome.as_deref()),
     }
 }
 

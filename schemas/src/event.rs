@@ -160,6 +160,10 @@ pub struct JobFailed {
     pub attempt: i32,
     pub error_class: ErrorClass,
     pub message: String,
+    /// Whether the attempt's side effects happened is unknown (it timed out or lost its
+    /// connection after sending, panicked, lost its lease, died with its process): the next
+    /// attempt is told so. `None` in events written before the field was added.
+    pub outcome_unknown: Option<bool>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -399,6 +403,7 @@ impl From<&Payload> for Value {
                     ("attempt", Value::Int(p.attempt)),
                     ("error_class", error_class(p.error_class)),
                     ("message", Value::String(p.message.clone())),
+                    ("outcome_unknown", nullable(p.outcome_unknown.map(Value::Boolean))),
                 ]),
             ),
             Payload::JobRetryScheduled(p) => (
@@ -647,6 +652,13 @@ fn as_timestamp(path: &str, value: Value) -> Result<DateTime<Utc>, ShapeError> {
     }
 }
 
+fn as_bool(path: &str, value: Value) -> Result<bool, ShapeError> {
+    match value {
+        Value::Boolean(v) => Ok(v),
+        other => Err(unexpected(path, "a boolean", &other)),
+    }
+}
+
 fn as_long(path: &str, value: Value) -> Result<i64, ShapeError> {
     match value {
         Value::Long(v) => Ok(v),
@@ -700,6 +712,7 @@ impl Payload {
                 attempt: f.int("attempt")?,
                 error_class: f.error_class("error_class")?,
                 message: f.string("message")?,
+                outcome_unknown: f.nullable("outcome_unknown", as_bool)?,
             }),
             4 => Self::JobRetryScheduled(JobRetryScheduled {
                 attempt: f.int("attempt")?,

@@ -149,6 +149,8 @@ pub struct Failure {
     pub attempt: i32,
     pub class: ErrorClass,
     pub message: String,
+    /// Whether its side effects happened is unknown (`JobFailed.outcome_unknown`).
+    pub ambiguous: bool,
 }
 
 /// Why a job is quarantined and who must act.
@@ -190,6 +192,12 @@ pub struct JobState {
     /// The stream version of the last event applied.
     pub stream_version: i32,
     pub last_failure: Option<Failure>,
+    /// How the attempt before the next one ended, as that attempt is told: `None` while no
+    /// attempt failed at this input version since its last success, else whether the last
+    /// failure's outcome is unknown (`jobs.previous_outcome`: null, `failed`, `ambiguous`).
+    /// A replay at the same input version keeps it: the effects of an attempt whose outcome
+    /// is unknown may have happened under the same idempotency key.
+    pub previous_ambiguous: Option<bool>,
     pub quarantine: Option<Quarantine>,
     /// The result JSON, once succeeded.
     pub result: Option<String>,
@@ -273,6 +281,7 @@ impl JobState {
             finished_at: None,
             stream_version: 1,
             last_failure: None,
+            previous_ambiguous: None,
             quarantine: None,
             result: None,
             superseded_by: None,
@@ -416,6 +425,7 @@ impl JobState {
             Payload::JobSucceeded(succeeded) => {
                 self.require_generation(event, succeeded.generation)?;
                 self.result = Some(succeeded.result.clone());
+                self.previous_ambiguous = None;
                 self.finish(Succeeded, at);
             }
             Payload::JobFailed(failed) => {
@@ -435,7 +445,9 @@ impl JobState {
                     attempt: failed.attempt,
                     class: failed.error_class,
                     message: failed.message.clone(),
+                    ambiguous: failed.outcome_unknown.unwrap_or(false),
                 });
+                self.previous_ambiguous = Some(failed.outcome_unknown.unwrap_or(false));
             }
             Payload::JobRetryScheduled(retry) => {
                 let failed_now = self.last_failure.as_ref().is_some_and(|f| {
@@ -505,6 +517,8 @@ impl JobState {
                         ));
                     }
                     self.input_version = version;
+                    // A new input version has a new idempotency key: nothing to reconcile.
+                    self.previous_ambiguous = None;
                     if let Some(input) = &replay.new_input {
                         self.input = input.clone();
                     }

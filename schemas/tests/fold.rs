@@ -120,6 +120,7 @@ fn retries_stop_at_the_attempt_budget() {
             attempt: b.state.attempt,
             error_class: ErrorClass::Retryable,
             message: "x".into(),
+            outcome_unknown: None,
         }),
     );
     let mut failed = b.state.clone().applied(&failed).unwrap();
@@ -157,6 +158,7 @@ fn a_throttled_attempt_is_given_back() {
             attempt: b.state.attempt,
             error_class: ErrorClass::Retryable,
             message: "429 Too Many Requests".into(),
+            outcome_unknown: None,
         }),
     );
     let failed = b.state.clone().applied(&throttled).unwrap();
@@ -225,6 +227,7 @@ fn invalid_input_is_quarantined_without_retry() {
             attempt: s.attempt,
             error_class: ErrorClass::InvalidInput,
             message: "bad".into(),
+            outcome_unknown: None,
         }),
     ))
     .unwrap();
@@ -325,6 +328,7 @@ proptest! {
                 attempt: a,
                 error_class: ErrorClass::Retryable,
                 message: "x".into(),
+                outcome_unknown: None,
             }),
             Payload::RetryDue(RetryDue {
                 due_at: chrono::Utc::now(),

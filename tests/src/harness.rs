@@ -614,15 +614,19 @@ pub async fn fold_mismatches(installation: &Installation) -> Vec<String> {
             .fetch_all(&installation.pool)
             .await
             .unwrap();
-    let projection: HashMap<Uuid, (String, i64, i32, i32)> =
-        sqlx::query_as::<_, (Uuid, String, i64, i32, i32)>(
-            "SELECT job_id, state::text, generation, attempt, stream_version FROM jobs",
+    type Projected = (String, i64, i32, i32, Option<String>);
+    let projection: HashMap<Uuid, Projected> =
+        sqlx::query_as::<_, (Uuid, String, i64, i32, i32, Option<String>)>(
+            "SELECT job_id, state::text, generation, attempt, stream_version, previous_outcome \
+             FROM jobs",
         )
         .fetch_all(&installation.pool)
         .await
         .unwrap()
         .into_iter()
-        .map(|(id, state, generation, attempt, stream)| (id, (state, generation, attempt, stream)))
+        .map(|(id, state, generation, attempt, stream, previous)| {
+            (id, (state, generation, attempt, stream, previous))
+        })
         .collect();
     let mut streams: HashMap<Uuid, Vec<JobEvent>> = HashMap::new();
     for (job_id, body) in rows {
@@ -632,7 +636,7 @@ pub async fn fold_mismatches(installation: &Installation) -> Vec<String> {
         streams.entry(job_id).or_default().push(event);
     }
     let mut problems = Vec::new();
-    for (job_id, (state, generation, attempt, stream)) in &projection {
+    for (job_id, projected) in &projection {
         let Some(events) = streams.get(job_id) else {
             problems.push(format!("{job_id}: no events"));
             continue;
@@ -640,16 +644,19 @@ pub async fn fold_mismatches(installation: &Installation) -> Vec<String> {
         match jobfold_schemas::fold::fold(events) {
             Err(e) => problems.push(format!("{job_id}: {e}")),
             Ok(folded) => {
+                let previous = folded
+                    .previous_ambiguous
+                    .map(|ambiguous| if ambiguous { "ambiguous" } else { "failed" }.to_owned());
                 let got = (
                     folded.status.as_str().to_owned(),
                     folded.generation,
                     folded.attempt,
                     folded.stream_version,
+                    previous,
                 );
-                if got != (state.clone(), *generation, *attempt, *stream) {
+                if &got != projected {
                     problems.push(format!(
-                        "{job_id}: fold gives {got:?}, projection has {:?}",
-                        (state, generation, attempt, stream)
+                        "{job_id}: fold gives {got:?}, projection has {projected:?}"
                     ));
                 }
             }

@@ -509,6 +509,8 @@ async fn a_cancelled_or_timed_out_conversion_kills_sox_and_leaves_no_file() {
         generation: 1,
         trace: None,
         deadline: None,
+        max_attempts: 3,
+        previous_outcome: Default::default(),
     };
     // This process's children named sox, from /proc/<pid>/stat: "pid (comm) state ppid ...".
     let sox_children = || {

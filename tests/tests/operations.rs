@@ -85,6 +85,7 @@ async fn into_retry_wait(it: &Installation, job_id: Uuid) {
         throttled: false,
         snooze: None,
         released: false,
+        ambiguous: false,
     };
     let later = Utc::now() + chrono::Duration::hours(1);
     store::complete(&mut tx, &events, job, failed, later, "test", None).await.unwrap();

@@ -1093,6 +1093,8 @@ async fn leased_attempt(
         generation: leased.generation,
         trace: None,
         deadline: leased.deadline,
+        max_attempts: leased.max_attempts,
+        previous_outcome: Default::default(),
     };
     std::sync::Arc::new(jobfold_processor::complete::Attempt {
         job: *leased,

@@ -133,6 +133,7 @@ mod tests {
             dispatch_version: 0,
             accepted_at: Utc::now(),
             run_at: None,
+            previous_outcome: None,
             fresh_xid: true,
         }
     }

@@ -94,6 +94,7 @@ async fn replay_locked(
         UPDATE jobs SET state = $6::text::job_state, attempt = 0, max_attempts = $2, deadline = $3,
                         finished_at = NULL, lease_until = NULL, lease_owner = NULL,
                         next_attempt_at = NULL, last_error = NULL,
+                        previous_outcome = CASE WHEN input_version = $4 THEN previous_outcome END,
                         input_version = $4, payload = $5
         WHERE job_id = $1
         "#,

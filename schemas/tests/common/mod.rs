@@ -77,11 +77,16 @@ pub fn payload() -> impl Strategy<Value = Payload> {
         (any::<i64>(), any::<i32>(), text()).prop_map(|(generation, attempt, result)| {
             Payload::JobSucceeded(JobSucceeded { generation, attempt, result })
         }),
-        (any::<i64>(), any::<i32>(), error_class(), text()).prop_map(
-            |(generation, attempt, error_class, message)| {
-                Payload::JobFailed(JobFailed { generation, attempt, error_class, message })
-            }
-        ),
+        (any::<i64>(), any::<i32>(), error_class(), text(), proptest::option::of(any::<bool>()))
+            .prop_map(|(generation, attempt, error_class, message, outcome_unknown)| {
+                Payload::JobFailed(JobFailed {
+                    generation,
+                    attempt,
+                    error_class,
+                    message,
+                    outcome_unknown,
+                })
+            }),
         (any::<i32>(), timestamp()).prop_map(|(attempt, next_attempt_at)| {
             Payload::JobRetryScheduled(JobRetryScheduled { attempt, next_attempt_at })
         }),
@@ -240,6 +245,7 @@ impl StreamBuilder {
             attempt: self.state.attempt,
             error_class,
             message: "boom".into(),
+            outcome_unknown: Some(false),
         });
         self.push(payload, self.state.input_version);
     }
