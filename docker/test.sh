@@ -4,11 +4,12 @@
 #   docker/test.sh [nextest arguments...]
 #
 # 1. installs cargo-nextest when it is missing (from crates.io), the OpenSSL headers, sox and
-#    python3 (for the example jobs), and Chromium with its chromedriver (the console's tests
-#    drive a real headless browser);
+#    python3 (for the example jobs), Node with npm (the TypeScript library), and Chromium with
+#    its chromedriver (the console's tests drive a real headless browser);
 # 2. starts PostgreSQL, Kafka and the schema registry natively (reusing running ones);
 # 3. runs cargo fmt --check, cargo clippy -D warnings, checks every query against a database
-#    migrated from nothing (docker/sqlx.sh check), and runs every test with cargo nextest;
+#    migrated from nothing (docker/sqlx.sh check), the worker libraries' own tests (clients/),
+#    and every test with cargo nextest;
 # 4. with no arguments, the shortened soak (`jobfold soak --duration 150s`);
 # 5. removes the scratch databases and topics the tests left, and stops the services it
 #    started (and only those).
@@ -35,7 +36,7 @@ apt_install() {
     DEBIAN_FRONTEND=noninteractive apt-get install -y -q "$@" ||
         { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q "$@"; }
 }
-for tool in sox:sox python3:python3 chromium:chromium chromedriver:chromium-driver; do
+for tool in sox:sox python3:python3 node:nodejs npm:npm chromium:chromium chromedriver:chromium-driver; do
     command="${tool%%:*}" package="${tool#*:}"
     if ! command -v "$command" >/dev/null; then
         step "installing $package"
@@ -95,6 +96,13 @@ cargo clippy --workspace --all-targets --locked -- -D warnings
 # what that gives.
 step "queries against the migrated schema"
 docker/sqlx.sh check
+
+# The worker libraries' own tests (Python's standard library; TypeScript through tsc and
+# node's test runner), which also build what the Rust tests run against the processor.
+step "clients/python"
+python3 -m unittest discover -s clients/python/tests
+step "clients/typescript"
+(cd clients/typescript && npm ci --no-audit --no-fund --loglevel=error && npm test --silent)
 
 step "cargo nextest run"
 cargo nextest run --workspace --locked --no-fail-fast "$@"

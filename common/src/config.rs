@@ -2199,6 +2199,11 @@ mod tests {
             (Kind { rate_per_second: Some(f64::NAN), ..Kind::default() }, "rate_per_second"),
             (Kind { cost_per_minute: Some(-5.0), ..Kind::default() }, "cost_per_minute"),
             (Kind { cost_pointer: Some("tokens".into()), ..Kind::default() }, "cost_pointer"),
+            (Kind { secret: Some(Sensitive::new("short".into())), ..Kind::default() }, "secret"),
+            (
+                Kind { callback_timeout: Some(Duration::ZERO), ..Kind::default() },
+                "callback_timeout",
+            ),
         ] {
             let mut config = defaults();
             config.kinds.insert("bad".into(), kind);

@@ -17,6 +17,7 @@
 //! - [`campaign`]: the fault campaign (also the `jobfold-campaign` command), and
 //!   [`history`]: the checker of what a run left in Postgres and on the topic;
 //!   [`cluster`]: what it asks a three-broker Kafka cluster before striking a broker.
+//! - [`proxy`]: a TCP proxy that cuts idle connections (a load balancer's idle time-out).
 
 pub mod bad;
 pub mod browser;
@@ -26,4 +27,5 @@ pub mod handlers;
 pub mod harness;
 pub mod history;
 pub mod kafka;
+pub mod proxy;
 pub mod services;

@@ -26,7 +26,6 @@ use jobfold_tests::harness::{
 };
 use serde_json::{Value, json};
 use sha2::Sha256;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use uuid::Uuid;
 
 const SECRET: &str = "callbacks-test-secret-0123456789abcdef";
@@ -193,43 +192,6 @@ async fn handle(
     }
 }
 
-/// A TCP proxy to `target` that closes a connection idle (no byte either way) for `idle`;
-/// how many it cut.
-async fn idle_proxy(target: SocketAddr, idle: Duration) -> (SocketAddr, Arc<Mutex<usize>>) {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let cut = Arc::new(Mutex::new(0));
-    let counted = Arc::clone(&cut);
-    tokio::spawn(async move {
-        while let Ok((mut inbound, _)) = listener.accept().await {
-            let cut = Arc::clone(&counted);
-            tokio::spawn(async move {
-                let Ok(mut outbound) = tokio::net::TcpStream::connect(target).await else {
-                    return;
-                };
-                let (mut a, mut b) = ([0u8; 16384], [0u8; 16384]);
-                loop {
-                    tokio::select! {
-                        read = inbound.read(&mut a) => match read {
-                            Ok(n) if n > 0 => if outbound.write_all(&a[..n]).await.is_err() { return },
-                            _ => return,
-                        },
-                        read = outbound.read(&mut b) => match read {
-                            Ok(n) if n > 0 => if inbound.write_all(&b[..n]).await.is_err() { return },
-                            _ => return,
-                        },
-                        () = tokio::time::sleep(idle) => {
-                            *cut.lock().unwrap() += 1;
-                            return;
-                        }
-                    }
-                }
-            });
-        }
-    });
-    (addr, cut)
-}
-
 fn job_of(kind: &str, document: &str, input: Value) -> NewJob {
     NewJob { kind: kind.into(), ..index_job(document, 1, input) }
 }
@@ -263,7 +225,7 @@ async fn long_jobs_complete_by_calling_back_signed_and_fenced() {
     it.create_topics().await;
     let seen = Shared::default();
     let target = worker(Arc::clone(&seen)).await;
-    let (proxy, cut) = idle_proxy(target, Duration::from_secs(1)).await;
+    let (proxy, cut) = jobfold_tests::proxy::idle_proxy(target, Duration::from_secs(1)).await;
     let kinds = format!(
         r#"
 [kinds.slow-sync]

@@ -252,6 +252,7 @@ async fn migrations_apply_and_constraints_hold() {
     assert_eq!(
         tables,
         [
+            "async_attempts",
             "audit_log",
             "dead_letters",
             "inline_runs",
