@@ -4,7 +4,7 @@
 //! time-out, scaled down), every call signed.
 //!
 //! The full-size run of the same (a 5-minute job through a proxy with a 30 s idle time-out):
-//! `JOBFOLD_TEST_LONG_SECONDS=300 JOBFOLD_TEST_PROXY_IDLE_SECONDS=30 docker/test.sh -E
+//! `TEST_LONG_JOB_SECONDS=300 TEST_PROXY_IDLE_SECONDS=30 docker/test.sh -E
 //! 'binary(clients)'`.
 
 use std::io::BufRead;
@@ -56,8 +56,8 @@ impl Drop for Worker {
 /// Runs short and long jobs of the worker at `worker` (a library's example) through the
 /// shipped processor, submitted by `submit` (the library's client); checks what each did.
 async fn short_and_long_jobs_through(name: &str, worker: Worker, submit: (&str, Vec<PathBuf>)) {
-    let long_seconds = seconds_from_env("JOBFOLD_TEST_LONG_SECONDS", 4);
-    let idle = Duration::from_secs(seconds_from_env("JOBFOLD_TEST_PROXY_IDLE_SECONDS", 1));
+    let long_seconds = seconds_from_env("TEST_LONG_JOB_SECONDS", 4);
+    let idle = Duration::from_secs(seconds_from_env("TEST_PROXY_IDLE_SECONDS", 1));
     let it = Installation::new(name).await;
     it.create_topics().await;
     let target = format!("127.0.0.1:{}", worker.1).parse().unwrap();

@@ -20,6 +20,15 @@ import jobfold  # noqa: E402
 from jobfold import InvalidInput, Permanent, Retryable, Snooze, Throttled, Worker  # noqa: E402
 
 SECRET = "python-library-test-secret-0123456789"
+SPEC = os.path.join(os.path.dirname(__file__), "..", "..", "..", "docs", "openapi.json")
+
+
+def conforms(test, schema, body):
+    """``body`` has every property ``schema`` (of docs/openapi.json) requires and no other."""
+    with open(SPEC) as f:
+        described = json.load(f)["components"]["schemas"][schema]
+    test.assertLessEqual(set(described.get("required", [])), set(body), f"{schema}: {body}")
+    test.assertLessEqual(set(body), set(described["properties"]), f"{schema}: {body}")
 
 
 def job_body(kind="echo", **extra):
@@ -205,10 +214,13 @@ class LongJobTest(unittest.TestCase):
         self.wait_for(lambda: any(p.endswith("/heartbeat") for p, _ in Callbacks.received))
         path, beat = Callbacks.received[0]
         self.assertEqual(beat, {"kind": "convert", "generation": 4, "progress": {"percent": 50}})
+        conforms(self, "Heartbeat", beat)
         release.set()
         self.wait_for(lambda: any(p.endswith("/complete") for p, _ in Callbacks.received))
         done = [b for p, b in Callbacks.received if p.endswith("/complete")]
         self.assertEqual(done, [{"kind": "convert", "generation": 4, "result": {"path": "/out/a.flac"}}])
+        conforms(self, "Complete", done[0])
+        conforms(self, "HandlerCall", json.loads(body))
 
     def test_a_409_to_a_heartbeat_stops_the_handler_and_nothing_is_completed(self):
         worker = Worker(secret=SECRET, heartbeat_every=0.05)
@@ -249,6 +261,43 @@ class LongJobTest(unittest.TestCase):
             Callbacks.received[0][1]["error"],
             {"status": 503, "message": "the source is not uploaded yet", "retry_after": 20},
         )
+        conforms(self, "Complete", Callbacks.received[0][1])
+
+
+class Api(BaseHTTPRequestHandler):
+    """Stands in for POST /v1/jobs: records the body, answers 201."""
+
+    received = []
+
+    def do_POST(self):
+        Api.received.append((self.path, self.headers.get("Authorization"), json.loads(self.rfile.read(int(self.headers["Content-Length"])))))
+        body = json.dumps({"job_id": "0190c0de-0000-7000-8000-000000000002", "created": True}).encode()
+        self.send_response(201)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+class ClientTest(unittest.TestCase):
+    def test_a_submit_is_what_the_api_describes_with_a_key_of_its_own(self):
+        server = ThreadingHTTPServer(("127.0.0.1", 0), Api)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        try:
+            client = jobfold.Client(f"http://127.0.0.1:{server.server_address[1]}", token="t0k")
+            accepted = client.submit("count-words", "doc-1", {"text": "a b"}, delay="90s")
+            self.assertEqual(accepted["created"], True)
+            client.submit("count-words", "doc-1", {"text": "a b"}, idempotency_key="mine")
+        finally:
+            server.shutdown()
+            server.server_close()
+        (path, auth, first), (_, _, second) = Api.received
+        self.assertEqual((path, auth), ("/v1/jobs", "Bearer t0k"))
+        conforms(self, "SubmitJob", first)
+        self.assertTrue(first["idempotency_key"])
+        self.assertEqual(second["idempotency_key"], "mine")
 
 
 if __name__ == "__main__":

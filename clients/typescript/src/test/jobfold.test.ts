@@ -2,12 +2,22 @@
 // the Rust test `the_typescript_library_runs_short_and_long_jobs_against_the_processor`
 // (tests/tests/clients.rs).
 import assert from "node:assert/strict";
+import { readFileSync } from "node:fs";
 import * as http from "node:http";
 import { after, before, describe, it } from "node:test";
 
-import { InvalidInput, Permanent, Retryable, Snooze, Stop, Throttled, Worker, sign, verify, portOf } from "../index.js";
+import { Client, InvalidInput, Permanent, Retryable, Snooze, Stop, Throttled, Worker, sign, verify, portOf } from "../index.js";
 
 const SECRET = "typescript-library-test-secret-0123456789";
+// dist/src/test/ → the repository's docs/openapi.json.
+const SPEC = JSON.parse(readFileSync(new URL("../../../../../docs/openapi.json", import.meta.url), "utf8"));
+
+/** `body` has every property `schema` (of docs/openapi.json) requires and no other. */
+function conforms(schema: string, body: Record<string, unknown>) {
+  const described = SPEC.components.schemas[schema];
+  for (const field of described.required ?? []) assert.ok(field in body, `${schema} requires ${field}: ${JSON.stringify(body)}`);
+  for (const field of Object.keys(body)) assert.ok(field in described.properties, `${schema} has no ${field}`);
+}
 
 function jobBody(kind = "echo", extra: Record<string, unknown> = {}): Buffer {
   return Buffer.from(
@@ -164,10 +174,13 @@ describe("long jobs", () => {
     assert.equal((await worker.handle(signed(body), body)).status, 202);
     await waitFor(() => received.some(([p]) => p.endsWith("/heartbeat")));
     assert.deepEqual(received[0][1], { kind: "convert", generation: 4, progress: { percent: 50 } });
+    conforms("Heartbeat", received[0][1]);
     release();
     await waitFor(() => received.some(([p]) => p.endsWith("/complete")));
     const done = received.filter(([p]) => p.endsWith("/complete")).map(([, b]) => b);
     assert.deepEqual(done, [{ kind: "convert", generation: 4, result: { path: "/out/a.flac" } }]);
+    conforms("Complete", done[0]);
+    conforms("HandlerCall", JSON.parse(body.toString()));
   });
 
   it("stops at a 409 to a heartbeat and completes nothing", async () => {
@@ -215,5 +228,34 @@ describe("long jobs", () => {
     await worker.handle(signed(body), body);
     await waitFor(() => received.length > 0);
     assert.deepEqual(received[0][1].error, { status: 503, message: "the source is not uploaded yet", retry_after: 20 });
+    conforms("Complete", received[0][1]);
+  });
+});
+
+describe("client", () => {
+  it("submits what the API describes, with a key of its own", async () => {
+    const seen: [string, string | undefined, any][] = [];
+    const server = http.createServer((request, response) => {
+      const chunks: Buffer[] = [];
+      request.on("data", (c) => chunks.push(c));
+      request.on("end", () => {
+        seen.push([request.url!, request.headers.authorization, JSON.parse(Buffer.concat(chunks).toString())]);
+        response.writeHead(201, { "content-type": "application/json" });
+        response.end(JSON.stringify({ job_id: "0190c0de-0000-7000-8000-000000000002", created: true }));
+      });
+    });
+    await new Promise<void>((r) => server.listen(0, "127.0.0.1", () => r()));
+    try {
+      const client = new Client(`http://127.0.0.1:${portOf(server)}`, { token: "t0k" });
+      assert.equal((await client.submit("count-words", "doc-1", { text: "a b" }, { delay: "90s" })).created, true);
+      await client.submit("count-words", "doc-1", { text: "a b" }, { idempotencyKey: "mine" });
+    } finally {
+      server.close();
+    }
+    const [[path, auth, first], [, , second]] = seen;
+    assert.deepEqual([path, auth], ["/v1/jobs", "Bearer t0k"]);
+    conforms("SubmitJob", first);
+    assert.ok(first.idempotency_key);
+    assert.equal(second.idempotency_key, "mine");
   });
 });
