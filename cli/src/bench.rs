@@ -30,6 +30,10 @@ pub(crate) struct Sizes {
     /// Slow jobs: how many, and how long each handler sleeps.
     pub(crate) slow_jobs: usize,
     pub(crate) slow_ms: u64,
+    /// Remote jobs held in flight at once (a handler over HTTP/2 that answered 202), and
+    /// how long they are held.
+    pub(crate) remote_jobs: usize,
+    pub(crate) remote_hold: Duration,
     /// Events for the relay to drain: the accepted ones, then copies of them up to this many,
     /// so that its start and end are a small part of the time.
     pub(crate) relay_backlog: usize,
@@ -49,6 +53,8 @@ impl Sizes {
             e2e_jobs: 5_000,
             slow_jobs: 1_000,
             slow_ms: 10_000,
+            remote_jobs: 2_000,
+            remote_hold: Duration::from_secs(5),
             relay_backlog: 1_000_000,
             settle: Duration::from_secs(60),
         }
@@ -66,6 +72,8 @@ impl Sizes {
             e2e_jobs: 300,
             slow_jobs: 20,
             slow_ms: 1_000,
+            remote_jobs: 50,
+            remote_hold: Duration::from_secs(1),
             relay_backlog: 0,
             // Under the test suite the machine is never idle.
             settle: Duration::ZERO,
@@ -84,6 +92,8 @@ impl Sizes {
             slow_jobs: 1_000,
             // The long run's slow jobs hold their leases through sixty heartbeats.
             slow_ms: 60_000,
+            remote_jobs: 10_000,
+            remote_hold: Duration::from_secs(30),
             relay_backlog: 5_000_000,
             settle: Duration::from_secs(60),
         }
@@ -166,7 +176,7 @@ async fn register_index_kind(pool: &sqlx::PgPool) -> anyhow::Result<()> {
 /// and writes nothing, as the peers' benchmark jobs do.
 const TRIVIAL_KIND: &str = "noop";
 
-fn job(i: usize) -> NewJob {
+pub(crate) fn job(i: usize) -> NewJob {
     NewJob {
         document_id: format!("doc-{i}"),
         kind: "index-document".into(),
@@ -649,9 +659,36 @@ async fn measure_processing(
     // The bursts run in a fresh processor: what the slow jobs' thousand HTTP calls left
     // allocated (glibc keeps what was freed) is measured above, not counted again here.
     let slow_peak = peak_rss_mib(a_pid)?;
-    let stopped = Instant::now();
     std::process::Command::new("kill").args(["-TERM", &a_pid.to_string()]).status()?;
     a.child.wait().await?;
+
+    // Long remote jobs, all in flight at once in the shipped processor: a handler over
+    // HTTP/2 that answered 202 holds each until it calls back.
+    let remote = crate::remote_bench::measure(
+        config,
+        &pool,
+        &acceptor,
+        &bin,
+        &logs,
+        offset,
+        (sizes.remote_jobs, sizes.remote_hold),
+    )
+    .await?;
+    offset += remote.jobs;
+    rows.push(
+        Row::new(format!(
+            "remote jobs in flight, {} held over HTTP/2 (202, callbacks)",
+            remote.jobs
+        ))
+        .rate(remote.completions_per_sec)
+        .note(remote.note()),
+    );
+    rows.push(
+        Row::new(format!("processor RSS, {} remote jobs in flight", remote.jobs))
+            .versus(remote.rss_mib, 128.0, "128 MiB")
+            .note(remote.rss_note()),
+    );
+    let stopped = Instant::now();
     let (a, a_pid) = examples(config, &bin, "processor-a2", &logs, &args).await?;
     // Its partitions assigned before the burst starts.
     while crate::demo::metric_sum(a.metrics, pm::ASSIGNED_PARTITIONS, "").await.unwrap_or(0.0)
@@ -1279,7 +1316,11 @@ async fn wait_succeeded(port: u16, count: usize, timeout: Duration) -> anyhow::R
 }
 
 /// Waits until `count` jobs are finished.
-async fn wait_finished(pool: &PgPool, count: usize, timeout: Duration) -> anyhow::Result<()> {
+pub(crate) async fn wait_finished(
+    pool: &PgPool,
+    count: usize,
+    timeout: Duration,
+) -> anyhow::Result<()> {
     let deadline = Instant::now() + timeout;
     loop {
         let done = sqlx::query_scalar!(
@@ -1717,12 +1758,12 @@ async fn local_backends(pool: &PgPool, application: &str) -> anyhow::Result<Vec<
         .collect())
 }
 
-fn peak_rss_mib(pid: u32) -> anyhow::Result<f64> {
+pub(crate) fn peak_rss_mib(pid: u32) -> anyhow::Result<f64> {
     status_mib(pid, "VmHWM:")
 }
 
 /// A process's resident memory now (VmRSS), in MiB.
-fn rss_mib(pid: u32) -> anyhow::Result<f64> {
+pub(crate) fn rss_mib(pid: u32) -> anyhow::Result<f64> {
     status_mib(pid, "VmRSS:")
 }
 

@@ -3,6 +3,7 @@
 mod bench;
 mod demo;
 mod model;
+mod remote_bench;
 mod replay_bench;
 mod soak;
 
@@ -292,6 +293,13 @@ enum Command {
         /// of these sizes (events), from Postgres and from Kafka.
         #[arg(long, value_delimiter = ',', num_args = 0.., default_missing_value = "100000,1000000")]
         replay: Option<Vec<usize>>,
+        /// Measure only long remote jobs: this many held in flight at once in one processor
+        /// by a handler over HTTP/2 that answered 202, its memory and the callbacks' rates.
+        #[arg(long, conflicts_with = "replay")]
+        remote: Option<usize>,
+        /// How long `--remote`'s jobs are held in flight.
+        #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
+        remote_hold: std::time::Duration,
     },
     /// Run the pipeline (relay, examples processor) under steady load with retention on, in a
     /// database and topics of its own; sample memory, consumer lag and table sizes; then
@@ -784,10 +792,11 @@ async fn run(config: Config, command: Command) -> anyhow::Result<()> {
             let pace = if short { demo::SHORT_WORKLOAD } else { demo::WORKLOAD };
             demo::run(config, demo::Size { documents, exit: exit || short, pace }, kafka).await?;
         }
-        Command::Bench { full, smoke, output, replay } => {
-            let table = match replay {
-                Some(sizes) => replay_bench::run(config, &sizes).await?,
-                None => {
+        Command::Bench { full, smoke, output, replay, remote, remote_hold } => {
+            let table = match (replay, remote) {
+                (Some(sizes), _) => replay_bench::run(config, &sizes).await?,
+                (None, Some(jobs)) => remote_bench::run(config, jobs, remote_hold).await?,
+                (None, None) => {
                     let sizes = match (full, smoke) {
                         (true, _) => bench::Sizes::full(),
                         (_, true) => bench::Sizes::smoke(),

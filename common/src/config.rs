@@ -788,6 +788,11 @@ pub struct Kind {
     /// callbacks need what any write of the API needs (a token, when tokens are set).
     #[serde(default)]
     pub secret: Option<Sensitive<String>>,
+    /// For a kind run at an `http://` `url`: the handler speaks HTTP/2 without TLS (h2c,
+    /// prior knowledge), so its calls share connections (streams of one). An `https://` URL
+    /// negotiates HTTP/2 by ALPN where the handler offers it, without this.
+    #[serde(default)]
+    pub http2: Option<bool>,
     /// For a kind run at `url` whose handler answers `202 Accepted` and completes by calling
     /// back: how long it may go without a heartbeat before its attempt fails as one whose
     /// outcome is unknown: `processor.callback_timeout`.
@@ -821,6 +826,8 @@ pub struct KindSettings {
     /// The secret signing calls to the kind's `url` and its callbacks, if any.
     pub secret: Option<Sensitive<String>>,
     pub callback_timeout: Duration,
+    /// Calls in HTTP/2 with prior knowledge.
+    pub http2: bool,
 }
 
 /// What accepting a job needs: the input limit and each kind's budgets.
@@ -913,6 +920,7 @@ impl Config {
             cost_per_minute: k.cost_per_minute,
             secret: k.secret,
             callback_timeout: k.callback_timeout.unwrap_or(p.callback_timeout),
+            http2: k.http2.unwrap_or(false),
         }
     }
 

@@ -32,10 +32,13 @@ use uuid::Uuid;
 
 use crate::handler::{HandlerError, JobContext};
 
-/// How often a processor looks for the outcome of an attempt it waits for, when the
+/// How often a processor looks for the outcomes of the attempts it waits for, when the
 /// callback reached another processor (one reaching it wakes the wait at once), and checks
-/// the handler's last heartbeat.
+/// their handlers' last heartbeats: one statement for all of them.
 pub const POLL: Duration = Duration::from_secs(1);
+
+/// The attempts one look reads at most in one statement.
+const LOOK_CHUNK: usize = 5_000;
 
 /// The longest `progress` a heartbeat may carry, as JSON.
 pub const MAX_PROGRESS_BYTES: usize = 16 * 1024;
@@ -54,10 +57,12 @@ pub struct Scope {
     pub owner: String,
     /// Where handlers reach this processor's API, without a trailing `/`.
     pub base_url: Arc<str>,
+    waiters: Arc<Waiters>,
 }
 
 impl Scope {
-    /// The scope of a processor with `config`, its pool and lease owner name.
+    /// The scope of a processor with `config`, its pool and lease owner name; starts the
+    /// task that looks for the outcomes of its waits (it ends with the last clone).
     pub fn new(config: &jobfold_common::config::Config, pool: PgPool, owner: String) -> Self {
         let base = config.processor.callback_base_url.clone().unwrap_or_else(|| {
             let addr = config.http_addr;
@@ -67,13 +72,102 @@ impl Scope {
                 format!("http://{addr}")
             }
         });
-        Self { pool, owner, base_url: base.trim_end_matches('/').into() }
+        let waiters = Arc::new(Waiters { pool: pool.clone(), waiting: Mutex::default() });
+        tokio::spawn(look_for_outcomes(Arc::downgrade(&waiters)));
+        Self { pool, owner, base_url: base.trim_end_matches('/').into(), waiters }
     }
 
     /// The heartbeat and completion URLs of `job_id`.
     pub fn urls(&self, job_id: Uuid) -> (String, String) {
         let base = &self.base_url;
         (format!("{base}/v1/jobs/{job_id}/heartbeat"), format!("{base}/v1/jobs/{job_id}/complete"))
+    }
+}
+
+/// The attempts a processor waits for, by job: what the look that reads them all needs, and
+/// where it sends what it found.
+#[derive(Debug)]
+struct Waiters {
+    pool: PgPool,
+    waiting: Mutex<HashMap<Uuid, Waiter>>,
+}
+
+#[derive(Debug)]
+struct Waiter {
+    generation: i64,
+    timeout: Duration,
+    found: tokio::sync::watch::Sender<Option<Looked>>,
+}
+
+/// A wait's entry in [`Waiters`], removed when the wait ends however it ends.
+struct Entry {
+    waiters: Arc<Waiters>,
+    job_id: Uuid,
+}
+
+impl Drop for Entry {
+    fn drop(&mut self) {
+        self.waiters.waiting.lock().unwrap_or_else(|e| e.into_inner()).remove(&self.job_id);
+    }
+}
+
+impl Waiters {
+    fn add(
+        self: &Arc<Self>,
+        job: &JobContext,
+        timeout: Duration,
+    ) -> (Entry, tokio::sync::watch::Receiver<Option<Looked>>) {
+        let (found, receiver) = tokio::sync::watch::channel(None);
+        let waiter = Waiter { generation: job.generation, timeout, found };
+        self.waiting.lock().unwrap_or_else(|e| e.into_inner()).insert(job.job_id, waiter);
+        (Entry { waiters: Arc::clone(self), job_id: job.job_id }, receiver)
+    }
+}
+
+/// Every [`POLL`], reads the rows of all the attempts waited for (a statement per
+/// [`LOOK_CHUNK`]) and tells each wait what was found, until the [`Waiters`] are gone.
+async fn look_for_outcomes(waiters: std::sync::Weak<Waiters>) {
+    loop {
+        tokio::time::sleep(POLL).await;
+        let Some(waiters) = waiters.upgrade() else { return };
+        let asked: Vec<(Uuid, i64, f64)> = {
+            let waiting = waiters.waiting.lock().unwrap_or_else(|e| e.into_inner());
+            waiting.iter().map(|(id, w)| (*id, w.generation, w.timeout.as_secs_f64())).collect()
+        };
+        for chunk in asked.chunks(LOOK_CHUNK) {
+            let ids: Vec<Uuid> = chunk.iter().map(|a| a.0).collect();
+            let timeouts: Vec<f64> = chunk.iter().map(|a| a.2).collect();
+            let rows = sqlx::query!(
+                r#"SELECT w.job_id AS "job_id!", a.generation AS "generation?",
+                          a.outcome AS "outcome?",
+                          coalesce(clock_timestamp() - a.beat_at
+                                   > w.timeout * interval '1 second', false) AS "silent!"
+                   FROM unnest($1::uuid[], $2::float8[]) AS w(job_id, timeout)
+                   LEFT JOIN async_attempts a ON a.job_id = w.job_id"#,
+                &ids,
+                &timeouts,
+            )
+            .fetch_all(&waiters.pool)
+            .await;
+            let rows = match rows {
+                Ok(rows) => rows,
+                Err(e) => {
+                    tracing::warn!(error = %e, "Reading the callbacks of waiting attempts failed; next look in a second.");
+                    continue;
+                }
+            };
+            let waiting = waiters.waiting.lock().unwrap_or_else(|e| e.into_inner());
+            for row in rows {
+                let Some(waiter) = waiting.get(&row.job_id) else { continue };
+                let looked = match row.generation {
+                    Some(g) if g == waiter.generation => verdict(row.outcome, row.silent),
+                    _ => Looked::Replaced,
+                };
+                if !matches!(looked, Looked::Waiting) {
+                    waiter.found.send_replace(Some(looked));
+                }
+            }
+        }
     }
 }
 
@@ -125,8 +219,8 @@ pub struct Outcome {
 /// lease, the processor's stop; the run's own time-out drops the wait).
 ///
 /// # Errors
-/// Retryable and ambiguous: no callback within `callback_timeout`, cancelled, or the
-/// database failed for longer than `callback_timeout`.
+/// Retryable and ambiguous: no callback within `callback_timeout`, cancelled, another
+/// attempt's record in its place, or its record not written.
 pub async fn wait(
     scope: &Scope,
     job: &JobContext,
@@ -136,46 +230,13 @@ pub async fn wait(
     let (_waiting, notify) = Waiting::register(job.job_id);
     // A callback that came before this (a fast handler) wrote the row for this generation
     // already: it is kept.
-    let mut recorded = false;
-    let mut failing_since: Option<std::time::Instant> = None;
+    record(scope, job).await.map_err(|e| {
+        HandlerError::retryable(format!("the handler answered 202, and recording that failed: {e}"))
+            .ambiguous()
+    })?;
+    let (_entry, mut found) = scope.waiters.add(job, callback_timeout);
     loop {
-        let looked = if recorded {
-            look(scope, job, callback_timeout).await
-        } else {
-            record(scope, job).await.map(|()| {
-                recorded = true;
-                Looked::Waiting
-            })
-        };
-        match looked {
-            Ok(Looked::Done(outcome)) => return Ok(outcome),
-            Ok(Looked::Waiting) => failing_since = None,
-            Ok(Looked::Silent) => {
-                return Err(HandlerError::retryable(format!(
-                    "the handler answered 202 and then did not call back for {callback_timeout:?} \
-                     (callback_timeout): its outcome is unknown"
-                ))
-                .ambiguous());
-            }
-            Ok(Looked::Replaced) => {
-                return Err(HandlerError::retryable(
-                    "another attempt of the job replaced this one's callback record",
-                )
-                .ambiguous());
-            }
-            Err(e) => {
-                let since = *failing_since.get_or_insert_with(std::time::Instant::now);
-                tracing::warn!(job_id = %job.job_id, error = %e, "Reading a job's callback failed; trying again.");
-                if since.elapsed() > callback_timeout {
-                    return Err(HandlerError::retryable(format!(
-                        "waiting for the handler's callback: the database failed for longer \
-                         than callback_timeout: {e}"
-                    ))
-                    .ambiguous());
-                }
-            }
-        }
-        tokio::select! {
+        let looked = tokio::select! {
             () = cancel.cancelled() => {
                 return Err(HandlerError::retryable(
                     "cancelled while the handler worked on it: the lease was lost, the job \
@@ -183,12 +244,40 @@ pub async fn wait(
                 )
                 .ambiguous());
             }
-            () = notify.notified() => {}
-            () = tokio::time::sleep(POLL) => {}
+            // A callback reached this process: look at once.
+            () = notify.notified() => match look(scope, job, callback_timeout).await {
+                Ok(looked) => looked,
+                Err(e) => {
+                    tracing::warn!(job_id = %job.job_id, error = %e, "Reading a job's callback failed; the next look is the group's.");
+                    Looked::Waiting
+                }
+            },
+            changed = found.changed() => match changed {
+                Ok(()) => found.borrow_and_update().clone().unwrap_or(Looked::Waiting),
+                Err(_) => Looked::Waiting,
+            },
+        };
+        match looked {
+            Looked::Waiting => {}
+            Looked::Done(outcome) => return Ok(outcome),
+            Looked::Silent => {
+                return Err(HandlerError::retryable(format!(
+                    "the handler answered 202 and then did not call back for {callback_timeout:?} \
+                     (callback_timeout): its outcome is unknown"
+                ))
+                .ambiguous());
+            }
+            Looked::Replaced => {
+                return Err(HandlerError::retryable(
+                    "another attempt of the job replaced this one's callback record",
+                )
+                .ambiguous());
+            }
         }
     }
 }
 
+#[derive(Debug, Clone)]
 enum Looked {
     Done(Outcome),
     Waiting,
@@ -196,6 +285,20 @@ enum Looked {
     Silent,
     /// The row is another generation's.
     Replaced,
+}
+
+/// What a row of this attempt says: its outcome, or that its handler is silent, or neither.
+fn verdict(outcome: Option<Value>, silent: bool) -> Looked {
+    if let Some(outcome) = outcome {
+        return Looked::Done(serde_json::from_value(outcome).unwrap_or_else(|e| Outcome {
+            // Written by this module only, checked before it was: not expected.
+            status: 500,
+            result: None,
+            error: Some(format!("the recorded completion does not read: {e}")),
+            retry_after: None,
+        }));
+    }
+    if silent { Looked::Silent } else { Looked::Waiting }
 }
 
 /// Records that `job`'s attempt answered 202: its row, unless a callback of the same
@@ -216,37 +319,25 @@ async fn record(scope: &Scope, job: &JobContext) -> Result<(), sqlx::Error> {
     Ok(())
 }
 
+/// This attempt's row, read alone (a callback reached this process).
 async fn look(
     scope: &Scope,
     job: &JobContext,
     callback_timeout: Duration,
 ) -> Result<Looked, sqlx::Error> {
-    let timeout = sqlx::postgres::types::PgInterval::try_from(callback_timeout)
-        .unwrap_or(sqlx::postgres::types::PgInterval { months: 0, days: 1, microseconds: 0 });
     let row = sqlx::query!(
-        r#"SELECT generation, outcome, clock_timestamp() - beat_at > $2 AS "silent!"
+        r#"SELECT generation, outcome,
+                  clock_timestamp() - beat_at > $2 * interval '1 second' AS "silent!"
            FROM async_attempts WHERE job_id = $1"#,
         job.job_id,
-        timeout,
+        callback_timeout.as_secs_f64(),
     )
     .fetch_optional(&scope.pool)
     .await?;
-    let Some(row) = row.filter(|r| r.generation == job.generation) else {
-        return Ok(Looked::Replaced);
-    };
-    if let Some(outcome) = row.outcome {
-        return Ok(match serde_json::from_value(outcome) {
-            Ok(outcome) => Looked::Done(outcome),
-            // Written by this module only, checked before it was: not expected.
-            Err(e) => Looked::Done(Outcome {
-                status: 500,
-                result: None,
-                error: Some(format!("the recorded completion does not read: {e}")),
-                retry_after: None,
-            }),
-        });
-    }
-    Ok(if row.silent { Looked::Silent } else { Looked::Waiting })
+    Ok(match row.filter(|r| r.generation == job.generation) {
+        Some(row) => verdict(row.outcome, row.silent),
+        None => Looked::Replaced,
+    })
 }
 
 /// A callback's body: the job's kind (the secret that signs it is that kind's) and the

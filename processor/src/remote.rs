@@ -58,8 +58,11 @@ pub struct Remote {
 /// How long a connection may take to open, unless the kind says (`connect_timeout`).
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
-fn client(connect_timeout: Duration) -> reqwest::Result<reqwest::Client> {
-    reqwest::Client::builder()
+fn client(connect_timeout: Duration, http2: bool) -> reqwest::Result<reqwest::Client> {
+    let builder = reqwest::Client::builder();
+    // h2c: every call a stream of one connection (or a few), however many are in flight.
+    let builder = if http2 { builder.http2_prior_knowledge() } else { builder };
+    builder
         .connect_timeout(connect_timeout)
         // A redirect would have another URL answer for the job (with its body and its
         // Idempotency-Key sent there): never followed, a 3xx is the attempt's answer.
@@ -78,7 +81,7 @@ impl Remote {
         Ok(Self {
             shown: jobfold_common::config::redacted(url.as_str()),
             url,
-            client: client(CONNECT_TIMEOUT)?,
+            client: client(CONNECT_TIMEOUT, false)?,
             max_output_bytes,
             cost_pointer: None,
             request_timeout: None,
@@ -88,7 +91,8 @@ impl Remote {
     }
 
     /// A handler calling `url` with `kind`'s limits: its `max_output_bytes`,
-    /// `connect_timeout` and `request_timeout` (else its `run_timeout`).
+    /// `connect_timeout` and `request_timeout` (else its `run_timeout`), its `secret`,
+    /// `callback_timeout` and `http2`.
     ///
     /// # Errors
     /// `url` does not parse, or the HTTP client cannot be built.
@@ -97,7 +101,7 @@ impl Remote {
         kind: &jobfold_common::config::KindSettings,
     ) -> anyhow::Result<Self> {
         Ok(Self {
-            client: client(kind.connect_timeout)?,
+            client: client(kind.connect_timeout, kind.http2)?,
             request_timeout: kind.request_timeout,
             secret: kind.secret.clone(),
             callback_timeout: kind.callback_timeout,

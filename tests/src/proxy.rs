@@ -1,21 +1,42 @@
-//! A TCP proxy that cuts idle connections, as a load balancer does.
+//! A TCP proxy that cuts idle connections, as a load balancer does, and counts them.
 
 use std::net::SocketAddr;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-/// A TCP proxy to `target` that closes a connection idle (no byte either way) for `idle`;
-/// how many it cut.
-pub async fn idle_proxy(target: SocketAddr, idle: Duration) -> (SocketAddr, Arc<Mutex<usize>>) {
+/// What a proxy saw.
+#[derive(Debug, Default)]
+pub struct Counts {
+    /// Connections accepted.
+    pub accepted: AtomicUsize,
+    /// Connections cut for being idle.
+    pub cut: AtomicUsize,
+}
+
+impl Counts {
+    pub fn accepted(&self) -> usize {
+        self.accepted.load(Ordering::SeqCst)
+    }
+
+    pub fn cut(&self) -> usize {
+        self.cut.load(Ordering::SeqCst)
+    }
+}
+
+/// A TCP proxy on 127.0.0.1 to `target` that closes a connection idle (no byte either way)
+/// for `idle`; its address and what it counted.
+pub async fn idle_proxy(target: SocketAddr, idle: Duration) -> (SocketAddr, Arc<Counts>) {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
-    let cut = Arc::new(Mutex::new(0));
-    let counted = Arc::clone(&cut);
+    let counts = Arc::new(Counts::default());
+    let counted = Arc::clone(&counts);
     tokio::spawn(async move {
         while let Ok((mut inbound, _)) = listener.accept().await {
-            let cut = Arc::clone(&counted);
+            counted.accepted.fetch_add(1, Ordering::SeqCst);
+            let counts = Arc::clone(&counted);
             tokio::spawn(async move {
                 let Ok(mut outbound) = tokio::net::TcpStream::connect(target).await else {
                     return;
@@ -32,7 +53,7 @@ pub async fn idle_proxy(target: SocketAddr, idle: Duration) -> (SocketAddr, Arc<
                             _ => return,
                         },
                         () = tokio::time::sleep(idle) => {
-                            *cut.lock().unwrap() += 1;
+                            counts.cut.fetch_add(1, Ordering::SeqCst);
                             return;
                         }
                     }
@@ -40,5 +61,5 @@ pub async fn idle_proxy(target: SocketAddr, idle: Duration) -> (SocketAddr, Arc<
             });
         }
     });
-    (addr, cut)
+    (addr, counts)
 }

@@ -55,6 +55,7 @@ fn the_bench_runs_every_measurement() {
         "| end to end, trivial handler, burst over HTTP in batches of 1,000 | ",
         "| end to end, steady ",
         "| slow jobs, 1 s handler, ",
+        "| processor RSS, 50 remote jobs in flight | ",
         "| processor peak RSS | ",
         "| relay peak RSS, end to end | ",
         "| recovery after kill -9 of 1 of 2 processors | ",
@@ -83,6 +84,13 @@ fn the_bench_runs_every_measurement() {
     // A deploy's cost is the delay it adds, next to the same load's before it.
     let deploy = written.lines().find(|l| l.starts_with("| rolling restart")).unwrap();
     assert!(deploy.contains("against p99") && deploy.contains("given back"), "{deploy}");
+    // Long remote jobs: all held at once over one connection, their callbacks answered.
+    let remote =
+        written.lines().find(|l| l.starts_with("| remote jobs in flight, 50 held")).unwrap();
+    assert!(
+        remote.contains("all 50 in flight") && remote.contains("over 1 connection"),
+        "{remote}"
+    );
     // The scratch databases are dropped again.
     assert!(scratch() <= scratch_before, "scratch databases left behind");
 }

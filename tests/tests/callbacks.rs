@@ -371,7 +371,7 @@ max_attempts = 3
     // attempt was told so.
     let (state, attempts, error) = job_row(&it, ids["slow-sync"]).await;
     assert_eq!((state.as_str(), attempts), ("quarantined", 2), "{error:?}");
-    assert!(*cut.lock().unwrap() >= 2, "the proxy cut {} connections", cut.lock().unwrap());
+    assert!(cut.cut() >= 2, "the proxy cut {} connections", cut.cut());
     let slow = calls_of(&seen, "slow-sync");
     let told: Vec<&Value> = slow.iter().map(|c| &c["previous_outcome"]).collect();
     assert_eq!(told, [&json!("none"), &json!("ambiguous")]);
@@ -450,4 +450,91 @@ async fn processor_refusals(processor: &Service) -> f64 {
         &[("reason", "signature")],
     )
     .unwrap_or(0.0)
+}
+
+/// A handler that takes a second a call and counts the calls in flight at once.
+async fn slow_handler(in_flight: Arc<Mutex<(usize, usize)>>) -> SocketAddr {
+    let app = axum::Router::new().route(
+        "/slow",
+        axum::routing::post(move || {
+            let in_flight = Arc::clone(&in_flight);
+            async move {
+                {
+                    let mut n = in_flight.lock().unwrap();
+                    n.0 += 1;
+                    n.1 = n.1.max(n.0);
+                }
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                in_flight.lock().unwrap().0 -= 1;
+                axum::Json(json!({ "ok": true }))
+            }
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    // axum serves HTTP/1.1 and, to a client with prior knowledge, HTTP/2 (h2c).
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    addr
+}
+
+/// Calls in flight together to a kind with `http2 = true` share one connection (streams of
+/// it); the same calls to a kind without it each take one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn calls_to_an_h2c_handler_share_a_connection() {
+    let it = Installation::new("callbacks-h2").await;
+    it.create_topics().await;
+    let (h2_in_flight, h1_in_flight) = (Arc::default(), Arc::default());
+    let (h2, h2_counts) = jobfold_tests::proxy::idle_proxy(
+        slow_handler(Arc::clone(&h2_in_flight)).await,
+        Duration::from_secs(60),
+    )
+    .await;
+    let (h1, h1_counts) = jobfold_tests::proxy::idle_proxy(
+        slow_handler(Arc::clone(&h1_in_flight)).await,
+        Duration::from_secs(60),
+    )
+    .await;
+    let kinds = format!(
+        "[kinds.h2]\nurl = \"http://{h2}/slow\"\nhttp2 = true\n\
+         [kinds.h1]\nurl = \"http://{h1}/slow\"\n"
+    );
+    let file = std::env::temp_dir().join(format!("jobfold-h2-{}.toml", Uuid::new_v4().simple()));
+    std::fs::write(&file, kinds).unwrap();
+    let mut env = it.fast_env(&jobfold_tests::kafka::unique_name("callbacks-h2"));
+    env.insert("JOBFOLD_CONFIG".into(), file.display().to_string());
+    let _relay = Service::start("jobfold-relay", &env);
+    let processor = Service::start("jobfold-processor", &env);
+    eventually(Duration::from_secs(90), "the processor to hold partitions", || async {
+        processor.metric("jobfold_assigned_partitions").await.unwrap_or(0.0) > 0.0
+    })
+    .await;
+    let acceptor = it.acceptor().await;
+    let mut ids = Vec::new();
+    for n in 0..30 {
+        for kind in ["h2", "h1"] {
+            let job = job_of(kind, &format!("doc-{kind}-{n}"), json!({}));
+            ids.push(acceptor.accept(&it.pool, &job).await.unwrap().job_id);
+        }
+    }
+    for id in &ids {
+        eventually(Duration::from_secs(90), "every job to end", || ended(&it, *id)).await;
+    }
+    for id in &ids {
+        assert_eq!(job_row(&it, *id).await.0, "succeeded");
+    }
+    let peak = |n: &Arc<Mutex<(usize, usize)>>| n.lock().unwrap().1;
+    // Both kinds had many calls in flight at once: the comparison is between equals.
+    assert!(
+        peak(&h2_in_flight) >= 10 && peak(&h1_in_flight) >= 10,
+        "{h2_in_flight:?} {h1_in_flight:?}"
+    );
+    assert_eq!(h2_counts.accepted(), 1, "the HTTP/2 kind's calls opened more than one connection");
+    assert!(
+        h1_counts.accepted() >= peak(&h1_in_flight),
+        "HTTP/1.1 calls in flight together each hold a connection: {} for {}",
+        h1_counts.accepted(),
+        peak(&h1_in_flight)
+    );
+    let _ = std::fs::remove_file(file);
+    it.cleanup().await;
 }
