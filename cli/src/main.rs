@@ -1299,6 +1299,14 @@ async fn status(config: Config, job_id: uuid::Uuid, json: bool) -> anyhow::Resul
         ("due", time(job.run_at)),
         ("finished", time(job.finished_at)),
         ("last error", job.last_error.clone().unwrap_or_else(|| "-".into())),
+        ("last attempt", job.previous_outcome.clone().unwrap_or_else(|| "-".into())),
+        (
+            "progress",
+            match (&job.progress, job.progress_at) {
+                (Some(progress), at) => format!("{progress} at {}", time(at)),
+                _ => "-".into(),
+            },
+        ),
         (
             "quarantine",
             match (&job.quarantine_owner, &job.quarantine_reason) {

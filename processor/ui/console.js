@@ -665,7 +665,10 @@ function renderJob(job, events, stateChanged) {
     ['Accepted', time(job.accepted_at)],
     job.run_at && ['Due', time(job.run_at)],
     job.lease_owner && ['Lease', `${job.lease_owner} until ${time(job.lease_until)}`],
+    // A handler over HTTP that answered 202 reports its progress in its heartbeats.
+    job.progress != null && ['Progress', el('span', { class: 'mono', 'data-field': 'progress', text: `${JSON.stringify(job.progress).slice(0, 300)} at ${time(job.progress_at)}` })],
     job.next_attempt_at && ['Next attempt', time(job.next_attempt_at)],
+    job.previous_outcome && ['Last attempt ended', el('span', { 'data-field': 'previous_outcome', text: job.previous_outcome === 'ambiguous' ? 'outcome unknown: its effects may have happened (the next attempt is told)' : 'failed' })],
     job.deadline && ['Deadline', time(job.deadline)],
     job.finished_at && ['Finished', time(job.finished_at)],
     // The quarantine reason repeats the last error: shown once.

@@ -30,6 +30,10 @@ use uuid::Uuid;
 
 const SECRET: &str = "callbacks-test-secret-0123456789abcdef";
 
+/// Lets the long job's handler go on once the test has seen its progress in the console.
+static RELEASE: std::sync::LazyLock<tokio::sync::Semaphore> =
+    std::sync::LazyLock::new(|| tokio::sync::Semaphore::new(0));
+
 /// `t=<now>,v1=<hex HMAC-SHA256(secret, "<t>.<body>")>`, computed here, not by the product.
 fn sign(at: i64, body: &[u8]) -> String {
     let mut mac = Hmac::<Sha256>::new_from_slice(SECRET.as_bytes()).unwrap();
@@ -136,6 +140,10 @@ async fn handle(
                 let beat = job["heartbeat_url"].as_str().unwrap().to_owned();
                 for step in 1..=8 {
                     tokio::time::sleep(Duration::from_millis(500)).await;
+                    if step == 3 {
+                        // Held until the console showed the progress reported so far.
+                        let _ = RELEASE.acquire().await;
+                    }
                     let (status, answer) =
                         call_back(&client, &beat, &job, json!({ "progress": { "step": step } }))
                             .await;
@@ -290,6 +298,17 @@ max_attempts = 3
     .await;
     assert!(progress["progress"]["step"].as_i64().is_some(), "{progress}");
     assert!(progress["progress_at"].is_string(), "{progress}");
+    // The console's job page shows it too, in a real browser.
+    let browser = jobfold_tests::browser::Browser::start(1280, 900).await;
+    browser.goto(&api(format!("/ui/#/jobs/{long}"))).await;
+    let shown = browser
+        .until(
+            "the progress on the job page",
+            "const p = document.querySelector('[data-field=progress]'); return p && p.textContent;",
+        )
+        .await;
+    assert!(shown.as_str().unwrap().starts_with(r#"{"step":"#), "{shown}");
+    RELEASE.add_permits(1);
 
     // Callbacks the processor refuses, while the long job is leased: each is answered with
     // its reason, and none is recorded (its progress stays what the handler reported).

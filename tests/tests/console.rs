@@ -467,6 +467,8 @@ async fn the_console_shows_finds_fixes_and_escapes_in_a_real_browser() {
         .await;
     assert!(!terms.as_array().unwrap().contains(&json!("Last error")), "{terms}");
     assert!(terms.as_array().unwrap().contains(&json!("Quarantined because")), "{terms}");
+    // A permanent failure is a definite one: the next attempt (a replay's) is told `failed`.
+    assert_eq!(browser.text("[data-field=previous_outcome]").await, "failed");
     let quarantined_row = browser.text("tr[data-event='JobQuarantined'] .details").await;
     assert!(quarantined_row.contains("(the failure above)"), "{quarantined_row}");
     browser
