@@ -61,13 +61,19 @@ pub struct Scope {
 }
 
 impl Scope {
-    /// The scope of a processor with `config`, its pool and lease owner name; starts the
-    /// task that looks for the outcomes of its waits (it ends with the last clone).
-    pub fn new(config: &jobfold_common::config::Config, pool: PgPool, owner: String) -> Self {
+    /// The scope of a processor with `config`, its pool and lease owner name, on the host
+    /// named `host`; starts the task that looks for the outcomes of its waits (it ends with
+    /// the last clone).
+    pub fn new(
+        config: &jobfold_common::config::Config,
+        pool: PgPool,
+        owner: String,
+        host: &str,
+    ) -> Self {
         let base = config.processor.callback_base_url.clone().unwrap_or_else(|| {
             let addr = config.http_addr;
             if addr.ip().is_unspecified() {
-                format!("http://{}:{}", crate::worker::hostname(), addr.port())
+                format!("http://{host}:{}", addr.port())
             } else {
                 format!("http://{addr}")
             }

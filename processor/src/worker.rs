@@ -451,7 +451,7 @@ pub async fn run(
     let kinds = handlers.kinds().map(str::to_owned).collect();
     let pauses = Arc::new(crate::pauses::Pauses::load(pool.clone(), kinds).await?);
     tasks.spawn("pause poll", Arc::clone(&pauses).poll(shutdown.clone()));
-    let callbacks = crate::callback::Scope::new(&config, pool.clone(), owner.clone());
+    let callbacks = crate::callback::Scope::new(&config, pool.clone(), owner.clone(), &hostname());
     let shared = Arc::new(Shared {
         config: config.clone(),
         callbacks,
