@@ -10,7 +10,7 @@
 # 3. runs cargo fmt --check, cargo clippy -D warnings, checks every query against a database
 #    migrated from nothing (docker/sqlx.sh check), the worker libraries' own tests (clients/),
 #    and every test with cargo nextest;
-# 4. with no arguments, the shortened soak (`jobfold soak --duration 150s`);
+# 4. with no arguments, the shortened soak (`jobfold soak --duration 120s`);
 # 5. removes the scratch databases and topics the tests left, and stops the services it
 #    started (and only those).
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
@@ -110,12 +110,12 @@ cargo nextest run --workspace --locked --no-fail-fast "$@"
 # The shortened soak: the pipeline under steady load with retention on; it fails unless
 # nothing was lost or done twice and every figure levelled off. Only on a whole run.
 if [ $# -eq 0 ]; then
-    step "soak (150 s)"
+    step "soak (120 s)"
     # The workspace's binaries, as the tests built them: one package set resolves the
     # dependencies' features once, so nothing is compiled again (a subset, or `cargo run -p`,
     # would resolve them anew and rebuild them).
     cargo build --locked --workspace --bins
     target="$(cargo metadata --format-version 1 --no-deps \
         | sed -n 's/.*"target_directory":"\([^"]*\)".*/\1/p')"
-    "$target/debug/jobfold" soak --duration 150s --interval 10s
+    "$target/debug/jobfold" soak --duration 120s --interval 10s
 fi
