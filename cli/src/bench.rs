@@ -13,6 +13,8 @@ use hdrhistogram::Histogram;
 use jobfold_common::accept::{Acceptor, NewJob};
 use jobfold_common::config::{Config, Sensitive};
 use jobfold_processor::metrics as pm;
+
+use crate::demo::{peak_rss_mib, rss_mib, wait_finished};
 use jobfold_schemas::{Codec, JobEvent};
 use serde_json::json;
 use sqlx::PgPool;
@@ -186,6 +188,53 @@ pub(crate) fn job(i: usize) -> NewJob {
         trace: None,
         run_at: None,
     }
+}
+
+/// `jobfold bench --remote N`: the long remote jobs' measurement alone
+/// ([`crate::remote_bench`]), in a database and topics of its own, with a relay; a short
+/// report.
+pub(crate) async fn run_remote(
+    config: Config,
+    jobs: usize,
+    hold: Duration,
+) -> anyhow::Result<String> {
+    in_scratch(config, |config| async move {
+        let pool = jobfold_common::db::connect_and_migrate(&config, 16).await?;
+        jobfold_common::kafka::ensure_topics(
+            &config,
+            &jobfold_common::kafka::jobfold_topics(&config),
+        )
+        .await?;
+        let mut config = config.clone();
+        config.processor.group = format!("jobfold-bench-remote-{}", uuid::Uuid::new_v4().simple());
+        let acceptor = Acceptor::new(event_codec(&config).await?, config.accept_policy(), "bench");
+        let logs = std::env::temp_dir()
+            .join(format!("jobfold-bench-remote-{}", uuid::Uuid::new_v4().simple()));
+        std::fs::create_dir_all(&logs)?;
+        let bin =
+            std::env::current_exe()?.parent().context("the binary's directory")?.to_path_buf();
+        let _relay =
+            crate::demo::spawn(&config, &bin.join("jobfold-relay"), "relay", &logs, None, &[])?;
+        let batch = (0..jobs)
+            .map(|i| NewJob { kind: crate::remote_bench::KIND.into(), ..job(i) })
+            .collect();
+        let m =
+            crate::remote_bench::measure(&config, &pool, &acceptor, (&bin, &logs), 0, batch, hold)
+                .await?;
+        let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+        Ok(format!(
+            "| measurement | figure |\n| --- | --- |\n\
+             | remote jobs in flight, {} held {} s over HTTP/2 (202, callbacks) | {} |\n\
+             | processor RSS | {} |\n\n{cores} cores; Postgres, Kafka and the registry on the \
+             same machine; logs in {}",
+            m.jobs,
+            hold.as_secs(),
+            m.note(),
+            m.rss_note(),
+            logs.display()
+        ))
+    })
+    .await
 }
 
 /// Runs `measure` against a database and topics of its own, created here and dropped after
@@ -664,14 +713,17 @@ async fn measure_processing(
 
     // Long remote jobs, all in flight at once in the shipped processor: a handler over
     // HTTP/2 that answered 202 holds each until it calls back.
+    let remote_jobs: Vec<NewJob> = (0..sizes.remote_jobs)
+        .map(|i| NewJob { kind: crate::remote_bench::KIND.into(), ..job(offset + i) })
+        .collect();
     let remote = crate::remote_bench::measure(
         config,
         &pool,
         &acceptor,
-        &bin,
-        &logs,
+        (&bin, &logs),
         offset,
-        (sizes.remote_jobs, sizes.remote_hold),
+        remote_jobs,
+        sizes.remote_hold,
     )
     .await?;
     offset += remote.jobs;
@@ -1315,28 +1367,6 @@ async fn wait_succeeded(port: u16, count: usize, timeout: Duration) -> anyhow::R
     }
 }
 
-/// Waits until `count` jobs are finished.
-pub(crate) async fn wait_finished(
-    pool: &PgPool,
-    count: usize,
-    timeout: Duration,
-) -> anyhow::Result<()> {
-    let deadline = Instant::now() + timeout;
-    loop {
-        let done = sqlx::query_scalar!(
-            r#"SELECT count(*) AS "count!" FROM jobs
-               WHERE state IN ('succeeded', 'superseded', 'quarantined')"#,
-        )
-        .fetch_one(pool)
-        .await?;
-        if done >= count as i64 {
-            return Ok(());
-        }
-        anyhow::ensure!(Instant::now() < deadline, "jobs did not finish: {done} of {count}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
 /// Rows written (inserted, updated, deleted) in this database, events logged, the
 /// transactions that leased or completed jobs, and those that accepted them. Postgres
 /// reports row counts a little after the fact: read until they stop changing.
@@ -1756,25 +1786,6 @@ async fn local_backends(pool: &PgPool, application: &str) -> anyhow::Result<Vec<
                 .is_ok_and(|c| String::from_utf8_lossy(&c).starts_with("postgres"))
         })
         .collect())
-}
-
-pub(crate) fn peak_rss_mib(pid: u32) -> anyhow::Result<f64> {
-    status_mib(pid, "VmHWM:")
-}
-
-/// A process's resident memory now (VmRSS), in MiB.
-pub(crate) fn rss_mib(pid: u32) -> anyhow::Result<f64> {
-    status_mib(pid, "VmRSS:")
-}
-
-fn status_mib(pid: u32, field: &str) -> anyhow::Result<f64> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
-    let kib: f64 = status
-        .lines()
-        .find_map(|l| l.strip_prefix(field))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .with_context(|| format!("{field} missing from /proc status"))?;
-    Ok(kib / 1024.0)
 }
 
 /// Single-row insert transactions per second, `clients` at once, `total` in all.

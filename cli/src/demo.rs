@@ -966,3 +966,44 @@ async fn summary(
 fn logs_dir(run_id: &str) -> PathBuf {
     std::env::temp_dir().join(format!("jobfold-demo-{run_id}"))
 }
+
+pub(crate) fn peak_rss_mib(pid: u32) -> anyhow::Result<f64> {
+    status_mib(pid, "VmHWM:")
+}
+
+/// A process's resident memory now (VmRSS), in MiB.
+pub(crate) fn rss_mib(pid: u32) -> anyhow::Result<f64> {
+    status_mib(pid, "VmRSS:")
+}
+
+fn status_mib(pid: u32, field: &str) -> anyhow::Result<f64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    let kib: f64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix(field))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .with_context(|| format!("{field} missing from /proc status"))?;
+    Ok(kib / 1024.0)
+}
+
+/// Waits until `count` jobs are finished.
+pub(crate) async fn wait_finished(
+    pool: &PgPool,
+    count: usize,
+    timeout: Duration,
+) -> anyhow::Result<()> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let done = sqlx::query_scalar!(
+            r#"SELECT count(*) AS "count!" FROM jobs
+               WHERE state IN ('succeeded', 'superseded', 'quarantined')"#,
+        )
+        .fetch_one(pool)
+        .await?;
+        if done >= count as i64 {
+            return Ok(());
+        }
+        anyhow::ensure!(Instant::now() < deadline, "jobs did not finish: {done} of {count}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}

@@ -795,7 +795,7 @@ async fn run(config: Config, command: Command) -> anyhow::Result<()> {
         Command::Bench { full, smoke, output, replay, remote, remote_hold } => {
             let table = match (replay, remote) {
                 (Some(sizes), _) => replay_bench::run(config, &sizes).await?,
-                (None, Some(jobs)) => remote_bench::run(config, jobs, remote_hold).await?,
+                (None, Some(jobs)) => bench::run_remote(config, jobs, remote_hold).await?,
                 (None, None) => {
                     let sizes = match (full, smoke) {
                         (true, _) => bench::Sizes::full(),

@@ -167,56 +167,19 @@ impl Measured {
     }
 }
 
-/// `jobfold bench --remote N`: this measurement alone, in a database and topics of its own,
-/// with a relay; a short report.
-pub(crate) async fn run(config: Config, jobs: usize, hold: Duration) -> anyhow::Result<String> {
-    crate::bench::in_scratch(config, |config| async move {
-        let pool = jobfold_common::db::connect_and_migrate(&config, 16).await?;
-        jobfold_common::kafka::ensure_topics(
-            &config,
-            &jobfold_common::kafka::jobfold_topics(&config),
-        )
-        .await?;
-        let mut config = config.clone();
-        config.processor.group = format!("jobfold-bench-remote-{}", uuid::Uuid::new_v4().simple());
-        let codec = crate::bench::event_codec(&config).await?;
-        let acceptor = Acceptor::new(codec, config.accept_policy(), "bench");
-        let logs = std::env::temp_dir()
-            .join(format!("jobfold-bench-remote-{}", uuid::Uuid::new_v4().simple()));
-        std::fs::create_dir_all(&logs)?;
-        let bin =
-            std::env::current_exe()?.parent().context("the binary's directory")?.to_path_buf();
-        let _relay =
-            crate::demo::spawn(&config, &bin.join("jobfold-relay"), "relay", &logs, None, &[])?;
-        let m = measure(&config, &pool, &acceptor, &bin, &logs, 0, (jobs, hold)).await?;
-        let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
-        Ok(format!(
-            "| measurement | figure |\n| --- | --- |\n\
-             | remote jobs in flight, {} held {} s over HTTP/2 (202, callbacks) | {} |\n\
-             | processor RSS | {} |\n\n{cores} cores; Postgres, Kafka and the registry on the \
-             same machine; logs in {}",
-            m.jobs,
-            hold.as_secs(),
-            m.note(),
-            m.rss_note(),
-            logs.display()
-        ))
-    })
-    .await
-}
-
-/// Runs `jobs` remote jobs in one processor (`bin`'s `jobfold-processor`, in `config`'s
-/// database, topics and group), all in flight at once, held `hold`; `offset` jobs were
-/// accepted in the database before.
+/// Runs `batch` (jobs of [`KIND`]) in one processor (the `jobfold-processor` in `bin`, logging
+/// to `logs`, in `config`'s database, topics and group), all in flight at once, held
+/// `hold`; `offset` jobs were accepted in the database before.
 pub(crate) async fn measure(
     config: &Config,
     pool: &PgPool,
     acceptor: &Acceptor,
-    bin: &std::path::Path,
-    logs: &std::path::Path,
+    (bin, logs): (&std::path::Path, &std::path::Path),
     offset: usize,
-    (jobs, hold): (usize, Duration),
+    batch: Vec<NewJob>,
+    hold: Duration,
 ) -> anyhow::Result<Measured> {
+    let jobs = batch.len();
     let standin = Standin::start().await?;
     let file = logs.join("remote.toml");
     std::fs::write(
@@ -247,8 +210,6 @@ pub(crate) async fn measure(
         anyhow::ensure!(started.elapsed() < Duration::from_secs(60), "no partitions assigned");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    let batch: Vec<NewJob> =
-        (0..jobs).map(|i| NewJob { kind: KIND.into(), ..crate::bench::job(offset + i) }).collect();
     let started = Instant::now();
     for chunk in batch.chunks(1000) {
         acceptor.accept_batch(pool, chunk).await?;
@@ -271,7 +232,7 @@ pub(crate) async fn measure(
     anyhow::ensure!(answered == jobs, "{answered} of {jobs} heartbeats answered 200");
     let (beats_before, held_since) = (beats(process.metrics).await.unwrap_or(0.0), Instant::now());
     while held_since.elapsed() < hold {
-        rss = rss.max(crate::bench::rss_mib(pid)?);
+        rss = rss.max(crate::demo::rss_mib(pid)?);
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
     let statements = beats(process.metrics).await.unwrap_or(0.0) - beats_before;
@@ -280,9 +241,9 @@ pub(crate) async fn measure(
     let completing = Instant::now();
     let completed = standin.call_back_all(false).await;
     anyhow::ensure!(completed == jobs, "{completed} of {jobs} completions answered 200");
-    crate::bench::wait_finished(pool, offset + jobs, Duration::from_secs(600)).await?;
+    crate::demo::wait_finished(pool, offset + jobs, Duration::from_secs(600)).await?;
     let completions_per_sec = jobs as f64 / completing.elapsed().as_secs_f64();
-    let peak_rss_mib = crate::bench::peak_rss_mib(pid)?;
+    let peak_rss_mib = crate::demo::peak_rss_mib(pid)?;
     std::process::Command::new("kill").args(["-TERM", &pid.to_string()]).status()?;
     process.child.wait().await?;
     Ok(Measured {
