@@ -3,6 +3,9 @@
 #
 #   docker/sqlx.sh prepare   rebuild .sqlx/ from a database migrated from scratch
 #   docker/sqlx.sh check     fail if .sqlx/ differs from what the migrations give now
+#   docker/sqlx.sh lint      cargo clippy -D warnings over the workspace with every query
+#                            checked against that database, then `check`'s comparison: one
+#                            compile for both (the test command's)
 #
 # Every SQL statement in the product crates is a `sqlx::query!`/`query_as!`/`query_scalar!`:
 # the compiler checks it (columns, parameter and result types, nullability) against the
@@ -55,6 +58,15 @@ compile() {
 
 drop_schema() { psql_on "$ADMIN_URL" -c 'DROP DATABASE IF EXISTS jobfold_sqlx WITH (FORCE)'; }
 
+# compare DIR: fail unless .sqlx/ holds what the macros wrote into DIR.
+compare() {
+    if ! diff -r -q .sqlx "$1" >/dev/null; then
+        { diff -r -q .sqlx "$1" || true; } | sed 's/^/sqlx: /' >&2
+        die "sqlx: .sqlx/ is out of date with the queries or the migrations: run docker/sqlx.sh prepare and commit it"
+    fi
+    say "sqlx: .sqlx/ matches every query against the migrated schema ($(ls .sqlx | wc -l) queries)"
+}
+
 case "${1:-}" in
     prepare)
         schema
@@ -69,11 +81,17 @@ case "${1:-}" in
         trap 'rm -rf "$fresh"' EXIT
         compile "$fresh"
         drop_schema
-        if ! diff -r -q .sqlx "$fresh" >/dev/null; then
-            { diff -r -q .sqlx "$fresh" || true; } | sed 's/^/sqlx: /' >&2
-            die "sqlx: .sqlx/ is out of date with the queries or the migrations: run docker/sqlx.sh prepare and commit it"
-        fi
-        say "sqlx: .sqlx/ matches every query against the migrated schema ($(ls .sqlx | wc -l) queries)"
+        compare "$fresh"
         ;;
-    *) die "usage: docker/sqlx.sh prepare|check" ;;
+    lint)
+        schema
+        fresh="$(mktemp -d)"
+        trap 'rm -rf "$fresh"' EXIT
+        for crate in "${CRATES[@]}"; do touch "$crate/src/lib.rs"; done
+        SQLX_OFFLINE=false DATABASE_URL="$URL" SQLX_OFFLINE_DIR="$fresh" \
+            cargo clippy --workspace --all-targets --locked -- -D warnings
+        drop_schema
+        compare "$fresh"
+        ;;
+    *) die "usage: docker/sqlx.sh prepare|check|lint" ;;
 esac

@@ -7,9 +7,9 @@
 #    python3 (for the example jobs), Node with npm (the TypeScript library), and Chromium with
 #    its chromedriver (the console's tests drive a real headless browser);
 # 2. starts PostgreSQL, Kafka and the schema registry natively (reusing running ones);
-# 3. runs cargo fmt --check, cargo clippy -D warnings, checks every query against a database
-#    migrated from nothing (docker/sqlx.sh check), the worker libraries' own tests (clients/),
-#    and every test with cargo nextest;
+# 3. runs cargo fmt --check, cargo clippy -D warnings with every query checked against a
+#    database migrated from nothing (docker/sqlx.sh lint), the worker libraries' own tests
+#    (clients/), and every test with cargo nextest;
 # 4. with no arguments, the shortened soak (`jobfold soak --duration 120s`);
 # 5. removes the scratch databases and topics the tests left, and stops the services it
 #    started (and only those).
@@ -88,14 +88,11 @@ source "$JOBFOLD_STATE_DIR/services.env"
 step "cargo fmt --check"
 cargo fmt --all --check
 
-step "cargo clippy"
-cargo clippy --workspace --all-targets --locked -- -D warnings
-
-# The build above read every query's schema from .sqlx/ (SQLX_OFFLINE, .cargo/config.toml):
-# this checks each query again against a database migrated from nothing, and .sqlx/ against
-# what that gives.
-step "queries against the migrated schema"
-docker/sqlx.sh check
+# One compile for both: clippy -D warnings, its query macros checking each query against a
+# database migrated from nothing (not .sqlx/, which every other build reads: SQLX_OFFLINE,
+# .cargo/config.toml), then .sqlx/ compared with what they found.
+step "cargo clippy, and the queries against the migrated schema"
+docker/sqlx.sh lint
 
 # The worker libraries' own tests (Python's standard library; TypeScript through tsc and
 # node's test runner), which also build what the Rust tests run against the processor.
