@@ -46,7 +46,7 @@ pub const MAX_PROGRESS_BYTES: usize = 16 * 1024;
 tokio::task_local! {
     /// Where the attempt being run may wait for a callback: set by the worker around each
     /// run, so [`crate::remote::Remote`] can take a `202`.
-    pub(crate) static SCOPE: Scope;
+    pub(crate) static SCOPE: Arc<Scope>;
 }
 
 /// What waiting for a callback needs from the processor running the attempt.
@@ -102,13 +102,25 @@ struct Waiters {
 struct Waiter {
     generation: i64,
     timeout: Duration,
-    found: tokio::sync::watch::Sender<Option<Looked>>,
+    /// Woken when the look found this attempt's end; the same one a callback reaching this
+    /// process wakes ([`WAITING`]).
+    notify: Arc<Notify>,
+    /// What the look found, taken by the wait it wakes.
+    found: Option<Looked>,
 }
 
 /// A wait's entry in [`Waiters`], removed when the wait ends however it ends.
 struct Entry {
     waiters: Arc<Waiters>,
     job_id: Uuid,
+}
+
+impl Entry {
+    /// What the look found since the wait last took it.
+    fn take(&self) -> Option<Looked> {
+        let mut waiting = self.waiters.waiting.lock().unwrap_or_else(|e| e.into_inner());
+        waiting.get_mut(&self.job_id).and_then(|w| w.found.take())
+    }
 }
 
 impl Drop for Entry {
@@ -118,15 +130,10 @@ impl Drop for Entry {
 }
 
 impl Waiters {
-    fn add(
-        self: &Arc<Self>,
-        job: &JobContext,
-        timeout: Duration,
-    ) -> (Entry, tokio::sync::watch::Receiver<Option<Looked>>) {
-        let (found, receiver) = tokio::sync::watch::channel(None);
-        let waiter = Waiter { generation: job.generation, timeout, found };
+    fn add(self: &Arc<Self>, job: &JobContext, timeout: Duration, notify: Arc<Notify>) -> Entry {
+        let waiter = Waiter { generation: job.generation, timeout, notify, found: None };
         self.waiting.lock().unwrap_or_else(|e| e.into_inner()).insert(job.job_id, waiter);
-        (Entry { waiters: Arc::clone(self), job_id: job.job_id }, receiver)
+        Entry { waiters: Arc::clone(self), job_id: job.job_id }
     }
 }
 
@@ -142,18 +149,33 @@ async fn look_for_outcomes(waiters: std::sync::Weak<Waiters>) {
         };
         for chunk in asked.chunks(LOOK_CHUNK) {
             let ids: Vec<Uuid> = chunk.iter().map(|a| a.0).collect();
+            let generations: Vec<i64> = chunk.iter().map(|a| a.1).collect();
             let timeouts: Vec<f64> = chunk.iter().map(|a| a.2).collect();
-            let rows = sqlx::query!(
-                r#"SELECT w.job_id AS "job_id!", a.generation AS "generation?",
-                          a.outcome AS "outcome?",
-                          coalesce(clock_timestamp() - a.beat_at
-                                   > w.timeout * interval '1 second', false) AS "silent!"
-                   FROM unnest($1::uuid[], $2::float8[]) AS w(job_id, timeout)
-                   LEFT JOIN async_attempts a ON a.job_id = w.job_id"#,
-                &ids,
-                &timeouts,
-            )
-            .fetch_all(&waiters.pool)
+            // Only the attempts whose wait ends come back: completed, silent, or replaced.
+            let rows = async {
+                let mut conn = waiters.pool.acquire().await?;
+                let rows = sqlx::query!(
+                    r#"SELECT w.job_id AS "job_id!", a.generation AS "generation?",
+                              a.outcome AS "outcome?",
+                              coalesce(clock_timestamp() - a.beat_at
+                                       > w.timeout * interval '1 second', false) AS "silent!"
+                       FROM unnest($1::uuid[], $2::bigint[], $3::float8[])
+                            AS w(job_id, generation, timeout)
+                       LEFT JOIN async_attempts a ON a.job_id = w.job_id
+                       WHERE a.job_id IS NULL OR a.generation <> w.generation
+                          OR a.outcome IS NOT NULL
+                          OR clock_timestamp() - a.beat_at > w.timeout * interval '1 second'"#,
+                    &ids,
+                    &generations,
+                    &timeouts,
+                )
+                .fetch_all(&mut *conn)
+                .await;
+                // The arrays sent grew the connection's buffers: given back to the pool at
+                // their usual size, not this look's.
+                sqlx::Connection::shrink_buffers(&mut *conn);
+                rows
+            }
             .await;
             let rows = match rows {
                 Ok(rows) => rows,
@@ -162,15 +184,16 @@ async fn look_for_outcomes(waiters: std::sync::Weak<Waiters>) {
                     continue;
                 }
             };
-            let waiting = waiters.waiting.lock().unwrap_or_else(|e| e.into_inner());
+            let mut waiting = waiters.waiting.lock().unwrap_or_else(|e| e.into_inner());
             for row in rows {
-                let Some(waiter) = waiting.get(&row.job_id) else { continue };
+                let Some(waiter) = waiting.get_mut(&row.job_id) else { continue };
                 let looked = match row.generation {
                     Some(g) if g == waiter.generation => verdict(row.outcome, row.silent),
                     _ => Looked::Replaced,
                 };
                 if !matches!(looked, Looked::Waiting) {
-                    waiter.found.send_replace(Some(looked));
+                    waiter.found = Some(looked);
+                    waiter.notify.notify_one();
                 }
             }
         }
@@ -240,9 +263,9 @@ pub async fn wait(
         HandlerError::retryable(format!("the handler answered 202, and recording that failed: {e}"))
             .ambiguous()
     })?;
-    let (_entry, mut found) = scope.waiters.add(job, callback_timeout);
+    let entry = scope.waiters.add(job, callback_timeout, Arc::clone(&notify));
     loop {
-        let looked = tokio::select! {
+        tokio::select! {
             () = cancel.cancelled() => {
                 return Err(HandlerError::retryable(
                     "cancelled while the handler worked on it: the lease was lost, the job \
@@ -250,17 +273,20 @@ pub async fn wait(
                 )
                 .ambiguous());
             }
-            // A callback reached this process: look at once.
-            () = notify.notified() => match look(scope, job, callback_timeout).await {
+            // The group's look found the end, or a callback reached this process.
+            () = notify.notified() => {}
+        }
+        // What the group's look found; else a callback reached this process: look at once.
+        // Boxed, as it is rare next to the wait, which stays small (many thousands may wait
+        // in one process).
+        let looked = match entry.take() {
+            Some(found) => found,
+            None => match Box::pin(look(scope, job, callback_timeout)).await {
                 Ok(looked) => looked,
                 Err(e) => {
                     tracing::warn!(job_id = %job.job_id, error = %e, "Reading a job's callback failed; the next look is the group's.");
                     Looked::Waiting
                 }
-            },
-            changed = found.changed() => match changed {
-                Ok(()) => found.borrow_and_update().clone().unwrap_or(Looked::Waiting),
-                Err(_) => Looked::Waiting,
             },
         };
         match looked {

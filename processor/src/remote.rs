@@ -27,6 +27,7 @@
 //! `run_timeout`) drops the call (its connection is closed). The answer is read up to the
 //! kind's `max_output_bytes`; only the configured URL ever answers for a job.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use serde_json::{Value, json};
@@ -152,13 +153,14 @@ impl Remote {
         if sent { error.ambiguous() } else { error }
     }
 
+    /// Calls the handler with `job`, telling it where to call back if `scope` (run by a
+    /// processor): its answer.
     async fn call(
         &self,
         job: &JobContext,
-        cancel: &CancellationToken,
-    ) -> Result<Value, HandlerError> {
-        let scope = crate::callback::SCOPE.try_with(Clone::clone).ok();
-        let body = serde_json::to_vec(&Self::body(job, scope.as_ref()))
+        scope: Option<&crate::callback::Scope>,
+    ) -> Result<Answer, HandlerError> {
+        let body = serde_json::to_vec(&Self::body(job, scope))
             .map_err(|e| HandlerError::permanent(format!("the request does not encode: {e}")))?;
         let mut request = self
             .client
@@ -184,16 +186,7 @@ impl Remote {
         let mut response = request.send().await.map_err(|e| self.unanswered(e, "calling"))?;
         let status = response.status();
         if status == reqwest::StatusCode::ACCEPTED {
-            drop(response);
-            let Some(scope) = scope else {
-                return Err(HandlerError::permanent(format!(
-                    "{} answered 202 Accepted, but this handler is not run by a processor that \
-                     takes callbacks",
-                    self.shown
-                )));
-            };
-            let outcome = crate::callback::wait(&scope, job, self.callback_timeout, cancel).await?;
-            return self.completed(outcome);
+            return Ok(Answer::Accepted);
         }
         let retry_after = retry_after(response.headers());
         if status.is_redirection() {
@@ -229,7 +222,7 @@ impl Remote {
                     self.shown
                 )));
             }
-            return serde_json::from_slice(&body).map_err(|e| {
+            return serde_json::from_slice(&body).map(Answer::Result).map_err(|e| {
                 HandlerError::permanent(format!(
                     "{} answered {status} with a body that is not JSON: {e}",
                     self.shown
@@ -258,6 +251,14 @@ impl Remote {
         let message = format!("(completed) {}", outcome.error.unwrap_or_default());
         Err(failure(&self.url, status, outcome.retry_after.map(Duration::from_secs), &message))
     }
+}
+
+/// What a call was answered.
+enum Answer {
+    /// Its result.
+    Result(Value),
+    /// `202 Accepted`: the handler completes by calling back.
+    Accepted,
 }
 
 /// The attempt's failure for an answer that is not a success, by the protocol's table:
@@ -314,10 +315,28 @@ impl Handler for Remote {
         job: &JobContext,
         cancel: CancellationToken,
     ) -> Result<Value, HandlerError> {
+        let scope = crate::callback::SCOPE.try_with(Arc::clone).ok();
+        let answered = async {
+            // The call is boxed: what it holds (the request, its answer) is let go of once
+            // it is answered, before a wait for callbacks that may last hours.
+            match (Box::pin(self.call(job, scope.as_deref())).await?, scope.as_deref()) {
+                (Answer::Result(result), _) => Ok(result),
+                (Answer::Accepted, Some(scope)) => {
+                    let outcome =
+                        crate::callback::wait(scope, job, self.callback_timeout, &cancel).await?;
+                    self.completed(outcome)
+                }
+                (Answer::Accepted, None) => Err(HandlerError::permanent(format!(
+                    "{} answered 202 Accepted, but this handler is not run by a processor that \
+                     takes callbacks",
+                    self.shown
+                ))),
+            }
+        };
         tokio::select! {
             // Dropping the call closes its connection: the remote side sees the abort.
             _ = cancel.cancelled() => Err(HandlerError::retryable("cancelled: the lease was lost or the processor is stopping").ambiguous()),
-            result = self.call(job, &cancel) => result,
+            result = answered => result,
         }
     }
 }

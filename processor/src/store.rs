@@ -355,6 +355,19 @@ pub async fn heartbeat(
     let ids: Vec<Uuid> = leases.iter().map(|l| l.0).collect();
     let generations: Vec<i64> = leases.iter().map(|l| l.1).collect();
     let ttls: Vec<f64> = leases.iter().map(|l| l.2.as_secs_f64()).collect();
+    let mut conn = pool.acquire().await?;
+    let renewed = renew(&mut conn, leases, (&ids, &generations, &ttls)).await;
+    // The arrays sent (a process may hold many thousands of leases) grew the connection's
+    // buffers: given back to the pool at their usual size.
+    sqlx::Connection::shrink_buffers(&mut *conn);
+    renewed
+}
+
+async fn renew(
+    conn: &mut sqlx::PgConnection,
+    leases: &[(Uuid, i64, std::time::Duration)],
+    (ids, generations, ttls): (&[Uuid], &[i64], &[f64]),
+) -> Result<Renewed, sqlx::Error> {
     // Rows another transaction holds are skipped, not waited for: one job's slow completion
     // must not hold every other lease's heartbeat.
     let renewed = sqlx::query!(
@@ -367,11 +380,11 @@ pub async fn heartbeat(
          UPDATE jobs j SET lease_until = now() + make_interval(secs => held.ttl) \
          FROM held WHERE j.job_id = held.job_id \
          RETURNING j.job_id, j.generation",
-        &ids,
-        &generations,
-        &ttls,
+        ids,
+        generations,
+        ttls,
     )
-    .fetch_all(pool)
+    .fetch_all(&mut *conn)
     .await?;
     let renewed: Vec<(Uuid, i64)> = renewed.into_iter().map(|r| (r.job_id, r.generation)).collect();
     if renewed.len() == leases.len() {
@@ -392,7 +405,7 @@ pub async fn heartbeat(
         &ids,
         &generations,
     )
-    .fetch_all(pool)
+    .fetch_all(&mut *conn)
     .await?;
     let busy = busy.into_iter().map(|r| (r.job_id, r.generation)).collect();
     Ok(Renewed { renewed, busy })

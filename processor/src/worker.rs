@@ -329,7 +329,7 @@ struct Shared {
     /// This worker's name in leases and run records.
     owner: String,
     /// Where a run may wait for its handler's callback (a `202` over HTTP).
-    callbacks: crate::callback::Scope,
+    callbacks: Arc<crate::callback::Scope>,
     /// Keeps every running attempt's lease alive, one statement a beat.
     heartbeats: Heartbeats,
     /// The kinds' rate limits and 429 pauses, shared with the group's other processors.
@@ -451,7 +451,8 @@ pub async fn run(
     let kinds = handlers.kinds().map(str::to_owned).collect();
     let pauses = Arc::new(crate::pauses::Pauses::load(pool.clone(), kinds).await?);
     tasks.spawn("pause poll", Arc::clone(&pauses).poll(shutdown.clone()));
-    let callbacks = crate::callback::Scope::new(&config, pool.clone(), owner.clone(), &hostname());
+    let callbacks =
+        Arc::new(crate::callback::Scope::new(&config, pool.clone(), owner.clone(), &hostname()));
     let shared = Arc::new(Shared {
         config: config.clone(),
         callbacks,
@@ -1003,7 +1004,7 @@ async fn try_handle(
     // The attempt's state (lease, run, completion) is allocated once it runs: a document's
     // task waiting for a slot or behind another job stays small, so what the buffer holds
     // costs little memory each.
-    Box::pin(attempt(shared, event, handler)).await
+    Box::pin(attempt(shared, &event, handler)).await
 }
 
 /// After a panic handling `message`: it is stored as a dead letter naming the panic (true),
@@ -1071,10 +1072,64 @@ impl crate::handler::Handler for Fails {
 /// its own, as any other.
 async fn attempt(
     shared: &Shared,
-    event: JobEvent,
+    event: &JobEvent,
     handler: std::sync::Arc<dyn crate::handler::ErasedHandler>,
 ) -> anyhow::Result<Step> {
-    // 1. Lease (in a transaction with the other dispatches waiting at the time).
+    // Each phase (lease, run, completion) is boxed: the attempt keeps inline only what they
+    // share, and a run that lasts keeps only its own state, not the lease's or the
+    // completion's (ten thousand long remote jobs in flight in one process).
+    // 1. Lease (in a transaction with the other dispatches waiting at the time), run before
+    //    it commits when the transaction sends the job to run.
+    let Some((leased, ran)) = Box::pin(lease(shared, event, &handler)).await? else {
+        return Ok(Step::Interrupted);
+    };
+    let job = match leased {
+        Leased::Completed(done) => {
+            let generation = ran.map_or(0, |a| a.job.generation);
+            return Ok(completed(shared, event.job_id, generation, done));
+        }
+        Leased::Done => return Ok(Step::Done),
+        Leased::WaitUntil(until) => return Ok(Step::WaitUntil(until)),
+        Leased::Run(job) => Some((job, false)),
+        Leased::Isolated(job) => Some((job, true)),
+        Leased::RunOn => None,
+    };
+    // 2. The lease committed alone. An attempt already run under it completes; otherwise
+    //    (no run yet, or one under another generation) the handler runs now.
+    let attempt = match (ran, job) {
+        (Some(attempt), None) => attempt,
+        (Some(attempt), Some((job, _))) if attempt.job.generation == job.generation => attempt,
+        (_, None) => anyhow::bail!("a lease committed for a run this task did not make"),
+        (_, Some((job, isolated))) => {
+            failpoint::hit(failpoint::PROCESSOR_AFTER_LEASE_COMMIT);
+            let ran = if isolated {
+                match Box::pin(run_isolated(shared, event, &handler, job)).await? {
+                    Ok(ran) => ran,
+                    // Lost while it waited its turn (an operator cancelled the job): as a
+                    // fenced completion, nothing of this event is left to do.
+                    Err(LeaseLost) => return Ok(Step::Done),
+                }
+            } else {
+                Box::pin(run_handler(shared, event, &handler, job)).await?
+            };
+            match ran {
+                Some(attempt) => Arc::new(attempt),
+                None => return Ok(Step::Interrupted),
+            }
+        }
+    };
+    // 3. Complete, fenced by the generation.
+    Box::pin(complete(shared, attempt)).await
+}
+
+/// An attempt's lease, in a transaction with the other dispatches waiting at the time. A
+/// kind with an `inline_window` may be sent to run before the lease commits: then the
+/// attempt run is returned too; `None` if the processor's stop cut that run short.
+async fn lease(
+    shared: &Shared,
+    event: &JobEvent,
+    handler: &std::sync::Arc<dyn crate::handler::ErasedHandler>,
+) -> anyhow::Result<Option<(Leased, Option<Arc<Attempt>>)>> {
     let dispatch = Dispatch {
         job_id: event.job_id,
         event_id: event.event_id,
@@ -1089,8 +1144,7 @@ async fn attempt(
         let (run, offered) = tokio::sync::oneshot::channel();
         (Some(Inline { window, run }), Some(offered))
     };
-    // The lease's and the completion's waits are boxed: each lives only while it waits, not
-    // for the whole run as part of the attempt (a thousand slow jobs in flight).
+    // The lease's wait is boxed: it lives only while it waits, not for an inline run too.
     let mut leased = Box::pin(shared.leaser.submit(Request { dispatch, inline }));
     let offer = async {
         match offered.as_mut() {
@@ -1103,74 +1157,39 @@ async fn attempt(
         Some(run) = offer => Ok(run),
         leased = &mut leased => Err(leased),
     };
-    let (leased, ran) = match first {
-        Err(leased) => (leased?, None),
-        // 2. Run before the lease commits; the lease transaction waits for the attempt.
-        Ok(InlineRun { job, finished }) => {
-            let mut run = Box::pin(run_handler(shared, &event, &handler, job));
-            // Once the lease transaction stops waiting (its window closed and the lease
-            // committed alone), the way back is let go of: a long run keeps only what any
-            // run keeps.
-            let mut finished = Some(finished);
-            let ran = loop {
-                let Some(back) = finished.as_mut() else { break run.await? };
-                let closed = tokio::select! {
-                    ran = &mut run => break ran?,
-                    () = back.closed() => true,
-                };
-                if closed {
-                    finished = None;
-                }
-            };
-            let Some(attempt) = ran else { return Ok(Step::Interrupted) };
-            // Kept: should the lease transaction fail, the lease is taken again alone and
-            // this attempt completes after it.
-            let attempt = Arc::new(attempt);
-            if let Some(back) = finished {
-                let _ = back.send(Arc::clone(&attempt));
-            }
-            (leased.await?, Some(attempt))
+    let InlineRun { job, finished } = match first {
+        Err(leased) => return Ok(Some((leased?, None))),
+        Ok(run) => run,
+    };
+    // Run before the lease commits; the lease transaction waits for the attempt.
+    let mut run = Box::pin(run_handler(shared, event, handler, Box::new(job)));
+    // Once the lease transaction stops waiting (its window closed and the lease committed
+    // alone), the way back is let go of: a long run keeps only what any run keeps.
+    let mut finished = Some(finished);
+    let ran = loop {
+        let Some(back) = finished.as_mut() else { break run.await? };
+        let closed = tokio::select! {
+            ran = &mut run => break ran?,
+            () = back.closed() => true,
+        };
+        if closed {
+            finished = None;
         }
     };
-    let job = match leased {
-        Leased::Completed(done) => {
-            let generation = ran.map_or(0, |a| a.job.generation);
-            return Ok(completed(shared, event.job_id, generation, done));
-        }
-        Leased::Done => return Ok(Step::Done),
-        Leased::WaitUntil(until) => return Ok(Step::WaitUntil(until)),
-        Leased::Run(job) => Some((*job, false)),
-        Leased::Isolated(job) => Some((*job, true)),
-        Leased::RunOn => None,
-    };
-    // The lease committed alone. An attempt already run under it completes; otherwise
-    // (no run yet, or one under another generation) the handler runs now.
-    let attempt = match (ran, job) {
-        (Some(attempt), None) => attempt,
-        (Some(attempt), Some((job, _))) if attempt.job.generation == job.generation => attempt,
-        (_, None) => anyhow::bail!("a lease committed for a run this task did not make"),
-        (_, Some((job, isolated))) => {
-            failpoint::hit(failpoint::PROCESSOR_AFTER_LEASE_COMMIT);
-            let ran = if isolated {
-                match Box::pin(run_isolated(shared, &event, &handler, job)).await? {
-                    Ok(ran) => ran,
-                    // Lost while it waited its turn (an operator cancelled the job): as a
-                    // fenced completion, nothing of this event is left to do.
-                    Err(LeaseLost) => return Ok(Step::Done),
-                }
-            } else {
-                Box::pin(run_handler(shared, &event, &handler, job)).await?
-            };
-            match ran {
-                Some(attempt) => Arc::new(attempt),
-                None => return Ok(Step::Interrupted),
-            }
-        }
-    };
+    let Some(attempt) = ran else { return Ok(None) };
+    // Kept: should the lease transaction fail, the lease is taken again alone and this
+    // attempt completes after it.
+    let attempt = Arc::new(attempt);
+    if let Some(back) = finished {
+        let _ = back.send(Arc::clone(&attempt));
+    }
+    Ok(Some((leased.await?, Some(attempt))))
+}
 
-    // 3. Complete, fenced by the generation (in a transaction with the other attempts
-    //    finished at the time). A completion that fails (the database unreachable) is tried
-    //    again with the same generation: the handler does not run again for it.
+/// Completes `attempt`, fenced by its generation, in a transaction with the other attempts
+/// finished at the time. A completion that fails (the database unreachable) is tried again
+/// with the same generation: the handler does not run again for it.
+async fn complete(shared: &Shared, attempt: Arc<Attempt>) -> anyhow::Result<Step> {
     let job_id = attempt.job.job_id;
     let generation = attempt.job.generation;
     let mut backoff = RETRY_MIN;
@@ -1207,7 +1226,7 @@ async fn run_isolated(
     shared: &Shared,
     event: &JobEvent,
     handler: &std::sync::Arc<dyn crate::handler::ErasedHandler>,
-    job: JobRow,
+    job: Box<JobRow>,
 ) -> anyhow::Result<Result<Option<Attempt>, LeaseLost>> {
     let kind = shared.config.kind(&job.kind);
     let lost = shared.hard.child_token();
@@ -1222,7 +1241,7 @@ async fn run_isolated(
         _ = lost.cancelled() => {
             if shared.hard.is_cancelled() {
                 // Stopped before its turn came: given back, as a run cut short is.
-                let mut job = job;
+                let mut job = *job;
                 let context = context_of(&mut job, None);
                 return Ok(Ok(Some(released(&shared.owner, job, context, event.trace.clone()))));
             }
@@ -1275,32 +1294,35 @@ async fn run_handler(
     shared: &Shared,
     event: &JobEvent,
     handler: &std::sync::Arc<dyn crate::handler::ErasedHandler>,
-    mut job: JobRow,
+    mut job: Box<JobRow>,
 ) -> anyhow::Result<Option<Attempt>> {
     // The handler's span continues the job's W3C trace: its own span id, the accepting
     // request's span as parent; handlers send `context.trace` onward. The span is made once
     // its fields are known: a log layer formats them when it is made and on every record.
-    let span_id = event.trace.as_ref().map(|_| format!("{:016x}", rand::rng().random::<u64>() | 1));
-    let ids = event.trace.as_ref().and_then(|trace| trace.ids());
-    let span = tracing::info_span!(
-        "job",
-        job_id = %event.job_id,
-        document_id = %event.document_id,
-        event = event.payload.kind(),
-        attempt = job.attempt,
-        generation = job.generation,
-        trace_id = ids.map(|(trace_id, _)| trace_id),
-        span_id = ids.and(span_id.as_deref()),
-        parent_span_id = ids.map(|(_, parent_id)| parent_id),
-    );
-    let handler_trace =
-        event.trace.as_ref().zip(span_id.as_deref()).and_then(|(trace, id)| trace.child(id));
-    let context = context_of(&mut job, handler_trace);
+    let (span, context) = {
+        let span_id =
+            event.trace.as_ref().map(|_| format!("{:016x}", rand::rng().random::<u64>() | 1));
+        let ids = event.trace.as_ref().and_then(|trace| trace.ids());
+        let span = tracing::info_span!(
+            "job",
+            job_id = %event.job_id,
+            document_id = %event.document_id,
+            event = event.payload.kind(),
+            attempt = job.attempt,
+            generation = job.generation,
+            trace_id = ids.map(|(trace_id, _)| trace_id),
+            span_id = ids.and(span_id.as_deref()),
+            parent_span_id = ids.map(|(_, parent_id)| parent_id),
+        );
+        let handler_trace =
+            event.trace.as_ref().zip(span_id.as_deref()).and_then(|(trace, id)| trace.child(id));
+        (span, context_of(&mut job, handler_trace))
+    };
 
     // 2. Run, with heartbeats. The handler's token fires when the lease is lost or at the
     //    processor's hard stop; the heartbeat stops with the run, whatever the handler does
     //    (returns, panics), as the lease's registration drops.
-    let kind = shared.config.kind(&job.kind);
+    let kind = RunLimits::of(&shared.config, &job.kind);
     let _listed = shared.running.enter(job.job_id, job.generation, &job.kind, &job.document_id);
     let cancel = shared.hard.child_token();
     let lease = shared.heartbeats.register(
@@ -1316,25 +1338,21 @@ async fn run_handler(
         crate::history::started(&job.kind, (Utc::now() - due).to_std().unwrap_or_default());
     }
     let run = crate::callback::SCOPE.scope(
-        shared.callbacks.clone(),
+        Arc::clone(&shared.callbacks),
         std::panic::AssertUnwindSafe(handler.run_boxed(&context, cancel.clone())).catch_unwind(),
     );
     let run = run.instrument(span.clone());
     // Past the kind's run time-out the token fires and the run is dropped: a handler that
-    // hangs, or ignores its token, costs its own attempt, not a slot for ever.
-    let timed = async {
-        match kind.run_timeout {
-            Some(limit) => tokio::time::timeout(limit, run).await.ok(),
-            None => Some(run.await),
-        }
-    };
+    // hangs, or ignores its token, costs its own attempt, not a slot for ever. Without one,
+    // the time-out is too far to come.
+    let timed = tokio::time::timeout(kind.run_timeout.unwrap_or(Duration::MAX), run);
     // At the hard stop the token fires; a handler deaf to it is dropped after a grace.
     let stopped = async {
         shared.hard.cancelled().await;
         tokio::time::sleep(RELEASE_GRACE).await;
     };
     let ran = tokio::select! {
-        ran = timed => Some(ran),
+        ran = timed => Some(ran.ok()),
         () = stopped => None,
     };
     let result = match ran {
@@ -1378,10 +1396,32 @@ async fn run_handler(
         // Cut short by the stop, not the job's fault: its lease is given back with its
         // attempt, and the job is due again at once for whichever processor takes it.
         tracing::info!(job_id = %job.job_id, "The stop cancelled the handler; the job is given back.");
-        return Ok(Some(released(&shared.owner, job, context, event.trace.clone())));
+        return Ok(Some(released(&shared.owner, *job, context, event.trace.clone())));
     }
 
-    Ok(Some(Attempt { job, context, result, trace: event.trace.clone(), released: false }))
+    Ok(Some(Attempt { job: *job, context, result, trace: event.trace.clone(), released: false }))
+}
+
+/// What a run needs of its kind's settings: kept while it runs instead of all of them.
+struct RunLimits {
+    heartbeat: Duration,
+    lease_ttl: Duration,
+    run_timeout: Option<Duration>,
+    max_output_bytes: usize,
+    max_retry_after: Duration,
+}
+
+impl RunLimits {
+    fn of(config: &Config, kind: &str) -> Self {
+        let k = config.kind(kind);
+        Self {
+            heartbeat: k.heartbeat,
+            lease_ttl: k.lease_ttl,
+            run_timeout: k.run_timeout,
+            max_output_bytes: k.max_output_bytes,
+            max_retry_after: k.max_retry_after,
+        }
+    }
 }
 
 /// What a handler is told of `job`, leased. The job row's copy of the input is not needed
