@@ -93,6 +93,7 @@ use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
+use crate::callback::{Complete, Heartbeat};
 use crate::status;
 use crate::store::audit;
 
@@ -956,8 +957,8 @@ async fn heartbeat(
     headers: HeaderMap,
     body: Bytes,
 ) -> Result<Response, ApiError> {
-    let job_id = Uuid::parse_str(&id).map_err(|_| not_found(&id))?;
-    let beat: crate::callback::Heartbeat = required_body(&body)?;
+    let (job_id, beat) =
+        callback_body(&state, &caller, &id, (&headers, &body), |b: &Heartbeat| &b.kind)?;
     if let Some(progress) = &beat.progress {
         let size = serde_json::to_vec(progress).map_or(usize::MAX, |b| b.len());
         if size > crate::callback::MAX_PROGRESS_BYTES {
@@ -971,7 +972,6 @@ async fn heartbeat(
             ));
         }
     }
-    signed_by_kind(&state, &caller, &beat.kind, &headers, &body)?;
     let fenced = crate::callback::call_back(
         &state.pool,
         job_id,
@@ -992,9 +992,8 @@ async fn complete(
     headers: HeaderMap,
     body: Bytes,
 ) -> Result<Response, ApiError> {
-    let job_id = Uuid::parse_str(&id).map_err(|_| not_found(&id))?;
-    let done: crate::callback::Complete = required_body(&body)?;
-    signed_by_kind(&state, &caller, &done.kind, &headers, &body)?;
+    let (job_id, done) =
+        callback_body(&state, &caller, &id, (&headers, &body), |c: &Complete| &c.kind)?;
     let (kind, generation) = (done.kind.clone(), done.generation);
     let outcome = done
         .outcome()
@@ -1005,10 +1004,20 @@ async fn complete(
     called_back("complete", job_id, generation, fenced)
 }
 
-/// A callback body, required.
-fn required_body<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+/// A callback's job and body: the id parsed, the body (required) read as `T` and signed by
+/// the kind it names (`kind`), or let through for a kind without a secret.
+fn callback_body<T: serde::de::DeserializeOwned>(
+    state: &ApiState,
+    caller: &Caller,
+    id: &str,
+    (headers, body): (&HeaderMap, &[u8]),
+    kind: fn(&T) -> &str,
+) -> Result<(Uuid, T), ApiError> {
+    let job_id = Uuid::parse_str(id).map_err(|_| not_found(id))?;
     let deserializer = &mut serde_json::Deserializer::from_slice(body);
-    serde_path_to_error::deserialize(deserializer).map_err(invalid_body)
+    let call: T = serde_path_to_error::deserialize(deserializer).map_err(invalid_body)?;
+    signed_by_kind(state, caller, kind(&call), headers, body)?;
+    Ok((job_id, call))
 }
 
 /// A callback for `kind` passes if it is signed with the kind's secret; for a kind without
