@@ -139,7 +139,8 @@ class Worker:
     # The protocol, whatever serves it.
 
     def _accept(self, headers: Mapping[str, str], body: bytes):
-        """The job and its handler, or the answer refusing the call."""
+        """The job and the short handler to run on it here, or the answer already made: the
+        call refused, or a long handler started (202)."""
         if len(body) > self.max_body:
             return None, _json(413, {"error": "the job is larger than this worker takes"})
         if self.secret is not None:
@@ -154,16 +155,17 @@ class Worker:
         found = self._handlers.get(job.kind)
         if found is None:
             return None, _json(404, {"error": f"no handler for kind {job.kind}"})
-        return (job, found), None
+        fn, long = found
+        if long:
+            return None, self._start_long(job, fn)
+        return (job, fn), None
 
     def handle(self, headers: Mapping[str, str], body: bytes) -> Answer:
         """Answers one call (header names in lower case), running a short handler here."""
-        accepted, refused = self._accept(headers, body)
-        if refused:
-            return refused
-        job, (fn, long) = accepted
-        if long:
-            return self._start_long(job, fn)
+        short, answer = self._accept(headers, body)
+        if answer:
+            return answer
+        job, fn = short
         try:
             result = asyncio.run(fn(job)) if inspect.iscoroutinefunction(fn) else fn(job)
         except Exception as e:  # noqa: BLE001 - every failure is the attempt's answer
@@ -172,12 +174,10 @@ class Worker:
 
     async def handle_async(self, headers: Mapping[str, str], body: bytes) -> Answer:
         """:meth:`handle` on an event loop: ``async def`` handlers are awaited on it."""
-        accepted, refused = self._accept(headers, body)
-        if refused:
-            return refused
-        job, (fn, long) = accepted
-        if long:
-            return self._start_long(job, fn)
+        short, answer = self._accept(headers, body)
+        if answer:
+            return answer
+        job, fn = short
         try:
             if inspect.iscoroutinefunction(fn):
                 result = await fn(job)
