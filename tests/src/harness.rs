@@ -202,6 +202,34 @@ impl Installation {
         .unwrap();
     }
 
+    /// A relay and `processors` processors of this installation, their consumer group named
+    /// after `name`, with the kinds in `kinds` (TOML, written to a file of its own); each
+    /// processor serves its API on a port of its own. Returned once every processor holds
+    /// partitions.
+    pub async fn start_group(&self, name: &str, kinds: &str, processors: usize) -> Group {
+        let file =
+            std::env::temp_dir().join(format!("jobfold-{name}-{}.toml", Uuid::new_v4().simple()));
+        std::fs::write(&file, kinds).unwrap();
+        let mut env = self.fast_env(&crate::kafka::unique_name(name));
+        env.insert("JOBFOLD_CONFIG".into(), file.display().to_string());
+        let relay = Service::start("jobfold-relay", &env);
+        let mut group = Group { relay, processors: Vec::new(), http: Vec::new(), env, file };
+        for _ in 0..processors {
+            let http = free_port();
+            let mut env = group.env.clone();
+            env.insert("JOBFOLD_HTTP_ADDR".into(), format!("127.0.0.1:{http}"));
+            group.processors.push(Service::start("jobfold-processor", &env));
+            group.http.push(http);
+        }
+        for processor in &group.processors {
+            eventually(Duration::from_secs(90), "each processor to hold partitions", || async {
+                processor.metric("jobfold_assigned_partitions").await.unwrap_or(0.0) > 0.0
+            })
+            .await;
+        }
+        group
+    }
+
     /// Drops the database and deletes the topics (call at the end of a passing test; what a
     /// failing one leaves, `jobfold-test-sweep` removes after the run).
     pub async fn cleanup(self) {
@@ -212,6 +240,36 @@ impl Installation {
         self.pool.close().await;
         let admin = PgPool::connect(&services::database_url()).await.unwrap();
         let _ = jobfold_common::db::drop_database(&admin, &self.database).await;
+    }
+}
+
+/// What [`Installation::start_group`] started; its configuration file goes with it.
+#[derive(Debug)]
+pub struct Group {
+    pub relay: Service,
+    pub processors: Vec<Service>,
+    /// Each processor's API port.
+    pub http: Vec<u16>,
+    /// The environment they share (each processor's API address aside).
+    pub env: HashMap<String, String>,
+    pub file: PathBuf,
+}
+
+impl Group {
+    /// The first processor.
+    pub fn processor(&self) -> &Service {
+        &self.processors[0]
+    }
+
+    /// `path` on the first processor's API.
+    pub fn api(&self, path: &str) -> String {
+        format!("http://127.0.0.1:{}{path}", self.http[0])
+    }
+}
+
+impl Drop for Group {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.file);
     }
 }
 

@@ -181,17 +181,8 @@ max_attempts = 2
 url = "{url}/plain"
 "#
     );
-    let file =
-        std::env::temp_dir().join(format!("jobfold-boundary-{}.toml", Uuid::new_v4().simple()));
-    std::fs::write(&file, kinds).unwrap();
-    let mut env = it.fast_env(&jobfold_tests::kafka::unique_name("boundary"));
-    env.insert("JOBFOLD_CONFIG".into(), file.display().to_string());
-    let _relay = Service::start("jobfold-relay", &env);
-    let processor = Service::start("jobfold-processor", &env);
-    eventually(Duration::from_secs(90), "the processor to hold partitions", || async {
-        processor.metric("jobfold_assigned_partitions").await.unwrap_or(0.0) > 0.0
-    })
-    .await;
+    let group = it.start_group("boundary", &kinds, 1).await;
+    let processor = group.processor();
     let acceptor = it.acceptor().await;
     let mut jobs: Vec<NewJob> = ["huge", "snooze", "found", "temporary", "hangs"]
         .into_iter()
@@ -250,7 +241,6 @@ url = "{url}/plain"
 
     assert!(state_of(&it, "plain").await.iter().all(|(s, _, _)| s == "succeeded"));
     assert_eq!(fold_mismatches(&it).await, Vec::<String>::new());
-    let _ = std::fs::remove_file(file);
     it.cleanup().await;
 }
 

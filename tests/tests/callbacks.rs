@@ -22,7 +22,7 @@ use axum::response::IntoResponse;
 use hmac::{Hmac, Mac};
 use jobfold_common::accept::NewJob;
 use jobfold_tests::harness::{
-    Installation, Service, eventually, eventually_some, fold_mismatches, free_port, index_job,
+    Installation, Service, eventually, eventually_some, fold_mismatches, index_job,
 };
 use serde_json::{Value, json};
 use sha2::Sha256;
@@ -258,20 +258,8 @@ request_timeout = "1s"
 max_attempts = 3
 "#
     );
-    let file =
-        std::env::temp_dir().join(format!("jobfold-callbacks-{}.toml", Uuid::new_v4().simple()));
-    std::fs::write(&file, kinds).unwrap();
-    let mut env = it.fast_env(&jobfold_tests::kafka::unique_name("callbacks"));
-    env.insert("JOBFOLD_CONFIG".into(), file.display().to_string());
-    let http = free_port();
-    env.insert("JOBFOLD_HTTP_ADDR".into(), format!("127.0.0.1:{http}"));
-    let api = |path: String| format!("http://127.0.0.1:{http}{path}");
-    let _relay = Service::start("jobfold-relay", &env);
-    let processor = Service::start("jobfold-processor", &env);
-    eventually(Duration::from_secs(90), "the processor to hold partitions", || async {
-        processor.metric("jobfold_assigned_partitions").await.unwrap_or(0.0) > 0.0
-    })
-    .await;
+    let group = it.start_group("callbacks", &kinds, 1).await;
+    let (api, processor) = (|path: String| group.api(&path), group.processor());
     let acceptor = it.acceptor().await;
     let mut ids = HashMap::new();
     for (name, job) in [
@@ -314,7 +302,7 @@ max_attempts = 3
     // its reason, and none is recorded (its progress stays what the handler reported).
     let call = calls_of(&seen, "long").pop().expect("the long job's call");
     let beat = call["heartbeat_url"].as_str().unwrap().to_owned();
-    let refused_before = processor_refusals(&processor).await;
+    let refused_before = processor_refusals(processor).await;
     let body = json!({ "kind": "long", "generation": call["generation"], "progress": "forged" })
         .to_string();
     let unsigned = client
@@ -348,7 +336,7 @@ max_attempts = 3
     assert_eq!(fenced.status(), 409);
     let said: Value = fenced.json().await.unwrap();
     assert_eq!(said["error"]["generation"], call["generation"], "{said}");
-    assert_eq!(processor_refusals(&processor).await - refused_before, 2.0);
+    assert_eq!(processor_refusals(processor).await - refused_before, 2.0);
     let forged: i64 = sqlx::query_scalar(
         "SELECT count(*) FROM async_attempts WHERE progress = '\"forged\"'::jsonb",
     )
@@ -456,7 +444,6 @@ max_attempts = 3
     assert_eq!(told_of("doc-pay-failed"), [json!("none"), json!("failed")]);
 
     assert_eq!(fold_mismatches(&it).await, Vec::<String>::new());
-    let _ = std::fs::remove_file(file);
     it.cleanup().await;
 }
 
@@ -517,16 +504,7 @@ async fn calls_to_an_h2c_handler_share_a_connection() {
         "[kinds.h2]\nurl = \"http://{h2}/slow\"\nhttp2 = true\n\
          [kinds.h1]\nurl = \"http://{h1}/slow\"\n"
     );
-    let file = std::env::temp_dir().join(format!("jobfold-h2-{}.toml", Uuid::new_v4().simple()));
-    std::fs::write(&file, kinds).unwrap();
-    let mut env = it.fast_env(&jobfold_tests::kafka::unique_name("callbacks-h2"));
-    env.insert("JOBFOLD_CONFIG".into(), file.display().to_string());
-    let _relay = Service::start("jobfold-relay", &env);
-    let processor = Service::start("jobfold-processor", &env);
-    eventually(Duration::from_secs(90), "the processor to hold partitions", || async {
-        processor.metric("jobfold_assigned_partitions").await.unwrap_or(0.0) > 0.0
-    })
-    .await;
+    let _group = it.start_group("callbacks-h2", &kinds, 1).await;
     let acceptor = it.acceptor().await;
     let mut ids = Vec::new();
     for n in 0..30 {
@@ -554,6 +532,5 @@ async fn calls_to_an_h2c_handler_share_a_connection() {
         h1_counts.accepted(),
         peak(&h1_in_flight)
     );
-    let _ = std::fs::remove_file(file);
     it.cleanup().await;
 }

@@ -13,9 +13,8 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use jobfold_tests::harness::{Installation, Service, eventually, fold_mismatches, free_port};
+use jobfold_tests::harness::{Installation, fold_mismatches};
 use serde_json::Value;
-use uuid::Uuid;
 
 const SECRET: &str = "client-library-test-secret-0123456789";
 
@@ -99,19 +98,8 @@ callback_timeout = "{callback_timeout}s"
         run_timeout = long_seconds * 2 + 60,
         callback_timeout = idle.as_secs() * 3 + 5,
     );
-    let file =
-        std::env::temp_dir().join(format!("jobfold-{name}-{}.toml", Uuid::new_v4().simple()));
-    std::fs::write(&file, kinds).unwrap();
-    let mut env = it.fast_env(&jobfold_tests::kafka::unique_name(name));
-    env.insert("JOBFOLD_CONFIG".into(), file.display().to_string());
-    let http = free_port();
-    env.insert("JOBFOLD_HTTP_ADDR".into(), format!("127.0.0.1:{http}"));
-    let _relay = Service::start("jobfold-relay", &env);
-    let processor = Service::start("jobfold-processor", &env);
-    eventually(Duration::from_secs(90), "the processor to hold partitions", || async {
-        processor.metric("jobfold_assigned_partitions").await.unwrap_or(0.0) > 0.0
-    })
-    .await;
+    let group = it.start_group(name, &kinds, 1).await;
+    let (http, processor) = (group.http[0], group.processor());
 
     let (program, args) = submit;
     let output = tokio::process::Command::new(program)
@@ -161,7 +149,6 @@ callback_timeout = "{callback_timeout}s"
     assert!(beats >= 2.0, "{beats} heartbeats were recorded");
     assert_eq!(fold_mismatches(&it).await, Vec::<String>::new());
     drop(worker);
-    let _ = std::fs::remove_file(file);
     it.cleanup().await;
 }
 

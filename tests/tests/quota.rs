@@ -16,7 +16,7 @@ use std::time::Duration;
 use axum::http::StatusCode;
 use axum::response::IntoResponse;
 use jobfold_common::accept::NewJob;
-use jobfold_tests::harness::{Installation, Service, eventually, fold_mismatches, metric_value};
+use jobfold_tests::harness::{Installation, eventually, fold_mismatches, metric_value};
 use serde_json::{Value, json};
 use uuid::Uuid;
 
@@ -58,28 +58,6 @@ async fn provider() -> (String, Calls, Calls) {
     let url = format!("http://{}", listener.local_addr().unwrap());
     tokio::spawn(async move { axum::serve(listener, app).await });
     (url, metered, busy)
-}
-
-/// `processors` processors of one group, each holding partitions, with `kinds` as their
-/// configuration file; and the relay.
-async fn group(
-    it: &Installation,
-    kinds: &str,
-    processors: usize,
-) -> (Vec<Service>, std::path::PathBuf) {
-    let file = std::env::temp_dir().join(format!("jobfold-quota-{}.toml", Uuid::new_v4().simple()));
-    std::fs::write(&file, kinds).unwrap();
-    let mut env = it.fast_env(&jobfold_tests::kafka::unique_name("quota"));
-    env.insert("JOBFOLD_CONFIG".into(), file.display().to_string());
-    let mut services = vec![Service::start("jobfold-relay", &env)];
-    services.extend((0..processors).map(|_| Service::start("jobfold-processor", &env)));
-    for processor in &services[1..] {
-        eventually(Duration::from_secs(90), "each processor to hold partitions", || async {
-            processor.metric("jobfold_assigned_partitions").await.unwrap_or(0.0) > 0.0
-        })
-        .await;
-    }
-    (services, file)
 }
 
 fn job(kind: &str, n: usize, input: Value) -> NewJob {
@@ -132,15 +110,16 @@ async fn a_kinds_rate_limits_hold_across_the_processors_of_a_group() {
     let it = Installation::new("quota_rate").await;
     it.create_topics().await;
     let (url, metered, _) = provider().await;
-    let (services, file) = group(
-        &it,
-        &format!(
-            "[kinds.metered]\nurl = \"{url}/metered\"\nrate_per_second = 2\n\
+    let group = it
+        .start_group(
+            "quota",
+            &format!(
+                "[kinds.metered]\nurl = \"{url}/metered\"\nrate_per_second = 2\n\
              cost_per_minute = 120\ncost_pointer = \"/tokens\"\n"
-        ),
-        2,
-    )
-    .await;
+            ),
+            2,
+        )
+        .await;
     let acceptor = it.acceptor().await;
     let jobs: Vec<NewJob> = (0..14).map(|n| job("metered", n, json!({"tokens": 10}))).collect();
     acceptor.accept_batch(&it.pool, &jobs).await.unwrap();
@@ -154,7 +133,7 @@ async fn a_kinds_rate_limits_hold_across_the_processors_of_a_group() {
     within_bucket(&calls, 120.0, 2.0, |cost| cost as f64);
     // Both processors took their share of the one quota.
     let mut taken = Vec::new();
-    for processor in &services[1..] {
+    for processor in &group.processors {
         let text = processor.scrape().await.unwrap_or_default();
         let labels = [("kind", "metered"), ("unit", "requests")];
         taken.push(metric_value(&text, "jobfold_quota_taken_total", &labels).unwrap_or(0.0));
@@ -162,8 +141,7 @@ async fn a_kinds_rate_limits_hold_across_the_processors_of_a_group() {
     assert!(taken.iter().all(|t| *t > 0.0), "requests taken by each processor: {taken:?}");
     assert_eq!(taken.iter().sum::<f64>(), 14.0);
     assert_eq!(fold_mismatches(&it).await, Vec::<String>::new());
-    drop(services);
-    let _ = std::fs::remove_file(file);
+    drop(group);
     it.cleanup().await;
 }
 
@@ -177,12 +155,13 @@ async fn a_429_holds_the_kind_back_everywhere_without_spending_attempts() {
     let it = Installation::new("quota_429").await;
     it.create_topics().await;
     let (url, _, busy) = provider().await;
-    let (services, file) = group(
-        &it,
-        &format!("[kinds.busy]\nurl = \"{url}/busy\"\nrate_per_second = 4\nmax_attempts = 1\n"),
-        2,
-    )
-    .await;
+    let group = it
+        .start_group(
+            "quota",
+            &format!("[kinds.busy]\nurl = \"{url}/busy\"\nrate_per_second = 4\nmax_attempts = 1\n"),
+            2,
+        )
+        .await;
     let acceptor = it.acceptor().await;
     let jobs: Vec<NewJob> = (0..16).map(|n| job("busy", n, json!({}))).collect();
     let ids: Vec<Uuid> =
@@ -217,13 +196,12 @@ async fn a_429_holds_the_kind_back_everywhere_without_spending_attempts() {
     assert!(busy_throttle.factor <= 1.0 && busy_throttle.throttled_at.is_some(), "{shown:?}");
     assert_eq!(fold_mismatches(&it).await, Vec::<String>::new());
     let mut throttled = HashMap::new();
-    for (i, processor) in services[1..].iter().enumerate() {
+    for (i, processor) in group.processors.iter().enumerate() {
         let text = processor.scrape().await.unwrap_or_default();
         throttled.insert(i, metric_value(&text, "jobfold_throttled_total", &[("kind", "busy")]));
     }
     assert_eq!(throttled.values().map(|t| t.unwrap_or(0.0)).sum::<f64>(), 2.0, "{throttled:?}");
-    drop(services);
-    let _ = std::fs::remove_file(file);
+    drop(group);
     it.cleanup().await;
 }
 
@@ -238,15 +216,16 @@ async fn a_job_waiting_for_quota_holds_no_process_slot() {
     let it = Installation::new("quota_slot").await;
     it.create_topics().await;
     let (url, metered, _) = provider().await;
-    let (services, file) = group(
-        &it,
-        &format!(
-            "[processor]\nmax_in_flight = 1\n\n[kinds.limited]\nurl = \"{url}/metered\"\n\
+    let group = it
+        .start_group(
+            "quota",
+            &format!(
+                "[processor]\nmax_in_flight = 1\n\n[kinds.limited]\nurl = \"{url}/metered\"\n\
              rate_per_second = 0.01\n\n[kinds.free]\nurl = \"{url}/metered\"\n"
-        ),
-        1,
-    )
-    .await;
+            ),
+            1,
+        )
+        .await;
     let acceptor = it.acceptor().await;
     let limited: Vec<NewJob> = (0..2).map(|n| job("limited", n, json!({}))).collect();
     let limited: Vec<Uuid> =
@@ -273,10 +252,9 @@ async fn a_job_waiting_for_quota_holds_no_process_slot() {
         vec![("queued".into(), 0), ("succeeded".into(), 1)],
         "one limited job ran; the other still waits for its quota, unleased"
     );
-    let text = services[1].scrape().await.unwrap_or_default();
+    let text = group.processor().scrape().await.unwrap_or_default();
     assert_eq!(metric_value(&text, "jobfold_quota_waiting", &[("kind", "limited")]), Some(1.0));
     assert_eq!(metered.lock().unwrap().len(), 6, "one limited call and five free ones");
-    drop(services);
-    let _ = std::fs::remove_file(file);
+    drop(group);
     it.cleanup().await;
 }
