@@ -788,11 +788,18 @@ pub struct Kind {
     /// callbacks need what any write of the API needs (a token, when tokens are set).
     #[serde(default)]
     pub secret: Option<Sensitive<String>>,
-    /// For a kind run at an `http://` `url`: the handler speaks HTTP/2 without TLS (h2c,
-    /// prior knowledge), so its calls share connections (streams of one). An `https://` URL
-    /// negotiates HTTP/2 by ALPN where the handler offers it, without this.
+    /// For a kind run at `url`: the handler speaks HTTP/2 — without TLS for an `http://`
+    /// URL (h2c, prior knowledge), by ALPN (`h2` only) for an `https://` one — so its calls
+    /// share connections (streams of one), however many start at once. Without it, an
+    /// `https://` handler offering HTTP/2 gets it by ALPN, but calls that start together
+    /// before the first connection is up each open one.
     #[serde(default)]
     pub http2: Option<bool>,
+    /// For a kind run at an `https://` `url` whose certificate a private authority signed:
+    /// a PEM file of the authority's certificates, trusted for this kind's calls besides the
+    /// system's.
+    #[serde(default)]
+    pub ca_file: Option<std::path::PathBuf>,
     /// For a kind run at `url` whose handler answers `202 Accepted` and completes by calling
     /// back: how long it may go without a heartbeat before its attempt fails as one whose
     /// outcome is unknown: `processor.callback_timeout`.
@@ -826,8 +833,10 @@ pub struct KindSettings {
     /// The secret signing calls to the kind's `url` and its callbacks, if any.
     pub secret: Option<Sensitive<String>>,
     pub callback_timeout: Duration,
-    /// Calls in HTTP/2 with prior knowledge.
+    /// Calls in HTTP/2 only (h2c, or `h2` by ALPN).
     pub http2: bool,
+    /// Authorities trusted for the kind's `https://` calls besides the system's (PEM).
+    pub ca_file: Option<std::path::PathBuf>,
 }
 
 /// What accepting a job needs: the input limit and each kind's budgets.
@@ -921,6 +930,7 @@ impl Config {
             secret: k.secret,
             callback_timeout: k.callback_timeout.unwrap_or(p.callback_timeout),
             http2: k.http2.unwrap_or(false),
+            ca_file: k.ca_file,
         }
     }
 
@@ -1458,6 +1468,18 @@ impl Config {
         }
         if k.callback_timeout.is_zero() {
             return invalid("callback_timeout", "must be above zero");
+        }
+        if let Some(file) = &k.ca_file {
+            match std::fs::read_to_string(file) {
+                Err(e) => return invalid("ca_file", &format!("{}: {e}", file.display())),
+                Ok(pem) if !pem.contains("-----BEGIN CERTIFICATE-----") => {
+                    return invalid(
+                        "ca_file",
+                        &format!("{}: holds no PEM certificate", file.display()),
+                    );
+                }
+                Ok(_) => {}
+            }
         }
         if let Some(url) = self.kinds.get(name).and_then(|k| k.url.as_ref()) {
             let parsed = url::Url::parse(url.expose());
@@ -2212,6 +2234,8 @@ mod tests {
                 Kind { callback_timeout: Some(Duration::ZERO), ..Kind::default() },
                 "callback_timeout",
             ),
+            (Kind { ca_file: Some("/nonexistent/ca.pem".into()), ..Kind::default() }, "ca_file"),
+            (Kind { ca_file: Some("/etc/hostname".into()), ..Kind::default() }, "ca_file"),
         ] {
             let mut config = defaults();
             config.kinds.insert("bad".into(), kind);

@@ -30,6 +30,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use anyhow::Context;
 use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
 
@@ -59,8 +60,12 @@ pub struct Remote {
 /// How long a connection may take to open, unless the kind says (`connect_timeout`).
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
-fn client(connect_timeout: Duration, http2: bool) -> reqwest::Result<reqwest::Client> {
-    let builder = reqwest::Client::builder();
+fn client(
+    connect_timeout: Duration,
+    http2: bool,
+    authorities: Vec<reqwest::Certificate>,
+) -> reqwest::Result<reqwest::Client> {
+    let builder = reqwest::Client::builder().tls_certs_merge(authorities);
     // h2c: every call a stream of one connection (or a few), however many are in flight.
     let builder = if http2 { builder.http2_prior_knowledge() } else { builder };
     builder
@@ -82,7 +87,7 @@ impl Remote {
         Ok(Self {
             shown: jobfold_common::config::redacted(url.as_str()),
             url,
-            client: client(CONNECT_TIMEOUT, false)?,
+            client: client(CONNECT_TIMEOUT, false, Vec::new())?,
             max_output_bytes,
             cost_pointer: None,
             request_timeout: None,
@@ -93,16 +98,26 @@ impl Remote {
 
     /// A handler calling `url` with `kind`'s limits: its `max_output_bytes`,
     /// `connect_timeout` and `request_timeout` (else its `run_timeout`), its `secret`,
-    /// `callback_timeout` and `http2`.
+    /// `callback_timeout`, `http2` and `ca_file`.
     ///
     /// # Errors
-    /// `url` does not parse, or the HTTP client cannot be built.
+    /// `url` does not parse, `ca_file` does not read as PEM certificates, or the HTTP client
+    /// cannot be built.
     pub fn for_kind(
         url: &str,
         kind: &jobfold_common::config::KindSettings,
     ) -> anyhow::Result<Self> {
+        let authorities = match &kind.ca_file {
+            Some(file) => {
+                let pem =
+                    std::fs::read(file).with_context(|| format!("reading {}", file.display()))?;
+                reqwest::Certificate::from_pem_bundle(&pem)
+                    .with_context(|| format!("the certificates in {}", file.display()))?
+            }
+            None => Vec::new(),
+        };
         Ok(Self {
-            client: client(kind.connect_timeout, kind.http2)?,
+            client: client(kind.connect_timeout, kind.http2, authorities)?,
             request_timeout: kind.request_timeout,
             secret: kind.secret.clone(),
             callback_timeout: kind.callback_timeout,

@@ -29,3 +29,4 @@ pub mod history;
 pub mod kafka;
 pub mod proxy;
 pub mod services;
+pub mod tls;

@@ -459,8 +459,8 @@ async fn processor_refusals(processor: &Service) -> f64 {
 }
 
 /// A handler that takes a second a call and counts the calls in flight at once.
-async fn slow_handler(in_flight: Arc<Mutex<(usize, usize)>>) -> SocketAddr {
-    let app = axum::Router::new().route(
+fn slow_handler(in_flight: Arc<Mutex<(usize, usize)>>) -> axum::Router {
+    axum::Router::new().route(
         "/slow",
         axum::routing::post(move || {
             let in_flight = Arc::clone(&in_flight);
@@ -475,40 +475,47 @@ async fn slow_handler(in_flight: Arc<Mutex<(usize, usize)>>) -> SocketAddr {
                 axum::Json(json!({ "ok": true }))
             }
         }),
-    );
+    )
+}
+
+/// [`slow_handler`] in plain text: HTTP/1.1 and, to a client with prior knowledge, HTTP/2
+/// (h2c), as axum serves.
+async fn serve_plain(app: axum::Router) -> SocketAddr {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
-    // axum serves HTTP/1.1 and, to a client with prior knowledge, HTTP/2 (h2c).
     tokio::spawn(async move { axum::serve(listener, app).await });
     addr
 }
 
 /// Calls in flight together to a kind with `http2 = true` share one connection (streams of
-/// it); the same calls to a kind without it each take one.
+/// it): in plain text (h2c), and over TLS, HTTP/2 agreed by ALPN with a handler whose
+/// certificate an authority of its own signed (trusted by the kind's `ca_file`). The same
+/// calls to a kind without it each take one.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn calls_to_an_h2c_handler_share_a_connection() {
+async fn calls_to_an_http2_handler_share_a_connection() {
     let it = Installation::new("callbacks-h2").await;
     it.create_topics().await;
-    let (h2_in_flight, h1_in_flight) = (Arc::default(), Arc::default());
-    let (h2, h2_counts) = jobfold_tests::proxy::idle_proxy(
-        slow_handler(Arc::clone(&h2_in_flight)).await,
-        Duration::from_secs(60),
-    )
-    .await;
-    let (h1, h1_counts) = jobfold_tests::proxy::idle_proxy(
-        slow_handler(Arc::clone(&h1_in_flight)).await,
-        Duration::from_secs(60),
-    )
-    .await;
+    let (h2_in_flight, h1_in_flight, tls_in_flight) =
+        (Arc::default(), Arc::default(), Arc::default());
+    let idle = Duration::from_secs(60);
+    let plain =
+        |in_flight: &Arc<Mutex<(usize, usize)>>| serve_plain(slow_handler(Arc::clone(in_flight)));
+    let (h2, h2_counts) = jobfold_tests::proxy::idle_proxy(plain(&h2_in_flight).await, idle).await;
+    let (h1, h1_counts) = jobfold_tests::proxy::idle_proxy(plain(&h1_in_flight).await, idle).await;
+    let served = jobfold_tests::tls::serve(slow_handler(Arc::clone(&tls_in_flight))).await;
+    let (tls, tls_counts) = jobfold_tests::proxy::idle_proxy(served.addr, idle).await;
     let kinds = format!(
         "[kinds.h2]\nurl = \"http://{h2}/slow\"\nhttp2 = true\n\
-         [kinds.h1]\nurl = \"http://{h1}/slow\"\n"
+         [kinds.h1]\nurl = \"http://{h1}/slow\"\n\
+         [kinds.tls]\nurl = \"https://localhost:{port}/slow\"\nca_file = \"{ca}\"\nhttp2 = true\n",
+        port = tls.port(),
+        ca = served.ca_file.display(),
     );
     let _group = it.start_group("callbacks-h2", &kinds, 1).await;
     let acceptor = it.acceptor().await;
     let mut ids = Vec::new();
     for n in 0..30 {
-        for kind in ["h2", "h1"] {
+        for kind in ["h2", "h1", "tls"] {
             let job = job_of(kind, &format!("doc-{kind}-{n}"), json!({}));
             ids.push(acceptor.accept(&it.pool, &job).await.unwrap().job_id);
         }
@@ -520,12 +527,13 @@ async fn calls_to_an_h2c_handler_share_a_connection() {
         assert_eq!(job_row(&it, *id).await.0, "succeeded");
     }
     let peak = |n: &Arc<Mutex<(usize, usize)>>| n.lock().unwrap().1;
-    // Both kinds had many calls in flight at once: the comparison is between equals.
+    // Every kind had many calls in flight at once: the comparison is between equals.
     assert!(
-        peak(&h2_in_flight) >= 10 && peak(&h1_in_flight) >= 10,
-        "{h2_in_flight:?} {h1_in_flight:?}"
+        [&h2_in_flight, &h1_in_flight, &tls_in_flight].iter().all(|n| peak(n) >= 10),
+        "{h2_in_flight:?} {h1_in_flight:?} {tls_in_flight:?}"
     );
-    assert_eq!(h2_counts.accepted(), 1, "the HTTP/2 kind's calls opened more than one connection");
+    assert_eq!(h2_counts.accepted(), 1, "the h2c kind's calls opened more than one connection");
+    assert_eq!(tls_counts.accepted(), 1, "the https kind's calls did not share a connection");
     assert!(
         h1_counts.accepted() >= peak(&h1_in_flight),
         "HTTP/1.1 calls in flight together each hold a connection: {} for {}",
