@@ -31,12 +31,13 @@ fi
 # The convert-audio example runs sox; its tests make and read audio with sox and soxi. The
 # Python handler example needs python3. The console's tests drive the distribution's
 # Chromium through its chromedriver (without the recommended desktop packages, which a
-# headless browser does not use).
+# headless browser does not use). The signature tests check digests with the openssl
+# command, and the TLS handler's certificates are made with it.
 apt_install() {
     DEBIAN_FRONTEND=noninteractive apt-get install -y -q "$@" ||
         { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q "$@"; }
 }
-for tool in sox:sox python3:python3 node:nodejs npm:npm chromium:chromium chromedriver:chromium-driver; do
+for tool in openssl:openssl sox:sox python3:python3 node:nodejs npm:npm chromium:chromium chromedriver:chromium-driver; do
     command="${tool%%:*}" package="${tool#*:}"
     if ! command -v "$command" >/dev/null; then
         step "installing $package"
