@@ -1144,7 +1144,7 @@ async fn lease(
         let (run, offered) = tokio::sync::oneshot::channel();
         (Some(Inline { window, run }), Some(offered))
     };
-    // The lease's wait is boxed: it lives only while it waits, not for an inline run too.
+    // Boxed: raced against the offer of an inline run, then, after that run, awaited again.
     let mut leased = Box::pin(shared.leaser.submit(Request { dispatch, inline }));
     let offer = async {
         match offered.as_mut() {

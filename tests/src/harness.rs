@@ -213,10 +213,9 @@ impl Installation {
         let mut env = self.fast_env(&crate::kafka::unique_name(name));
         env.insert("JOBFOLD_CONFIG".into(), file.display().to_string());
         let relay = Service::start("jobfold-relay", &env);
-        let mut group = Group { relay, processors: Vec::new(), http: Vec::new(), env, file };
+        let mut group = Group { relay, processors: Vec::new(), http: Vec::new(), file };
         for _ in 0..processors {
             let http = free_port();
-            let mut env = group.env.clone();
             env.insert("JOBFOLD_HTTP_ADDR".into(), format!("127.0.0.1:{http}"));
             group.processors.push(Service::start("jobfold-processor", &env));
             group.http.push(http);
@@ -250,9 +249,7 @@ pub struct Group {
     pub processors: Vec<Service>,
     /// Each processor's API port.
     pub http: Vec<u16>,
-    /// The environment they share (each processor's API address aside).
-    pub env: HashMap<String, String>,
-    pub file: PathBuf,
+    file: PathBuf,
 }
 
 impl Group {
