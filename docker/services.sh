@@ -6,6 +6,8 @@
 #
 # JOBFOLD_KAFKA_NODES=3 runs Kafka as a cluster of three (docker/kafka.sh), and services.env
 # then asks for topics with three replicas, written to two before an event counts.
+# JOBFOLD_PG_NODES=2 runs Postgres as a primary and a synchronous standby (docker/postgres.sh),
+# and services.env then names both hosts and asks every binary to refuse a primary without one.
 #
 # start reuses what already runs and writes the addresses to $JOBFOLD_STATE_DIR/services.env
 # (source it to point the binaries at these services).
@@ -23,7 +25,7 @@ case "${1:-}" in
         wait "$kafka" || die "kafka did not start"
         wait "$registry" || die "the registry did not start"
         cat >"$JOBFOLD_STATE_DIR/services.env" <<ENV
-export JOBFOLD_DATABASE_URL=postgres://jobfold:jobfold@127.0.0.1:$JOBFOLD_PG_PORT/jobfold
+export JOBFOLD_DATABASE_URL='$("$HERE/postgres.sh" url)'
 export JOBFOLD_KAFKA_BROKERS=$("$HERE/kafka.sh" brokers)
 export JOBFOLD_SCHEMA_REGISTRY_URL=http://127.0.0.1:$JOBFOLD_REGISTRY_PORT/apis/ccompat/v7
 # The broker's SASL/PLAIN listener, for running with credentials.
@@ -35,6 +37,11 @@ ENV
             cat >>"$JOBFOLD_STATE_DIR/services.env" <<ENV
 export JOBFOLD_TOPICS__REPLICATION_FACTOR=3
 export JOBFOLD_TOPICS__MIN_INSYNC_REPLICAS=2
+ENV
+        fi
+        if [[ "${JOBFOLD_PG_NODES:-1}" == 2 ]]; then
+            cat >>"$JOBFOLD_STATE_DIR/services.env" <<ENV
+export JOBFOLD_DATABASE__REQUIRE_SYNC_STANDBY=true
 ENV
         fi
         say "services: ready; addresses in $JOBFOLD_STATE_DIR/services.env"

@@ -1392,6 +1392,13 @@ async fn stats(config: Config, totals: bool) -> anyhow::Result<()> {
             "oldest unpublished age".into(),
             format!("{:.1} s", snapshot.relay_oldest_unpublished_age_seconds),
         ),
+        (
+            "commits waiting for the standby".into(),
+            format!(
+                "{} (longest {:.1} s)",
+                snapshot.commits_waiting_for_standby, snapshot.longest_standby_wait_seconds
+            ),
+        ),
     ]);
     if totals {
         let counts = gauges::totals(&pool).await?;

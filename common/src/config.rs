@@ -200,8 +200,14 @@ impl Serialize for SecretUrl {
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct Config {
-    /// `postgres://` URL of the jobfold database (contains the password: sensitive).
+    /// `postgres://` URL of the jobfold database (contains the password: sensitive). Several
+    /// hosts, `postgres://u:p@h1:5432,h2:5432/jobfold?target_session_attrs=read-write`, name a
+    /// primary and its standbys: every pool connects to whichever accepts writes, and moves
+    /// when that changes (`crate::db`).
     pub database_url: Sensitive<String>,
+    /// How jobfold holds Postgres to its guarantees, `[database]`.
+    #[serde(default)]
+    pub database: Database,
     /// Kafka bootstrap servers, comma separated.
     pub kafka_brokers: String,
     /// Base URL of the Confluent-compatible schema registry API.
@@ -248,6 +254,27 @@ pub struct Config {
     /// wherever the configuration is shown.
     #[serde(default)]
     pub kafka: KafkaOptions,
+}
+
+/// `[database]`: what jobfold asks of Postgres beyond the URL.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Database {
+    /// Refuse to start (exit 2) against a primary that acknowledges a commit before a
+    /// synchronous standby has it (`synchronous_standby_names` empty, or `synchronous_commit`
+    /// `off` or `local` for jobfold's sessions): a failover to a standby would then lose jobs
+    /// already acknowledged to their callers.
+    pub require_sync_standby: bool,
+    /// With several hosts in `database_url`: how often each pool asks whether its host still
+    /// accepts writes, and looks for the one that does once it does not (a failover).
+    #[serde(with = "humantime_serde")]
+    pub primary_check: Duration,
+}
+
+impl Default for Database {
+    fn default() -> Self {
+        Self { require_sync_standby: false, primary_check: Duration::from_secs(1) }
+    }
 }
 
 /// librdkafka options, by their librdkafka names. `Debug` and `Serialize` show the values of
@@ -637,6 +664,12 @@ pub struct Accept {
     /// How far ahead a job may be scheduled.
     #[serde(with = "humantime_serde")]
     pub max_schedule_ahead: Duration,
+    /// How long an HTTP caller waits for its accept to be durable (committed, and with a
+    /// synchronous standby, on the standby) before it is answered 503: retry with the same
+    /// idempotency key. The commit is not cancelled: Postgres keeps a commit cancelled while
+    /// it waits for the standby, unreplicated, so it goes on and ends in its own time.
+    #[serde(with = "humantime_serde")]
+    pub commit_timeout: Duration,
 }
 
 /// A job accepted on a schedule, `[periodic.<name>]`: one job per tick of `cron` (read in
@@ -1076,8 +1109,9 @@ const NOT_CONFIG: [&str; 17] = [
 pub const MIN_SECRET_BYTES: usize = 32;
 
 /// Top-level keys that `JOBFOLD_*` variables may set.
-const ENV_KEYS: [&str; 20] = [
+const ENV_KEYS: [&str; 21] = [
     "database_url",
+    "database",
     "api_token",
     "http",
     "console",
@@ -1170,6 +1204,14 @@ impl Config {
             && !self.database_url.expose().starts_with("postgresql://")
         {
             return invalid("database_url", "must be a postgres:// URL");
+        }
+        if let Err(problem) = crate::db::Hosts::parse(self.database_url.expose()) {
+            return invalid("database_url", &problem);
+        }
+        if self.database.primary_check.is_zero()
+            || self.database.primary_check > Duration::from_secs(60)
+        {
+            return invalid("database.primary_check", "must be between 1ms and 60s");
         }
         if self.kafka_brokers.trim().is_empty() {
             return invalid("kafka_brokers", "must name at least one broker");
@@ -1311,6 +1353,11 @@ impl Config {
         }
         if self.processor.shutdown_timeout > Duration::from_secs(3600) {
             return invalid("processor.shutdown_timeout", "must be at most 1h");
+        }
+        if self.accept.commit_timeout.is_zero()
+            || self.accept.commit_timeout > Duration::from_secs(300)
+        {
+            return invalid("accept.commit_timeout", "must be between 1ms and 300s");
         }
         if self.accept.max_schedule_ahead.is_zero() {
             return invalid("accept.max_schedule_ahead", "must be above zero");

@@ -4,10 +4,16 @@ use std::time::Duration;
 
 use anyhow::Context;
 
-use sqlx::PgPool;
-use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::postgres::{PgConnectOptions, PgConnection, PgPoolOptions};
+use sqlx::{ConnectOptions, PgPool};
 
-use crate::config::Config;
+use crate::config::{Config, ConfigError};
+
+mod primary;
+pub use primary::{Hosts, in_recovery};
+
+/// How long a binary looks for a host that accepts writes at start.
+const START_WAIT: Duration = Duration::from_secs(10);
 
 /// Every migration under `migrations/`, embedded in the binary.
 ///
@@ -22,18 +28,116 @@ pub static MIGRATOR: sqlx::migrate::Migrator =
 
 /// A pool of at most `max` connections to the configured database.
 ///
+/// With several hosts in `database_url` (or `target_session_attrs=read-write`), the pool
+/// connects to the one accepting writes, refuses connections to a standby, and follows a
+/// failover (a task per pool, see [`primary`]). With `database.require_sync_standby`, a
+/// primary that acknowledges commits without a synchronous standby is refused.
+///
 /// # Errors
 /// The URL does not parse or the database cannot be reached; the error names the address
-/// (never the password).
+/// (never the password). [`ConfigError`] when `database.require_sync_standby` is not met.
 pub async fn connect(config: &Config, max: u32) -> anyhow::Result<PgPool> {
-    let options = connect_options(config)?;
-    let target = target(&options);
-    PgPoolOptions::new()
-        .max_connections(max)
-        .acquire_timeout(Duration::from_secs(10))
-        .connect_with(options)
-        .await
-        .with_context(|| format!("connecting to Postgres at {target}"))
+    let hosts = connect_options_each(config)?;
+    let primary_only = Hosts::parse(config.database_url.expose())
+        .map_err(|problem| anyhow::anyhow!("database_url: {problem}"))?
+        .primary_only;
+    let options =
+        PgPoolOptions::new().max_connections(max).acquire_timeout(Duration::from_secs(10));
+    let pool = if primary_only {
+        let router = primary::Router::new(hosts);
+        let deadline = tokio::time::Instant::now() + START_WAIT;
+        let (i, conn) = loop {
+            match router.find_primary().await {
+                Ok(found) => break found,
+                Err(answers) if tokio::time::Instant::now() >= deadline => {
+                    anyhow::bail!("connecting to Postgres: no host accepts writes ({answers})")
+                }
+                Err(_) => tokio::time::sleep(Duration::from_millis(250)).await,
+            }
+        };
+        let target = target(&router.hosts()[i]);
+        let pool = options
+            .after_connect(|conn, _| {
+                Box::pin(async move {
+                    if in_recovery(conn).await? { Err(primary::on_a_standby()) } else { Ok(()) }
+                })
+            })
+            .connect_with(router.hosts()[i].clone())
+            .await
+            .with_context(|| format!("connecting to Postgres at {target}"))?;
+        router.switch(&pool, i);
+        tokio::spawn(router.follow(pool.clone(), config.database.primary_check, Some(conn)));
+        pool
+    } else {
+        let options_one = hosts.into_iter().next().expect("a host");
+        let target = target(&options_one);
+        options
+            .connect_with(options_one)
+            .await
+            .with_context(|| format!("connecting to Postgres at {target}"))?
+    };
+    if config.database.require_sync_standby {
+        check_sync_standby(&pool).await?;
+    }
+    Ok(pool)
+}
+
+/// One connection outside `pool`, to where its connections go now (the primary it follows),
+/// refused if that is a standby: a connection that must hold a session of its own, as the
+/// relay's advisory lock.
+///
+/// # Errors
+/// The database cannot be reached, or answers as a standby.
+pub async fn connect_one(pool: &PgPool, application: &str) -> Result<PgConnection, sqlx::Error> {
+    let options = pool.connect_options().as_ref().clone().application_name(application);
+    let mut conn = options.connect().await?;
+    if in_recovery(&mut conn).await? {
+        primary::close(conn).await;
+        return Err(primary::on_a_standby());
+    }
+    Ok(conn)
+}
+
+/// Refuses a primary that acknowledges jobfold's commits before a synchronous standby has
+/// them: `synchronous_standby_names` empty, or `synchronous_commit` `off` or `local` for
+/// this session (a role's or database's setting included).
+///
+/// # Errors
+/// [`ConfigError`] naming `database.require_sync_standby`; the database failed.
+pub async fn check_sync_standby(pool: &PgPool) -> anyhow::Result<()> {
+    let row = sqlx::query!(
+        r#"SELECT current_setting('synchronous_standby_names') AS "names!",
+                  current_setting('synchronous_commit') AS "commit!""#
+    )
+    .fetch_one(pool)
+    .await
+    .context("reading the primary's synchronous replication settings")?;
+    let at = target(&pool.connect_options());
+    let problem = if row.names.trim().is_empty() {
+        Some("synchronous_standby_names is empty".to_owned())
+    } else if matches!(row.commit.as_str(), "off" | "local") {
+        Some(format!("synchronous_commit is {} for jobfold's sessions", row.commit))
+    } else {
+        None
+    };
+    if let Some(problem) = problem {
+        return Err(ConfigError::Named {
+            key: "key `database.require_sync_standby`".into(),
+            problem: format!(
+                "the primary at {at} acknowledges a commit before any standby has it ({problem}): \
+                 a failover would lose jobs already acknowledged; name a synchronous standby in \
+                 synchronous_standby_names with synchronous_commit on (docs/postgres.md), or set \
+                 database.require_sync_standby = false"
+            ),
+        }
+        .into());
+    }
+    tracing::info!(
+        synchronous_standby_names = %row.names,
+        synchronous_commit = %row.commit,
+        "Postgres acknowledges commits once a synchronous standby has them."
+    );
+    Ok(())
 }
 
 /// How every jobfold session connects: the configured URL, with JIT compilation off.
@@ -47,9 +151,21 @@ pub async fn connect(config: &Config, max: u32) -> anyhow::Result<PgPool> {
 /// # Errors
 /// The URL does not parse.
 pub fn connect_options(config: &Config) -> anyhow::Result<PgConnectOptions> {
-    let options: PgConnectOptions =
-        config.database_url.expose().parse().context("parsing database_url")?;
-    Ok(options.options([("jit", "off")]))
+    Ok(connect_options_each(config)?.into_iter().next().expect("a host"))
+}
+
+/// [`connect_options`] for each host of `database_url`.
+fn connect_options_each(config: &Config) -> anyhow::Result<Vec<PgConnectOptions>> {
+    let hosts = Hosts::parse(config.database_url.expose())
+        .map_err(|problem| anyhow::anyhow!("database_url: {problem}"))?;
+    hosts
+        .urls
+        .iter()
+        .map(|url| {
+            let options: PgConnectOptions = url.parse().context("parsing database_url")?;
+            Ok(options.options([("jit", "off")]))
+        })
+        .collect()
 }
 
 /// Where `options` connect: `host:port/database as user`, without the password.

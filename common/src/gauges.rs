@@ -42,6 +42,11 @@ pub struct Snapshot {
     pub relay_backlog: i64,
     /// Seconds since the oldest due, unpublished outbox row became due (0 with none).
     pub relay_oldest_unpublished_age_seconds: f64,
+    /// jobfold's commits waiting for the synchronous standby to have them (its sessions,
+    /// `wait_event = 'SyncRep'`), and the longest such wait in seconds: a standby down or
+    /// behind holds every commit here.
+    pub commits_waiting_for_standby: i64,
+    pub longest_standby_wait_seconds: f64,
 }
 
 impl Snapshot {
@@ -105,7 +110,26 @@ pub async fn read(pool: &PgPool) -> Result<Snapshot, sqlx::Error> {
     let (backlog, age) = relay_backlog(pool).await?;
     snapshot.relay_backlog = backlog;
     snapshot.relay_oldest_unpublished_age_seconds = age;
+    (snapshot.commits_waiting_for_standby, snapshot.longest_standby_wait_seconds) =
+        standby_waits(pool).await?;
     Ok(snapshot)
+}
+
+/// Commits of sessions of jobfold's role that wait for the synchronous standby, and the
+/// longest wait in seconds (a role sees its own sessions' wait events without privileges).
+///
+/// # Errors
+/// The database failed.
+pub async fn standby_waits(pool: &PgPool) -> Result<(i64, f64), sqlx::Error> {
+    let row = sqlx::query!(
+        r#"SELECT count(*) AS "waiting!",
+                  coalesce(EXTRACT(EPOCH FROM now() - min(query_start)), 0)::float8 AS "longest!"
+           FROM pg_stat_activity
+           WHERE wait_event = 'SyncRep' AND usename = current_user"#
+    )
+    .fetch_one(pool)
+    .await?;
+    Ok((row.waiting, row.longest.max(0.0)))
 }
 
 /// Events the relay still owes Kafka — after its cursor in the log, or due and unpublished in
@@ -218,5 +242,8 @@ impl Publisher {
             self.owners.insert(owner.clone());
         }
         metrics::gauge!(m::DEAD_LETTERS).set(snapshot.dead_letters as f64);
+        metrics::gauge!(m::COMMITS_WAITING_FOR_STANDBY)
+            .set(snapshot.commits_waiting_for_standby as f64);
+        metrics::gauge!(m::LONGEST_STANDBY_WAIT_SECONDS).set(snapshot.longest_standby_wait_seconds);
     }
 }

@@ -24,6 +24,16 @@ pub const QUARANTINED: &str = "jobfold_quarantined";
 /// Rows in `dead_letters`.
 pub const DEAD_LETTERS: &str = "jobfold_dead_letters";
 
+/// Commits of jobfold's sessions waiting for the synchronous standby.
+pub const COMMITS_WAITING_FOR_STANDBY: &str = "jobfold_commits_waiting_for_standby";
+/// Seconds the longest of them has waited.
+pub const LONGEST_STANDBY_WAIT_SECONDS: &str = "jobfold_longest_standby_wait_seconds";
+
+/// Times a pool found the Postgres primary on another host and moved there.
+pub const PRIMARY_CHANGES_TOTAL: &str = "jobfold_database_primary_changes_total";
+/// With several hosts in `database_url`: 1 while one accepts writes, 0 while none does.
+pub const PRIMARY_UP: &str = "jobfold_database_primary_up";
+
 /// Describes every metric above to the installed recorder.
 pub fn describe() {
     describe_counter!(ACCEPTED_TOTAL, Unit::Count, "Jobs accepted (new jobs, not retries).");
@@ -42,4 +52,24 @@ pub fn describe() {
     describe_gauge!(EXPIRED_LEASES, Unit::Count, "Leased jobs whose lease ran out.");
     describe_gauge!(QUARANTINED, Unit::Count, "Quarantined jobs by owner.");
     describe_gauge!(DEAD_LETTERS, Unit::Count, "Rows in dead_letters.");
+    describe_gauge!(
+        COMMITS_WAITING_FOR_STANDBY,
+        Unit::Count,
+        "Commits of jobfold's sessions waiting for the synchronous standby to have them."
+    );
+    describe_gauge!(
+        LONGEST_STANDBY_WAIT_SECONDS,
+        Unit::Seconds,
+        "Seconds the longest commit waiting for the synchronous standby has waited."
+    );
+    describe_counter!(
+        PRIMARY_CHANGES_TOTAL,
+        Unit::Count,
+        "Times a pool found the Postgres primary on another host (a failover) and moved."
+    );
+    describe_gauge!(
+        PRIMARY_UP,
+        Unit::Count,
+        "1 while a host of database_url accepts writes, 0 while none does."
+    );
 }

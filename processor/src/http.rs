@@ -500,7 +500,48 @@ impl ApiError {
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let status = self.status;
-        (status, axum::Json(json!({ "error": self.body() }))).into_response()
+        let mut response = (status, axum::Json(json!({ "error": self.body() }))).into_response();
+        // The database (or a standby it waits for) is away: a second is the time a failover
+        // takes to be noticed.
+        if status == StatusCode::SERVICE_UNAVAILABLE {
+            response
+                .headers_mut()
+                .insert(header::RETRY_AFTER, header::HeaderValue::from_static("1"));
+        }
+        response
+    }
+}
+
+/// `accept`'s answer if it is durable within `limit` (`accept.commit_timeout`), else 503
+/// `not_durable_yet`. The accept runs in a task of its own and goes on past the limit: a
+/// commit that waits for the synchronous standby must not be cancelled or its connection
+/// dropped, for Postgres then keeps it committed locally without the standby having it (a
+/// job a failover would lose, though it may already have run). The caller retries with its
+/// idempotency key and is answered 200 once the commit ends.
+async fn durable_within<T: Send + 'static>(
+    limit: std::time::Duration,
+    accept: impl Future<Output = Result<T, ApiError>> + Send + 'static,
+) -> Result<T, ApiError> {
+    let task = tokio::spawn(accept);
+    match tokio::time::timeout(limit, task).await {
+        Ok(Ok(answer)) => answer,
+        Ok(Err(join)) => {
+            tracing::error!(error = %join, "An accept task failed.");
+            Err(ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", "the accept failed"))
+        }
+        Err(_) => {
+            metrics::counter!(crate::metrics::ACCEPTS_NOT_DURABLE_TOTAL).increment(1);
+            Err(ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "not_durable_yet",
+                format!(
+                    "the accept was not durable within accept.commit_timeout ({}): the database \
+                     or its synchronous standby is slow or away; retry with the same \
+                     Idempotency-Key",
+                    humantime::format_duration(limit)
+                ),
+            ))
+        }
     }
 }
 
@@ -706,14 +747,18 @@ async fn submit(
         })?),
     };
     let job = parsed.into_job(idempotency_key, trace_context(&headers))?;
-    let grouped = state.accepts.submit(job).await.map_err(|e| {
-        tracing::error!(error = %format!("{e:#}"), "The accept batch failed.");
-        ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "unavailable", "the accept failed")
-    })?;
-    let accepted = match grouped {
-        Grouped::Answered(answer) => answer?,
-        Grouped::Alone(job) => state.acceptor.accept(&state.pool, &job).await?,
-    };
+    let limit = state.config.accept.commit_timeout;
+    let accepted = durable_within(limit, async move {
+        let grouped = state.accepts.submit(job).await.map_err(|e| {
+            tracing::error!(error = %format!("{e:#}"), "The accept batch failed.");
+            ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "unavailable", "the accept failed")
+        })?;
+        match grouped {
+            Grouped::Answered(answer) => answer,
+            Grouped::Alone(job) => Ok(state.acceptor.accept(&state.pool, &job).await?),
+        }
+    })
+    .await?;
     let status = if accepted.created { StatusCode::CREATED } else { StatusCode::OK };
     let location = format!("/v1/jobs/{}", accepted.job_id);
     let body = Submitted { job_id: accepted.job_id, created: accepted.created };
@@ -762,7 +807,14 @@ async fn submit_batch(
         }
     }
     // A failure of the whole batch (the database) is one answer, as for a single job.
-    let mut accepted = state.acceptor.accept_each(&state.pool, &jobs).await?.into_iter();
+    let limit = state.config.accept.commit_timeout;
+    let mut accepted =
+        durable_within(
+            limit,
+            async move { Ok(state.acceptor.accept_each(&state.pool, &jobs).await?) },
+        )
+        .await?
+        .into_iter();
     let (mut created, mut existing, mut failed) = (0, 0, 0);
     // The jobs that parsed take their answers from accept_each, in order.
     let results: Vec<serde_json::Value> = answers

@@ -6,6 +6,8 @@
 
 use metrics::{Unit, describe_counter, describe_gauge, describe_histogram};
 
+/// HTTP accepts answered 503 because they were not durable within `accept.commit_timeout`.
+pub const ACCEPTS_NOT_DURABLE_TOTAL: &str = "jobfold_accepts_not_durable_total";
 /// Messages the intake could not decode, stored in dead_letters.
 pub const DEAD_LETTERS_TOTAL: &str = "jobfold_dead_letters_total";
 /// Intake requests skipped because their request id was accepted before.
@@ -120,6 +122,11 @@ pub const AUDIT_FAILED_TOTAL: &str = "jobfold_audit_failed_total";
 pub fn describe() {
     jobfold_common::metrics::describe();
     describe_counter!(DEAD_LETTERS_TOTAL, Unit::Count, "Undecodable messages dead-lettered.");
+    describe_counter!(
+        ACCEPTS_NOT_DURABLE_TOTAL,
+        Unit::Count,
+        "HTTP accepts answered 503, not durable within accept.commit_timeout (their commit goes on)."
+    );
     describe_counter!(
         HTTP_REFUSED_TOTAL,
         Unit::Count,

@@ -85,7 +85,7 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> anyhow::Result<
     let mut producer =
         publish::producer_for(&config, max_bytes).context("creating the producer")?;
     while !shutdown.is_cancelled() {
-        let Some(lock) = stand_by(&config, &shutdown).await else { break };
+        let Some(lock) = stand_by(&config, &pool, &shutdown).await else { break };
         BecameActive { lock_key: config.relay.lock_key }.emit();
         let result = relay(&config, &pool, lock, &mut producer, max_bytes, &shutdown).await;
         StoodDown { error: result.as_ref().err() }.emit();
@@ -100,10 +100,14 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> anyhow::Result<
 }
 
 /// Waits until this process holds the active lock; `None` on shutdown.
-async fn stand_by(config: &Config, shutdown: &CancellationToken) -> Option<PgConnection> {
+async fn stand_by(
+    config: &Config,
+    pool: &PgPool,
+    shutdown: &CancellationToken,
+) -> Option<PgConnection> {
     let mut announced = false;
     loop {
-        match try_lock(config).await {
+        match try_lock(config, pool).await {
             Ok(Some(conn)) => return Some(conn),
             Ok(None) if !announced => {
                 tracing::info!("Another relay is active; standing by.");
@@ -120,10 +124,11 @@ async fn stand_by(config: &Config, shutdown: &CancellationToken) -> Option<PgCon
     }
 }
 
-/// A connection holding the advisory lock, or `None` if another session holds it.
-async fn try_lock(config: &Config) -> Result<Option<PgConnection>, sqlx::Error> {
-    let options = db::connect_options(config).map_err(|e| sqlx::Error::Configuration(e.into()))?;
-    let mut conn = PgConnection::connect_with(&options.application_name("jobfold-relay")).await?;
+/// A connection holding the advisory lock, or `None` if another session holds it. It goes
+/// where the pool's go: the primary (advisory locks are not replicated, and a standby would
+/// grant one as readily, so a standby's connection is refused).
+async fn try_lock(config: &Config, pool: &PgPool) -> Result<Option<PgConnection>, sqlx::Error> {
+    let mut conn = db::connect_one(pool, "jobfold-relay").await?;
     let locked = sqlx::query_scalar!(
         r#"SELECT pg_try_advisory_lock($1) AS "locked!""#,
         config.relay.lock_key

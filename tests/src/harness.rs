@@ -28,13 +28,22 @@ pub struct Installation {
     pub config: Config,
     pub pool: PgPool,
     database: String,
+    /// Where the database was made, and is dropped.
+    admin_url: String,
 }
 
 impl Installation {
     /// Creates the database and applies the migrations; creates no topics yet.
     pub async fn new(name: &str) -> Self {
         services::require_all();
-        let admin_url = services::database_url();
+        Self::on(name, &services::database_url(), |url| url.to_owned()).await
+    }
+
+    /// [`Installation::new`] on the Postgres of `admin_url` (a database of it, any): the
+    /// database is made there, and the binaries reach it by `url_for(that database's URL)`
+    /// (the URL naming a pair's both hosts).
+    pub async fn on(name: &str, admin_url: &str, url_for: impl Fn(&str) -> String) -> Self {
+        let admin_url = admin_url.to_owned();
         let admin = PgPool::connect(&admin_url).await.expect("connecting to Postgres");
         // The random part first: Postgres cuts names at 63 bytes, and a long test name must
         // lose its tail, not the part that makes the name unique.
@@ -43,7 +52,7 @@ impl Installation {
         jobfold_common::db::create_database(&admin, &database).await.unwrap();
         admin.close().await;
         let (base, _) = admin_url.rsplit_once('/').unwrap();
-        let url = format!("{base}/{database}");
+        let url = url_for(&format!("{base}/{database}"));
 
         let mut config = Config::load(None).expect("the compiled-in defaults load");
         config.database_url = Sensitive::new(url);
@@ -62,7 +71,7 @@ impl Installation {
         crate::handlers::migrate(&pool).await.unwrap();
         // As if the test processor had run once: its kind is accepted before one starts.
         crate::handlers::handlers().register(&pool, "test").await.unwrap();
-        Self { config, pool, database }
+        Self { config, pool, database, admin_url }
     }
 
     /// Test timings in `config`: short leases and retries, quick reaper rounds, a consumer
@@ -237,7 +246,7 @@ impl Installation {
             tracing::warn!("leaving this test's topics: {e:#}");
         }
         self.pool.close().await;
-        let admin = PgPool::connect(&services::database_url()).await.unwrap();
+        let admin = PgPool::connect(&self.admin_url).await.unwrap();
         let _ = jobfold_common::db::drop_database(&admin, &self.database).await;
     }
 }

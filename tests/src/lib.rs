@@ -17,6 +17,7 @@
 //! - [`campaign`]: the fault campaign (also the `jobfold-campaign` command), and
 //!   [`history`]: the checker of what a run left in Postgres and on the topic;
 //!   [`cluster`]: what it asks a three-broker Kafka cluster before striking a broker.
+//! - [`pair`]: a Postgres primary with a synchronous standby, and its failovers.
 //! - [`proxy`]: a TCP proxy that cuts idle connections (a load balancer's idle time-out).
 
 pub mod bad;
@@ -27,6 +28,7 @@ pub mod handlers;
 pub mod harness;
 pub mod history;
 pub mod kafka;
+pub mod pair;
 pub mod proxy;
 pub mod services;
 pub mod tls;
