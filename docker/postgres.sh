@@ -225,17 +225,38 @@ start_pair() {
     say "postgres: JOBFOLD_DATABASE_URL=$(url)"
 }
 
-# SIGKILL of node n's postmaster and every process it started, as if its machine died.
+# Every process of node n: the postmaster and all it started, found by their working
+# directory (the data directory), which they keep after their parent dies. Each child runs
+# in a session of its own, so no process group holds them all.
+processes() {
+    local dir p
+    dir="$(readlink -f "$(data "$1")")"
+    for p in /proc/[0-9]*; do
+        [[ "$(readlink "$p/cwd" 2>/dev/null)" == "$dir" ]] && echo "${p#/proc/}"
+    done
+    return 0
+}
+
+# SIGKILL of node n's postmaster and every process it started, as if its machine died: the
+# postmaster is stopped first so that it forks nothing more, then all are killed at once. A
+# backend left alive would go on serving its clients what the dead primary held for as long
+# as it takes to notice its postmaster gone.
 kill_node() {
-    local n="$1" pid children
+    local n="$1" pid left
     running "$n" || { say "$(name "$n"): not running"; return 0; }
     pid="$(postmaster "$n")"
-    children="$(pgrep -P "$pid" || true)"
-    # shellcheck disable=SC2086
-    kill -KILL "$pid" $children 2>/dev/null || true
+    kill -STOP "$pid" 2>/dev/null || true
+    # shellcheck disable=SC2046
+    kill -KILL $(processes "$n") 2>/dev/null || true
     gone "$pid" 30 || die "$(name "$n"): pid $pid outlived SIGKILL"
-    for c in $children; do gone "$c" 30 || true; done
-    say "$(name "$n"): killed (pid $pid)"
+    local deadline=$((SECONDS + 30))
+    while left="$(processes "$n")" && [[ -n "$left" ]]; do
+        ((SECONDS < deadline)) || die "$(name "$n"): processes $left outlived SIGKILL"
+        # shellcheck disable=SC2086
+        kill -KILL $left 2>/dev/null || true
+        sleep 0.05
+    done
+    say "$(name "$n"): killed (pid $pid and every process it started)"
 }
 
 promote() {

@@ -16,7 +16,11 @@
 //!   busiest events partition, of the processors' group coordinator or of the active
 //!   controller, each restarted; a broker paused past its session; a rolling restart of all
 //!   three; two brokers down at once (under `min.insync.replicas`) — see `broker_fault`;
-//! - `restart-postgres`: immediate-mode stop (no checkpoint) and restart;
+//! - `restart-postgres`: immediate-mode stop (no checkpoint) and restart; on a primary with a
+//!   synchronous standby ([`Plan::pg_nodes`] = 2) instead: kill -9 of the primary and the
+//!   standby's promotion (the old primary rejoining as the new one's standby 0.5–3 s later;
+//!   dealt once a run at least), a planned switchover, or the standby killed for 1–4 s
+//!   (every commit waits for it meanwhile) — see `postgres_fault`;
 //! - `add-processor`, `remove-processor`: consumer group rebalances;
 //! - `rolling-restart`: every processor in turn stopped with SIGTERM (its running jobs finish
 //!   within `processor.shutdown_timeout` or are given back) and replaced, as a deploy does;
@@ -95,6 +99,13 @@ pub struct Plan {
     /// Kafka brokers: 1, or 3 (a KRaft cluster, topics with three replicas and
     /// `min.insync.replicas=2`, and broker faults instead of the one broker's restart).
     pub brokers: u8,
+    /// Postgres servers: 1, or 2 (a primary and a synchronous standby, the binaries given
+    /// both hosts and `database.require_sync_standby`, and failovers, switchovers and the
+    /// standby's loss instead of the one server's restart).
+    pub pg_nodes: u8,
+    /// On a Postgres pair, a failover every this many faults besides the random ones (a long
+    /// run that must count many); once a run at least, a third of the way in, without it.
+    pub failover_every: Option<usize>,
 }
 
 impl Plan {
@@ -113,6 +124,8 @@ impl Plan {
             fault_window: Duration::from_secs(25),
             quiet: Duration::from_secs(30),
             brokers: 1,
+            pg_nodes: 2,
+            failover_every: None,
         }
     }
 
@@ -129,6 +142,7 @@ impl Plan {
     pub fn cluster(seed: u64, faults: usize) -> Self {
         Self {
             brokers: 3,
+            pg_nodes: 1,
             port_base: 25_500,
             faults,
             fault_window: Duration::from_secs(45),
@@ -228,6 +242,8 @@ impl std::fmt::Display for Outcome {
 struct Services {
     root: PathBuf,
     env: Vec<(String, String)>,
+    /// Postgres runs as a primary and a synchronous standby.
+    pg_pair: bool,
 }
 
 impl Services {
@@ -246,10 +262,12 @@ impl Services {
             ("JOBFOLD_KAFKA_CONTROLLER_PORT".into(), (b + 3).to_string()),
             ("JOBFOLD_KAFKA_SASL_PORT".into(), (b + 4).to_string()),
             ("JOBFOLD_REGISTRY_PORT".into(), (b + 5).to_string()),
-            // Node n of a cluster listens 10n ports above these (docker/kafka.sh).
+            // Node n of a cluster listens 10n ports above these (docker/kafka.sh), as a
+            // Postgres pair's node n does (docker/postgres.sh).
             ("JOBFOLD_KAFKA_NODES".into(), plan.brokers.to_string()),
+            ("JOBFOLD_PG_NODES".into(), plan.pg_nodes.to_string()),
         ];
-        Self { root, env }
+        Self { root, env, pg_pair: plan.pg_nodes == 2 }
     }
 
     fn script(&self, service: &str, action: &str) -> anyhow::Result<()> {
@@ -584,10 +602,9 @@ pub async fn run(plan: &Plan) -> anyhow::Result<Outcome> {
         services.run("registry", &["start"]),
     )?;
     let mut config = Config::load(None).expect("the defaults load");
-    config.database_url = Sensitive::new(format!(
-        "postgres://jobfold:jobfold@127.0.0.1:{}/jobfold",
-        services.port(1)
-    ));
+    config.database_url =
+        Sensitive::new(services.run("postgres", &["url"]).await?.trim().to_owned());
+    config.database.require_sync_standby = plan.pg_nodes == 2;
     config.kafka_brokers = services.run("kafka", &["brokers"]).await?.trim().to_owned();
     if plan.brokers == 3 {
         config.topics.replication_factor = 3;
@@ -632,6 +649,10 @@ pub async fn run(plan: &Plan) -> anyhow::Result<Outcome> {
 
     let env: std::collections::HashMap<String, String> = [
         ("JOBFOLD_DATABASE_URL", config.database_url.expose().clone()),
+        (
+            "JOBFOLD_DATABASE__REQUIRE_SYNC_STANDBY",
+            config.database.require_sync_standby.to_string(),
+        ),
         ("JOBFOLD_KAFKA_BROKERS", config.kafka_brokers.clone()),
         ("JOBFOLD_SCHEMA_REGISTRY_URL", config.schema_registry_url.expose().to_owned()),
         ("JOBFOLD_TOPICS__REPLICATION_FACTOR", config.topics.replication_factor.to_string()),
@@ -786,7 +807,18 @@ pub async fn run(plan: &Plan) -> anyhow::Result<Outcome> {
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
         }
-        if injected == plan.faults / 2 {
+        let failover_due = match plan.failover_every {
+            Some(every) => injected % every.max(1) == every.max(1) - 1,
+            None => injected == plan.faults / 3,
+        };
+        // (The refusal and the pause keep their place half-way.)
+        if services.pg_pair && failover_due && injected != plan.faults / 2 {
+            // A failover, once a run at least: its own random numbers, as the pause's.
+            let mut failing = StdRng::seed_from_u64(plan.seed ^ u64::from_be_bytes(*b"failover"));
+            fleet.landing = Some(chrono::Utc::now());
+            failover(&mut fleet, &services, &mut failing).await?;
+            fleet.landing = None;
+        } else if injected == plan.faults / 2 {
             // Dealt once a run at least (and at random besides, on one broker).
             fleet.landing = Some(chrono::Utc::now());
             refuse_an_event(&config, &pool, &ledger, &mut rng).await?;
@@ -820,8 +852,10 @@ pub async fn run(plan: &Plan) -> anyhow::Result<Outcome> {
     // resume first: a producer finishes only once its request in flight is answered, and
     // with every processor paused nothing would answer it.
     stop.store(true, Ordering::SeqCst);
-    // Every broker runs (a fault that failed half-way may have left one down).
+    // Every broker runs (a fault that failed half-way may have left one down), and every
+    // Postgres node.
     services.run("kafka", &["start"]).await?;
+    services.run("postgres", &["start"]).await?;
     for i in 0..fleet.slots.len() {
         if fleet.slots[i].paused_until.take().is_some()
             && let Some(s) = &fleet.slots[i].service
@@ -1221,6 +1255,7 @@ async fn inject(
             services.script("kafka", "start")?;
             fleet.count("kill -9 Kafka broker, restart");
         }
+        70..=79 if services.pg_pair => postgres_fault(fleet, services, roll - 70, rng).await?,
         70..=79 => {
             services.script("postgres", "restart-immediate")?;
             fleet.count("Postgres immediate restart");
@@ -1265,6 +1300,46 @@ async fn inject(
         }
     }
     fleet.landing = None;
+    Ok(())
+}
+
+/// The primary killed and its standby promoted, as its machine's death and an operator's (or
+/// a failover manager's) promotion; the old primary comes back as the new one's standby
+/// after `rejoin_after` (every commit waits for a standby until then).
+pub const FAILOVER: &str = "Postgres: kill -9 the primary, promote the standby, rejoin";
+
+/// One fault on a Postgres pair, by `roll` (0–9): a failover (0–3), a planned switchover
+/// (4–6), or the standby killed for 1–4 s (7–9). Each leaves the pair whole again.
+async fn postgres_fault(
+    fleet: &mut Fleet,
+    services: &Services,
+    roll: u32,
+    rng: &mut StdRng,
+) -> anyhow::Result<()> {
+    match roll {
+        0..=3 => failover(fleet, services, rng).await?,
+        4..=6 => {
+            services.run("postgres", &["switchover"]).await?;
+            fleet.count("Postgres: planned switchover");
+        }
+        _ => {
+            let primary: u8 = services.run("postgres", &["primary"]).await?.trim().parse()?;
+            let standby = (3 - primary).to_string();
+            services.run("postgres", &["kill", &standby]).await?;
+            tokio::time::sleep(Duration::from_millis(rng.random_range(1_000..4_000))).await;
+            services.run("postgres", &["start-node", &standby]).await?;
+            fleet.count("Postgres: kill -9 the synchronous standby, restart (commits wait)");
+        }
+    }
+    Ok(())
+}
+
+async fn failover(fleet: &mut Fleet, services: &Services, rng: &mut StdRng) -> anyhow::Result<()> {
+    let primary = services.run("postgres", &["primary"]).await?.trim().to_owned();
+    services.run("postgres", &["failover"]).await?;
+    tokio::time::sleep(Duration::from_millis(rng.random_range(500..3_000))).await;
+    services.run("postgres", &["rejoin", &primary]).await?;
+    fleet.count(FAILOVER);
     Ok(())
 }
 

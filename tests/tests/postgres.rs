@@ -144,6 +144,7 @@ async fn failovers_lose_no_acknowledged_job_and_run_none_twice() {
         }
     };
     more(20, "jobs acknowledged before any fault").await;
+    let faults_from = chrono::Utc::now();
     let not_durable = || async { seen.lock().await.not_durable };
     let mut gaps = Vec::new();
 
@@ -218,6 +219,19 @@ async fn failovers_lose_no_acknowledged_job_and_run_none_twice() {
     .unwrap();
     assert_eq!(all_jobs, ids.len() as i64, "one job per idempotency key, none lost");
     assert_eq!((writes, written_jobs), (all_jobs, all_jobs), "one business write per job");
+    // Accept -> end at p99 before the faults and across them, for docs/postgres.md.
+    let (before, across): (Option<f64>, Option<f64>) = sqlx::query_as(
+        "SELECT percentile_cont(0.99) WITHIN GROUP (ORDER BY EXTRACT(EPOCH FROM finished_at - accepted_at)::float8) \
+                    FILTER (WHERE accepted_at < $1), \
+                percentile_cont(0.99) WITHIN GROUP (ORDER BY EXTRACT(EPOCH FROM finished_at - accepted_at)::float8) \
+                    FILTER (WHERE accepted_at >= $1) \
+         FROM jobs",
+    )
+    .bind(faults_from)
+    .fetch_one(&it.pool)
+    .await
+    .unwrap();
+    println!("accept -> end at p99: {before:?} s before the faults, {across:?} s across them");
 
     // The relay went on from the new primary: every event is on the topic.
     eventually(Duration::from_secs(60), "the relay to publish every event", || async {

@@ -4,6 +4,8 @@
 //! cargo run -p jobfold-tests --bin jobfold-campaign -- --faults 200          # a random seed
 //! cargo run -p jobfold-tests --bin jobfold-campaign -- --seed 42 --faults 20 # replay a run
 //! cargo run -p jobfold-tests --bin jobfold-campaign -- --brokers 3 --faults 100 # on a cluster
+//! cargo run -p jobfold-tests --bin jobfold-campaign -- --pg-nodes 1 --faults 50  # one Postgres
+//! cargo run -p jobfold-tests --bin jobfold-campaign -- --faults 150 --failover-every 7
 //! cargo run -p jobfold-tests --bin jobfold-campaign -- --release --faults 200  # release builds
 //! ```
 //!
@@ -41,6 +43,15 @@ struct Args {
     /// (leader, coordinator and controller kills, a paused broker, rolling restarts).
     #[arg(long, default_value_t = 1, value_parser = brokers)]
     brokers: u8,
+    /// Postgres servers: 2, a primary and a synchronous standby with failovers, switchovers
+    /// and the standby's loss among the faults (the default on one broker); or 1, a server
+    /// restarted (the default on a cluster).
+    #[arg(long, value_parser = pg_nodes)]
+    pg_nodes: Option<u8>,
+    /// With a Postgres pair: a failover every N faults besides those dealt at random (once a
+    /// run at least without it).
+    #[arg(long)]
+    failover_every: Option<usize>,
     /// Runs the relays, processors and registry from release builds, as they ship (built
     /// first if needed); debug builds otherwise, as the tests run them. On two cores a long
     /// run of debug builds with every bad job falls behind its own load.
@@ -53,6 +64,14 @@ fn brokers(value: &str) -> Result<u8, String> {
         "1" => Ok(1),
         "3" => Ok(3),
         _ => Err(format!("{value:?}: 1 or 3")),
+    }
+}
+
+fn pg_nodes(value: &str) -> Result<u8, String> {
+    match value {
+        "1" => Ok(1),
+        "2" => Ok(2),
+        _ => Err(format!("{value:?}: 1 or 2")),
     }
 }
 
@@ -74,6 +93,8 @@ async fn main() -> ExitCode {
         rate: args.rate,
         bad_share: args.bad_share.clamp(0.0, 0.9),
         port_base: args.port_base.unwrap_or(base.port_base),
+        pg_nodes: args.pg_nodes.unwrap_or(base.pg_nodes),
+        failover_every: args.failover_every,
         ..base
     };
     match campaign::run(&plan).await {
