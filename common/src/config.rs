@@ -203,7 +203,7 @@ pub struct Config {
     /// `postgres://` URL of the jobfold database (contains the password: sensitive). Several
     /// hosts, `postgres://u:p@h1:5432,h2:5432/jobfold?target_session_attrs=read-write`, name a
     /// primary and its standbys: every pool connects to whichever accepts writes, and moves
-    /// when that changes (`crate::db`).
+    /// when that changes (`crate::db`, `crate::pg_hosts`).
     pub database_url: Sensitive<String>,
     /// How jobfold holds Postgres to its guarantees, `[database]`.
     #[serde(default)]
@@ -1205,7 +1205,7 @@ impl Config {
         {
             return invalid("database_url", "must be a postgres:// URL");
         }
-        if let Err(problem) = crate::db::Hosts::parse(self.database_url.expose()) {
+        if let Err(problem) = crate::pg_hosts::Hosts::parse(self.database_url.expose()) {
             return invalid("database_url", &problem);
         }
         if self.database.primary_check.is_zero()

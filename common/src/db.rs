@@ -10,7 +10,8 @@ use sqlx::{ConnectOptions, PgPool};
 use crate::config::{Config, ConfigError};
 
 mod primary;
-pub use primary::{Hosts, in_recovery};
+pub use crate::pg_hosts::Hosts;
+pub use primary::in_recovery;
 
 /// How long a binary looks for a host that accepts writes at start.
 const START_WAIT: Duration = Duration::from_secs(10);

@@ -4,7 +4,8 @@
 //! - [`config`]: the one typed configuration (defaults, file, `JOBFOLD_*` variables).
 //! - [`accept`]: accepting jobs — job row, `JobRequested` event and outbox row in one
 //!   transaction, inside the caller's transaction or a new one.
-//! - [`db`]: connecting to Postgres and running the embedded migrations ([`MIGRATOR`]).
+//! - [`db`]: connecting to Postgres (following a failover among the URL's hosts,
+//!   [`pg_hosts`]) and running the embedded migrations ([`MIGRATOR`]).
 //! - [`kafka`]: creating jobfold's topics.
 //! - [`shutdown`]: the root cancellation token, cancelled by SIGINT/SIGTERM.
 //! - [`telemetry`], [`metrics`]: logs and Prometheus metrics; [`gauges`]: the unfinished-work
@@ -18,6 +19,7 @@ pub mod failpoint;
 pub mod gauges;
 pub mod kafka;
 pub mod metrics;
+pub mod pg_hosts;
 pub mod shutdown;
 pub mod telemetry;
 
