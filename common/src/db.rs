@@ -31,7 +31,7 @@ pub static MIGRATOR: sqlx::migrate::Migrator =
 ///
 /// With several hosts in `database_url` (or `target_session_attrs=read-write`), the pool
 /// connects to the one accepting writes, refuses connections to a standby, and follows a
-/// failover (a task per pool, see [`primary`]). With `database.require_sync_standby`, a
+/// failover (a task per pool, `db/primary.rs`). With `database.require_sync_standby`, a
 /// primary that acknowledges commits without a synchronous standby is refused.
 ///
 /// # Errors
