@@ -48,9 +48,10 @@ pub async fn run(config: Config, pool: PgPool, events: Events, shutdown: Cancell
             Err(e) => tracing::warn!(error = %format!("{e:#}"), "Reaper round failed."),
         }
         match crate::store::kinds::dispatch_passed_over(&pool, &events, None).await {
-            Ok(0) => {}
-            Ok(n) => tracing::info!(
-                dispatched = n,
+            Ok(batch) if batch.taken == 0 => {}
+            Ok(batch) => tracing::info!(
+                taken = batch.taken,
+                dispatched = batch.dispatched,
                 "Jobs passed over while their kind was paused, dispatched again after its resume."
             ),
             Err(e) => tracing::warn!(error = %format!("{e:#}"), "Dispatching resumed jobs failed."),

@@ -1004,6 +1004,69 @@ async fn a_paused_kind_waits_unleased_while_its_documents_other_jobs_run_then_ru
     it.cleanup().await;
 }
 
+/// A job whose worker died while its kind was paused: the reaper's dispatch for the expired
+/// lease is passed over like any other, and the resume dispatches it again — the reaper
+/// itself looks at the job only `processor.stall_after` (an hour here) later, so a resume
+/// that took the expired lease for a live one would leave it for that hour.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_lease_that_expired_while_its_kind_was_paused_is_dispatched_on_resume() {
+    let (it, acceptor) = installation("ops-pause-expired").await;
+    let running = Running::start(&it, TOKEN, &[("JOBFOLD_PROCESSOR__STALL_AFTER", "1h")]);
+    running.ready().await;
+    let kind = jobfold_tests::handlers::KIND;
+    let (status, body) = running.post(&format!("/v1/kinds/{kind}/pause"), json!({})).await;
+    assert_eq!(status, 200, "{body}");
+    let passed_over = || async {
+        let text = running.processor.scrape().await.unwrap_or_default();
+        metric_value(&text, "jobfold_paused_passed_over_total", &[("kind", kind)]).unwrap_or(0.0)
+    };
+    eventually(Duration::from_secs(30), "the processor to hold the kind paused", || async {
+        let text = running.processor.scrape().await.unwrap_or_default();
+        metric_value(&text, "jobfold_kind_paused", &[("kind", kind)]) == Some(1.0)
+    })
+    .await;
+
+    // Leased for a second by a worker that is gone at once (the processor's own lease
+    // transaction, under another owner).
+    let job_id = acceptor.accept(&it.pool, &job("doc-expired", json!({ "text": "t" }))).await;
+    let job_id = job_id.unwrap().job_id;
+    let events = it.events().await;
+    let mut tx = it.pool.begin().await.unwrap();
+    let mut jobs = store::lock_jobs(&mut tx, &[job_id]).await.unwrap();
+    store::take_leases(
+        &mut tx,
+        &events,
+        vec![(&mut jobs[0], Uuid::now_v7(), None)],
+        "gone/1",
+        |_| Duration::from_secs(1),
+    )
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+
+    // Both dispatches passed over: the acceptance's, then the reaper's for the expired lease.
+    eventually(Duration::from_secs(60), "the reaper's dispatch to be passed over", || async {
+        passed_over().await >= 2.0
+    })
+    .await;
+    let reaped = "SELECT count(*) FROM job_events WHERE job_id = $1 AND kind = 'RetryDue'";
+    assert_eq!(count(&it, reaped, job_id).await, 1);
+    assert_eq!(it.state_and_attempt(job_id).await, ("leased".into(), 1));
+
+    let (status, body) = running.post(&format!("/v1/kinds/{kind}/resume"), json!({})).await;
+    assert_eq!((status, &body["dispatched"]), (200, &json!(1)), "{body}");
+    eventually(Duration::from_secs(60), "the job to succeed after the resume", || async {
+        state(&it, job_id).await == "succeeded"
+    })
+    .await;
+    let writes = count(&it, "SELECT count(*) FROM index_writes WHERE job_id = $1", job_id);
+    assert_eq!(writes.await, 1);
+    assert_eq!(it.count("paused_dispatches").await, 0);
+    let mismatches = jobfold_tests::harness::fold_mismatches(&it).await;
+    assert!(mismatches.is_empty(), "{mismatches:?}");
+    it.cleanup().await;
+}
+
 /// Run-now brings a job scheduled an hour away, and one whose retry is an hour away, forward:
 /// each runs at once and once (no attempt spent on the way), the dispatches that waited for
 /// the old times go out early and are passed over. Any other state is 409 naming it.

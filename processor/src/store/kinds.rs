@@ -2,9 +2,11 @@
 //!
 //! A processor that finds a dispatch of a paused kind passes over it ([`pass_over`]): the
 //! job is not leased, spends no attempt and holds no slot; it stays queued (or waiting to
-//! retry) and is noted in `paused_dispatches`. [`resume`] deletes the pause and dispatches
-//! the noted jobs again (a `RetryDue`, as the reaper does for a stalled job), in batches;
-//! the reaper dispatches whatever a resume cut short left ([`dispatch_passed_over`]).
+//! retry, or holding a lease that expired: the reaper's dispatch for a dead worker's job is
+//! passed over too) and is noted in `paused_dispatches`. [`resume`] deletes the pause and
+//! dispatches the noted jobs again (a `RetryDue`, as the reaper does for a stalled job), in
+//! batches; the reaper dispatches whatever a resume cut short left
+//! ([`dispatch_passed_over`]).
 //! Every pause and resume is in `kind_pause_log`: who, when, why.
 
 use super::*;
@@ -199,11 +201,11 @@ pub async fn resume(
     }
     let mut dispatched = 0;
     loop {
-        let n = dispatch_passed_over(pool, events, Some(kind)).await?;
-        if n == 0 {
+        let batch = dispatch_passed_over(pool, events, Some(kind)).await?;
+        if batch.taken == 0 {
             break;
         }
-        dispatched += n;
+        dispatched += batch.dispatched;
     }
     Ok(KindChanged { kind: kind.to_owned(), paused: false, was_paused: resumed, dispatched })
 }
@@ -248,10 +250,18 @@ pub async fn pass_over(pool: &sqlx::PgPool, job_id: Uuid, kind: &str) -> Result<
     Ok(noted.is_some())
 }
 
+/// What one batch of [`dispatch_passed_over`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Redispatched {
+    /// Notes taken (and deleted); 0: none was left.
+    pub taken: u64,
+    /// Of their jobs, those dispatched again (the others had ended, or run under a live lease).
+    pub dispatched: u64,
+}
+
 /// Dispatches again up to [`REDISPATCH_BATCH`] jobs passed over while their kind (`kind`,
 /// or any) was paused and that no longer is, in one transaction: each still open and not
-/// running gets a `RetryDue` due now; every note taken is deleted. Returns how many notes
-/// it took (0: none left).
+/// running under a live lease gets a `RetryDue` due now; every note taken is deleted.
 ///
 /// # Errors
 /// The database failed, or an event did not encode; nothing of this batch was written.
@@ -259,7 +269,7 @@ pub async fn dispatch_passed_over(
     pool: &sqlx::PgPool,
     events: &Events,
     kind: Option<&str>,
-) -> anyhow::Result<u64> {
+) -> anyhow::Result<Redispatched> {
     let mut tx = pool.begin().await?;
     let ids = sqlx::query_scalar!(
         "SELECT d.job_id FROM paused_dispatches d \
@@ -272,14 +282,14 @@ pub async fn dispatch_passed_over(
     .fetch_all(&mut *tx)
     .await?;
     if ids.is_empty() {
-        return Ok(0);
+        return Ok(Redispatched { taken: 0, dispatched: 0 });
     }
     let mut jobs = lock_jobs(&mut tx, &ids).await?;
     let later = retries_not_due(&mut tx, &ids).await?;
     let mut alone = Vec::new();
     let mut dispatched = 0u64;
     for job in &mut jobs {
-        if !due_again(job) || later.contains(&job.job_id) {
+        if !due_again(job, Utc::now()) || later.contains(&job.job_id) {
             continue;
         }
         if !job.fresh_xid {
@@ -302,7 +312,7 @@ pub async fn dispatch_passed_over(
     for job_id in alone {
         let mut tx = pool.begin().await?;
         if let Some(mut job) = lock_job(&mut tx, job_id).await?
-            && due_again(&job)
+            && due_again(&job, Utc::now())
             && retries_not_due(&mut tx, &[job_id]).await?.is_empty()
         {
             redispatch(&mut tx, events, &mut job).await?;
@@ -316,13 +326,19 @@ pub async fn dispatch_passed_over(
     if dispatched > 0 {
         metrics::counter!(crate::metrics::RESUMED_DISPATCHES_TOTAL).increment(dispatched);
     }
-    Ok(ids.len() as u64)
+    Ok(Redispatched { taken: ids.len() as u64, dispatched })
 }
 
-/// Whether a passed-over job still needs a dispatch: open, and not leased (a dispatch that
-/// got through before the pause, or the reaper's, runs or ran it).
-fn due_again(job: &JobRow) -> bool {
-    matches!(job.state, Status::Queued | Status::RetryWait)
+/// Whether a passed-over job still needs a dispatch: open, and not under a live lease (a
+/// dispatch that got through before the pause runs it). A lease that expired is no one's:
+/// the dispatch passed over was the reaper's for it, which looks at the job again only
+/// `processor.stall_after` later.
+fn due_again(job: &JobRow, now: DateTime<Utc>) -> bool {
+    match job.state {
+        Status::Queued | Status::RetryWait => true,
+        Status::Leased => job.lease_until.is_none_or(|until| until <= now),
+        _ => false,
+    }
 }
 
 /// Of `job_ids` (locked), those waiting for a retry not yet due: the dispatch passed over was
@@ -345,9 +361,13 @@ async fn redispatch(
     events: &Events,
     job: &mut JobRow,
 ) -> anyhow::Result<()> {
-    let due = Payload::RetryDue(jobfold_schemas::event::RetryDue {
-        due_at: Utc::now(),
-        reason: jobfold_schemas::event::DispatchReason::Stalled,
-    });
+    use jobfold_schemas::event::DispatchReason;
+    // As the reaper names it: a job whose lease expired, or one that waited.
+    let reason = if job.state == Status::Leased {
+        DispatchReason::LeaseExpired
+    } else {
+        DispatchReason::Stalled
+    };
+    let due = Payload::RetryDue(jobfold_schemas::event::RetryDue { due_at: Utc::now(), reason });
     events.append(tx, job, due, None, None).await
 }
