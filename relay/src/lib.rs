@@ -292,8 +292,8 @@ struct Active<'a> {
     producer: &'a mut publish::EventProducer,
     shutdown: &'a CancellationToken,
     max_bytes: usize,
-    /// The broker refused an event the relay's limit let through: read the topic's limit
-    /// again before the next pass.
+    /// The broker refused an event the relay's limit let through, or the producer hit a
+    /// fatal error: read the topic's limit again before the next pass.
     recheck_limit: bool,
     /// Events the broker refused once, to be parked if it refuses them again.
     refused_once: std::collections::HashSet<i64>,
@@ -606,6 +606,11 @@ async fn settle(
     if publish::is_fatal(active.producer) {
         tracing::warn!("The producer hit a fatal error; building a new one.");
         *active.producer = publish::producer_for(active.config, active.max_bytes)?;
+        // The usual cause is an event the broker refused, whose own report the purge that
+        // follows the error may replace (it then reads as not delivered, not as refused):
+        // the topic's limit is read again all the same, so that the relay's own check parks
+        // an event over it instead of sending it, and its batch, again and again.
+        active.recheck_limit = true;
     }
     tokio::time::sleep(FAILURE_BACKOFF).await;
     Ok(false)
