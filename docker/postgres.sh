@@ -7,7 +7,8 @@
 #   docker/postgres.sh url                   the database URL (both hosts for a pair)
 # A pair only:
 #   docker/postgres.sh primary               the node (1 or 2) that is primary now
-#   docker/postgres.sh failover              SIGKILL the primary's processes, promote the standby
+#   docker/postgres.sh failover [--rejoin]   SIGKILL the primary's processes, promote the standby
+#                                            (--rejoin: then rejoin the old primary as its standby)
 #   docker/postgres.sh switchover            stop the primary cleanly, promote the standby,
 #                                            the old primary following it as its standby
 #   docker/postgres.sh kill|start-node|rejoin NODE
@@ -299,6 +300,7 @@ failover() {
     kill_node "$p"
     touch "$(node_dir "$p")/needs-rejoin"
     promote "$s"
+    FAILED_FROM="$p"
     say "postgres: failed over from node $p to node $s in $((SECONDS - t0))s"
 }
 
@@ -366,7 +368,13 @@ case "${1:-}" in
     url) url ;;
     restart-immediate) restart_immediate ;;
     primary) pair_only primary; primary || die "postgres: no primary is running" ;;
-    failover) pair_only failover; failover ;;
+    failover)
+        pair_only failover
+        case "${2:-}" in
+            "") failover ;;
+            --rejoin) failover; rejoin "$FAILED_FROM" ;;
+            *) die "usage: docker/postgres.sh failover [--rejoin]" ;;
+        esac ;;
     switchover) pair_only switchover; switchover ;;
     kill) pair_only kill; node_arg "${2:-}"; kill_node "$2" ;;
     start-node) pair_only start-node; node_arg "${2:-}"; start_node "$2"; say "$(name "$2"): running" ;;

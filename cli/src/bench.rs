@@ -104,7 +104,7 @@ impl Sizes {
 
 /// One row of the results table.
 #[derive(Default)]
-struct Row {
+pub(crate) struct Row {
     what: String,
     rate: Option<f64>,
     p50_ms: Option<f64>,
@@ -115,27 +115,27 @@ struct Row {
 }
 
 impl Row {
-    fn new(what: impl Into<String>) -> Self {
+    pub(crate) fn new(what: impl Into<String>) -> Self {
         Self { what: what.into(), ..Self::default() }
     }
 
-    fn rate(mut self, rate: f64) -> Self {
+    pub(crate) fn rate(mut self, rate: f64) -> Self {
         self.rate = Some(rate);
         self
     }
 
-    fn latency(mut self, h: &Histogram<u64>) -> Self {
+    pub(crate) fn latency(mut self, h: &Histogram<u64>) -> Self {
         self.p50_ms = Some(ms(h, 0.5));
         self.p99_ms = Some(ms(h, 0.99));
         self
     }
 
-    fn versus(mut self, value: f64, limit: f64, name: &str) -> Self {
+    pub(crate) fn versus(mut self, value: f64, limit: f64, name: &str) -> Self {
         self.versus = format!("{:.0}% of {name}", 100.0 * value / limit.max(f64::MIN_POSITIVE));
         self
     }
 
-    fn note(mut self, note: impl Into<String>) -> Self {
+    pub(crate) fn note(mut self, note: impl Into<String>) -> Self {
         self.note = note.into();
         self
     }
@@ -145,7 +145,9 @@ fn latency_histogram() -> Histogram<u64> {
     Histogram::new_with_bounds(1, 600_000_000, 3).expect("valid histogram bounds")
 }
 
-fn histogram_of(micros: impl IntoIterator<Item = u64>) -> anyhow::Result<Histogram<u64>> {
+pub(crate) fn histogram_of(
+    micros: impl IntoIterator<Item = u64>,
+) -> anyhow::Result<Histogram<u64>> {
     let mut h = latency_histogram();
     for m in micros {
         h.record(m.max(1))?;
@@ -153,7 +155,7 @@ fn histogram_of(micros: impl IntoIterator<Item = u64>) -> anyhow::Result<Histogr
     Ok(h)
 }
 
-fn ms(h: &Histogram<u64>, q: f64) -> f64 {
+pub(crate) fn ms(h: &Histogram<u64>, q: f64) -> f64 {
     h.value_at_quantile(q) as f64 / 1000.0
 }
 
@@ -176,7 +178,7 @@ async fn register_index_kind(pool: &sqlx::PgPool) -> anyhow::Result<()> {
 
 /// The trivial job the end-to-end bursts run: `jobfold-examples`' `noop`, which does nothing
 /// and writes nothing, as the peers' benchmark jobs do.
-const TRIVIAL_KIND: &str = "noop";
+pub(crate) const TRIVIAL_KIND: &str = "noop";
 
 pub(crate) fn job(i: usize) -> NewJob {
     NewJob {
@@ -245,17 +247,13 @@ where
     Fut: std::future::Future<Output = anyhow::Result<T>>,
 {
     let suffix = uuid::Uuid::new_v4().simple().to_string();
-    let admin =
-        PgPool::connect(config.database_url.expose()).await.context("connecting to Postgres")?;
+    let admin = jobfold_common::db::connect(&config, 1).await?;
     let database = format!("jobfold_bench_{suffix}");
     jobfold_common::db::create_database(&admin, &database).await?;
     let result = async {
-        let url = config
-            .database_url
-            .expose()
-            .rsplit_once('/')
-            .map(|(base, _)| format!("{base}/{database}"));
-        config.database_url = Sensitive::new(url.context("the database URL has no database name")?);
+        let url = jobfold_common::pg_hosts::with_database(config.database_url.expose(), &database)
+            .map_err(|problem| anyhow::anyhow!("database_url: {problem}"))?;
+        config.database_url = Sensitive::new(url);
         config.topics.events = format!("jobfold-bench-events-{suffix}");
         config.topics.requests = format!("jobfold-bench-requests-{suffix}");
         config.relay.lock_key = i64::from(rand::random::<u32>());
@@ -291,31 +289,37 @@ pub(crate) async fn run(config: Config, sizes: Sizes) -> anyhow::Result<String> 
     .await?;
     rows.extend(more);
 
-    let mut out = String::new();
+    let mut out = table(rows);
     let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
-    writeln!(out, "| measurement | per second | p50 ms | p99 ms | vs. limit | note |")?;
-    writeln!(out, "| --- | ---: | ---: | ---: | --- | --- |")?;
-    let num = |v: Option<f64>, digits: usize| {
-        v.map(|v| format!("{v:.digits$}")).unwrap_or_else(|| "–".into())
-    };
-    for row in rows {
-        writeln!(
-            out,
-            "| {} | {} | {} | {} | {} | {} |",
-            row.what,
-            num(row.rate, 0),
-            num(row.p50_ms, 2),
-            num(row.p99_ms, 2),
-            row.versus,
-            row.note
-        )?;
-    }
     writeln!(
         out,
         "\n{cores} cores; Postgres, Kafka and the registry on the same machine; {:.0} s in all.",
         started.elapsed().as_secs_f64()
     )?;
     Ok(out)
+}
+
+/// `rows` as a markdown table.
+pub(crate) fn table(rows: Vec<Row>) -> String {
+    let num = |v: Option<f64>, digits: usize| {
+        v.map(|v| format!("{v:.digits$}")).unwrap_or_else(|| "–".into())
+    };
+    let mut out = String::from(
+        "| measurement | per second | p50 ms | p99 ms | vs. limit | note |\n\
+         | --- | ---: | ---: | ---: | --- | --- |\n",
+    );
+    for row in rows {
+        out += &format!(
+            "| {} | {} | {} | {} | {} | {} |\n",
+            row.what,
+            num(row.rate, 0),
+            num(row.p50_ms, 2),
+            num(row.p99_ms, 2),
+            row.versus,
+            row.note
+        );
+    }
+    out
 }
 
 /// The machine's own limits, measured first in the same run.
@@ -1019,7 +1023,7 @@ async fn graceful_stop(mut process: crate::demo::Process) -> anyhow::Result<()> 
     Ok(())
 }
 
-async fn examples(
+pub(crate) async fn examples(
     config: &Config,
     bin: &std::path::Path,
     name: &'static str,
@@ -1272,7 +1276,7 @@ impl Runner<'_> {
 }
 
 /// A job as `POST /v1/jobs` takes it (its key goes in the header).
-fn http_body(job: &NewJob) -> anyhow::Result<Vec<u8>> {
+pub(crate) fn http_body(job: &NewJob) -> anyhow::Result<Vec<u8>> {
     Ok(serde_json::to_vec(&json!({
         "document_id": job.document_id,
         "kind": job.kind,

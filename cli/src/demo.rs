@@ -151,13 +151,13 @@ async fn demo(
     let _mock = services(&mut config, kafka, root.as_deref(), started).await?;
 
     // 2. A database of the demo's own.
-    let admin =
-        PgPool::connect(config.database_url.expose()).await.context("connecting to Postgres")?;
+    let admin = jobfold_common::db::connect(&config, 1).await?;
     let database = format!("jobfold_demo_{run_id}");
     jobfold_common::db::create_database(&admin, &database).await?;
     admin.close().await;
-    let url = config.database_url.expose().rsplit_once('/').map(|(b, _)| format!("{b}/{database}"));
-    config.database_url = Sensitive::new(url.context("the database URL names no database")?);
+    let url = jobfold_common::pg_hosts::with_database(config.database_url.expose(), &database)
+        .map_err(|problem| anyhow::anyhow!("database_url: {problem}"))?;
+    config.database_url = Sensitive::new(url);
     let pool = jobfold_common::db::connect_and_migrate(&config, 4).await?;
     jobfold_common::kafka::ensure_topics(&config, &jobfold_common::kafka::jobfold_topics(&config))
         .await?;
@@ -556,6 +556,19 @@ pub(crate) fn spawn(
         .env("JOBFOLD_PROCESSOR__MAX_IN_FLIGHT", config.processor.max_in_flight.to_string())
         .env("JOBFOLD_INTAKE__GROUP", &config.intake.group)
         .env("JOBFOLD_RELAY__LOCK_KEY", config.relay.lock_key.to_string())
+        // The database as configured: a primary and its standby are followed alike.
+        .env(
+            "JOBFOLD_DATABASE__REQUIRE_SYNC_STANDBY",
+            config.database.require_sync_standby.to_string(),
+        )
+        .env(
+            "JOBFOLD_DATABASE__PRIMARY_CHECK",
+            format!("{}ms", config.database.primary_check.as_millis()),
+        )
+        .env(
+            "JOBFOLD_ACCEPT__COMMIT_TIMEOUT",
+            format!("{}ms", config.accept.commit_timeout.as_millis()),
+        )
         .env("JOBFOLD_HTTP_ADDR", format!("127.0.0.1:{http}"))
         .env("JOBFOLD_METRICS_ADDR", format!("127.0.0.1:{metrics}"))
         // Demo timings: a dead worker's jobs move on within seconds.

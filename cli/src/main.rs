@@ -2,6 +2,7 @@
 
 mod bench;
 mod demo;
+mod failover_bench;
 mod model;
 mod remote_bench;
 mod replay_bench;
@@ -300,6 +301,13 @@ enum Command {
         /// How long `--remote`'s jobs are held in flight.
         #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
         remote_hold: std::time::Duration,
+        /// Measure only the pause a Postgres failover causes: under a steady load over HTTP,
+        /// run this shell command (what moves the primary where the bench runs, e.g.
+        /// `docker/postgres.sh failover`), then report how long accepts were unavailable
+        /// and accept -> succeeded across it, next to the lease TTL. `database_url` names
+        /// the primary and its standby.
+        #[arg(long, value_name = "COMMAND", conflicts_with_all = ["replay", "remote", "full"])]
+        failover: Option<String>,
     },
     /// Run the pipeline (relay, examples processor) under steady load with retention on, in a
     /// database and topics of its own; sample memory, consumer lag and table sizes; then
@@ -792,11 +800,14 @@ async fn run(config: Config, command: Command) -> anyhow::Result<()> {
             let pace = if short { demo::SHORT_WORKLOAD } else { demo::WORKLOAD };
             demo::run(config, demo::Size { documents, exit: exit || short, pace }, kafka).await?;
         }
-        Command::Bench { full, smoke, output, replay, remote, remote_hold } => {
-            let table = match (replay, remote) {
-                (Some(sizes), _) => replay_bench::run(config, &sizes).await?,
-                (None, Some(jobs)) => bench::run_remote(config, jobs, remote_hold).await?,
-                (None, None) => {
+        Command::Bench { full, smoke, output, replay, remote, remote_hold, failover } => {
+            let table = match (replay, remote, failover) {
+                (Some(sizes), _, _) => replay_bench::run(config, &sizes).await?,
+                (None, Some(jobs), _) => bench::run_remote(config, jobs, remote_hold).await?,
+                (None, None, Some(command)) => {
+                    failover_bench::run(config, command, failover_bench::Plan::new(smoke)).await?
+                }
+                (None, None, None) => {
                     let sizes = match (full, smoke) {
                         (true, _) => bench::Sizes::full(),
                         (_, true) => bench::Sizes::smoke(),

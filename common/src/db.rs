@@ -38,10 +38,7 @@ pub static MIGRATOR: sqlx::migrate::Migrator =
 /// The URL does not parse or the database cannot be reached; the error names the address
 /// (never the password). [`ConfigError`] when `database.require_sync_standby` is not met.
 pub async fn connect(config: &Config, max: u32) -> anyhow::Result<PgPool> {
-    let hosts = connect_options_each(config)?;
-    let primary_only = Hosts::parse(config.database_url.expose())
-        .map_err(|problem| anyhow::anyhow!("database_url: {problem}"))?
-        .primary_only;
+    let (hosts, primary_only) = connect_options(config)?;
     let options =
         PgPoolOptions::new().max_connections(max).acquire_timeout(Duration::from_secs(10));
     let pool = if primary_only {
@@ -141,7 +138,8 @@ pub async fn check_sync_standby(pool: &PgPool) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// How every jobfold session connects: the configured URL, with JIT compilation off.
+/// How every jobfold session connects: to each host of the configured URL, with JIT
+/// compilation off; and whether only a primary will do ([`Hosts::primary_only`]).
 ///
 /// jobfold's statements are short and many; Postgres compiles a statement whose estimated cost
 /// passes `jit_above_cost` whatever it will really cost. A gauge that counts a backlog
@@ -151,22 +149,18 @@ pub async fn check_sync_standby(pool: &PgPool) -> anyhow::Result<()> {
 ///
 /// # Errors
 /// The URL does not parse.
-pub fn connect_options(config: &Config) -> anyhow::Result<PgConnectOptions> {
-    Ok(connect_options_each(config)?.into_iter().next().expect("a host"))
-}
-
-/// [`connect_options`] for each host of `database_url`.
-fn connect_options_each(config: &Config) -> anyhow::Result<Vec<PgConnectOptions>> {
+fn connect_options(config: &Config) -> anyhow::Result<(Vec<PgConnectOptions>, bool)> {
     let hosts = Hosts::parse(config.database_url.expose())
         .map_err(|problem| anyhow::anyhow!("database_url: {problem}"))?;
-    hosts
+    let options = hosts
         .urls
         .iter()
         .map(|url| {
             let options: PgConnectOptions = url.parse().context("parsing database_url")?;
             Ok(options.options([("jit", "off")]))
         })
-        .collect()
+        .collect::<anyhow::Result<_>>()?;
+    Ok((options, hosts.primary_only))
 }
 
 /// Where `options` connect: `host:port/database as user`, without the password.

@@ -67,6 +67,20 @@ impl Hosts {
     }
 }
 
+/// `url` naming database `name` instead of its own, its hosts and parameters kept (a
+/// scratch database on the same servers).
+///
+/// # Errors
+/// `url` is not a `postgres://` URL.
+pub fn with_database(url: &str, name: &str) -> Result<String, String> {
+    let (scheme, rest) = url.split_once("://").ok_or("must be a postgres:// URL")?;
+    let after_user = rest.rfind('@').map_or(0, |at| at + 1);
+    let end = rest[after_user..].find(['/', '?']).map_or(rest.len(), |i| after_user + i);
+    let (head, tail) = rest.split_at(end);
+    let query = tail.split_once('?').map(|(_, q)| format!("?{q}")).unwrap_or_default();
+    Ok(format!("{scheme}://{head}/{name}{query}"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -100,6 +114,21 @@ mod tests {
         // Several hosts need a primary whatever the attribute says.
         assert!(Hosts::parse("postgres://a,b/db").unwrap().primary_only);
         assert!(Hosts::parse("postgres://a/db?target_session_attrs=primary").unwrap().primary_only);
+    }
+
+    #[test]
+    fn another_database_keeps_the_hosts_and_parameters() {
+        for (url, renamed) in [
+            ("postgres://u:p@h:5432/jobfold", "postgres://u:p@h:5432/scratch"),
+            (
+                "postgres://u:p/q@h1,h2:5433/jobfold?target_session_attrs=read-write",
+                "postgres://u:p/q@h1,h2:5433/scratch?target_session_attrs=read-write",
+            ),
+            ("postgres://h?sslmode=disable", "postgres://h/scratch?sslmode=disable"),
+        ] {
+            assert_eq!(with_database(url, "scratch").unwrap(), renamed);
+        }
+        assert!(with_database("h/db", "x").is_err());
     }
 
     #[test]

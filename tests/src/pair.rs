@@ -81,6 +81,14 @@ impl Pair {
         .expect("the script's thread")
     }
 
+    /// A shell command running `docker/postgres.sh args...` on this pair (for a program
+    /// that runs it, as `jobfold bench --failover`).
+    pub fn command(&self, args: &[&str]) -> String {
+        let vars: Vec<String> = self.script.env.iter().map(|(k, v)| format!("{k}='{v}'")).collect();
+        let script = self.script.root.join("docker/postgres.sh");
+        format!("{} bash '{}' {}", vars.join(" "), script.display(), args.join(" "))
+    }
+
     /// The URL naming both hosts, with `database`.
     pub fn url(&self, database: &str) -> String {
         let url = self.script(&["url"]);

@@ -266,3 +266,54 @@ async fn failovers_lose_no_acknowledged_job_and_run_none_twice() {
     drop(running);
     it.cleanup().await;
 }
+
+/// `jobfold bench --failover` measures what a failover costs the callers and the jobs: run
+/// against a pair, the command it is given fails the primary over and rejoins it, and the
+/// table reports the time accepts were unavailable and accept -> succeeded across it, next
+/// to the lease TTL. The bench itself fails should an acknowledged job not succeed once or
+/// the processor not move to the new primary.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_bench_reports_the_pause_a_failover_causes() {
+    services::require_all();
+    let pair = Pair::start("bench");
+    let old = pair.primary();
+    let command = pair.command(&["failover", "--rejoin"]);
+    let url = pair.url("jobfold");
+    let output = tokio::task::spawn_blocking(move || {
+        jobfold_tests::harness::jobfold_cli()
+            .env("JOBFOLD_DATABASE_URL", url)
+            .env("JOBFOLD_DATABASE__REQUIRE_SYNC_STANDBY", "true")
+            .env("JOBFOLD_DATABASE__PRIMARY_CHECK", "200ms")
+            .env("JOBFOLD_ACCEPT__COMMIT_TIMEOUT", "2s")
+            .args(["bench", "--smoke", "--failover", &command])
+            .stdin(std::process::Stdio::null())
+            .output()
+            .expect("running jobfold bench")
+    })
+    .await
+    .unwrap();
+    let table = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success(),
+        "jobfold bench --failover: {table}{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert_ne!(pair.primary(), old, "the command moved the primary");
+    let row = |name: &str| {
+        table.lines().find(|l| l.contains(name)).unwrap_or_else(|| panic!("no {name} row: {table}"))
+    };
+    let unavailable = row("accepts unavailable");
+    let gap: f64 = unavailable
+        .split("longest ")
+        .nth(1)
+        .and_then(|rest| rest.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no gap in {unavailable}"));
+    assert!(gap > 0.0, "{unavailable}");
+    assert!(unavailable.contains("% of lease TTL"), "{unavailable}");
+    let across = row("accept -> succeeded across it");
+    let cells: Vec<&str> = across.split('|').map(str::trim).collect();
+    let p99: f64 = cells[4].parse().unwrap_or_else(|_| panic!("no p99 in {across}"));
+    assert!(p99 > 0.0 && across.contains("% of lease TTL"), "{across}");
+    println!("{table}");
+}
