@@ -16,7 +16,8 @@
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 cd "$JOBFOLD_ROOT"
 
-step() { printf '\n==> %s\n' "$*"; }
+# Each step says when it began, in seconds since the start: where a run's time goes.
+step() { printf '\n==> %s (at %d s)\n' "$*" "$SECONDS"; }
 
 # librdkafka is built with TLS (for SASL_SSL/SSL brokers): it links the system OpenSSL.
 if ! pkg-config --exists openssl 2>/dev/null; then

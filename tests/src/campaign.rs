@@ -124,7 +124,7 @@ impl Plan {
             fault_window: Duration::from_secs(25),
             quiet: Duration::from_secs(30),
             brokers: 1,
-            pg_nodes: 1,
+            pg_nodes: 2,
             failover_every: None,
         }
     }
@@ -685,7 +685,8 @@ pub async fn run(plan: &Plan) -> anyhow::Result<Outcome> {
         ("JOBFOLD_RELAY__STANDBY_RETRY", "200ms".into()),
         ("JOBFOLD_RELAY__POLL_INTERVAL", "200ms".into()),
         ("JOBFOLD_KAFKA__SESSION_TIMEOUT_MS", "6000".into()),
-        ("RUST_LOG", "info".into()),
+        // CAMPAIGN_RUST_LOG sets the processes' log filter for a closer look at a run.
+        ("RUST_LOG", std::env::var("CAMPAIGN_RUST_LOG").unwrap_or_else(|_| "info".into())),
     ]
     .into_iter()
     .map(|(k, v)| (k.to_owned(), v))

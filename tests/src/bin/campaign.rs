@@ -4,7 +4,8 @@
 //! cargo run -p jobfold-tests --bin jobfold-campaign -- --faults 200          # a random seed
 //! cargo run -p jobfold-tests --bin jobfold-campaign -- --seed 42 --faults 20 # replay a run
 //! cargo run -p jobfold-tests --bin jobfold-campaign -- --brokers 3 --faults 100 # on a cluster
-//! cargo run -p jobfold-tests --bin jobfold-campaign -- --pg-nodes 2 --faults 150 --failover-every 7
+//! cargo run -p jobfold-tests --bin jobfold-campaign -- --pg-nodes 1 --faults 50  # one Postgres
+//! cargo run -p jobfold-tests --bin jobfold-campaign -- --faults 150 --failover-every 7
 //! cargo run -p jobfold-tests --bin jobfold-campaign -- --release --faults 200  # release builds
 //! ```
 //!
@@ -42,8 +43,9 @@ struct Args {
     /// (leader, coordinator and controller kills, a paused broker, rolling restarts).
     #[arg(long, default_value_t = 1, value_parser = brokers)]
     brokers: u8,
-    /// Postgres servers: 1, a server restarted (the default); or 2, a primary and a
-    /// synchronous standby with failovers, switchovers and the standby's loss among the faults.
+    /// Postgres servers: 2, a primary and a synchronous standby with failovers, switchovers
+    /// and the standby's loss among the faults (the default on one broker); or 1, a server
+    /// restarted (the default on a cluster).
     #[arg(long, value_parser = pg_nodes)]
     pg_nodes: Option<u8>,
     /// With a Postgres pair: a failover every N faults besides those dealt at random (once a
