@@ -8,7 +8,8 @@
 //! `JOBFOLD_*` variables) and serves the same HTTP API; submit with
 //! `{"kind": "shout", "input": {"text": "hello"}, ...}`.
 
-use jobfold_processor::handler::{Handler, HandlerError, JobContext};
+// The handler API is its own crate, `jobfold-handler`; the processor only runs it.
+use jobfold_handler::{Handler, HandlerError, JobContext};
 use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
 

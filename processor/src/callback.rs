@@ -372,62 +372,25 @@ async fn look(
     })
 }
 
-/// A callback's body: the job's kind (the secret that signs it is that kind's) and the
-/// generation it was called with.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct Heartbeat {
-    pub kind: String,
-    pub generation: i64,
-    #[serde(default)]
-    pub progress: Option<Value>,
-}
+pub use jobfold_handler::protocol::{Complete, CompleteError, Heartbeat};
 
-/// `POST /v1/jobs/{id}/complete`'s body.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct Complete {
-    pub kind: String,
-    pub generation: i64,
-    #[serde(default)]
-    pub result: Option<Value>,
-    #[serde(default)]
-    pub error: Option<CompleteError>,
-}
-
-/// A failed completion: what a synchronous answer would have said.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct CompleteError {
-    /// 408, 422, 429, 4xx, 5xx: read by the protocol's table, as the status of a
-    /// synchronous answer would be.
-    pub status: u16,
-    #[serde(default)]
-    pub message: String,
-    /// Seconds; cut to the kind's `max_retry_after` as any `Retry-After`.
-    #[serde(default)]
-    pub retry_after: Option<u64>,
-}
-
-impl Complete {
-    /// The outcome to record; `Err` says what is wrong with the body.
-    ///
-    /// # Errors
-    /// Neither or both of `result` and `error`, or an error status outside 400–599.
-    pub fn outcome(self) -> Result<Outcome, String> {
-        match (self.result, self.error) {
-            (Some(result), None) => {
-                Ok(Outcome { status: 200, result: Some(result), error: None, retry_after: None })
-            }
-            (None, Some(e)) if (400..=599).contains(&e.status) => Ok(Outcome {
-                status: e.status,
-                result: None,
-                error: Some(e.message.chars().take(4096).collect()),
-                retry_after: e.retry_after,
-            }),
-            (None, Some(e)) => Err(format!("error.status {} is not a 4xx or 5xx", e.status)),
-            _ => Err("give either result or error".into()),
+/// The outcome a completion's body records; `Err` says what is wrong with it.
+///
+/// # Errors
+/// Neither or both of `result` and `error`, or an error status outside 400–599.
+pub fn outcome_of(complete: Complete) -> Result<Outcome, String> {
+    match (complete.result, complete.error) {
+        (Some(result), None) => {
+            Ok(Outcome { status: 200, result: Some(result), error: None, retry_after: None })
         }
+        (None, Some(e)) if (400..=599).contains(&e.status) => Ok(Outcome {
+            status: e.status,
+            result: None,
+            error: Some(e.message.chars().take(4096).collect()),
+            retry_after: e.retry_after,
+        }),
+        (None, Some(e)) => Err(format!("error.status {} is not a 4xx or 5xx", e.status)),
+        _ => Err("give either result or error".into()),
     }
 }
 

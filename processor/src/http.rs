@@ -1047,8 +1047,7 @@ async fn complete(
     let (job_id, done) =
         callback_body(&state, &caller, &id, (&headers, &body), |c: &Complete| &c.kind)?;
     let (kind, generation) = (done.kind.clone(), done.generation);
-    let outcome = done
-        .outcome()
+    let outcome = crate::callback::outcome_of(done)
         .map_err(|e| ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "invalid_completion", e))?;
     let fenced =
         crate::callback::call_back(&state.pool, job_id, &kind, generation, None, Some(&outcome))

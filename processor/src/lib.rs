@@ -111,16 +111,68 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> anyhow::Result<
 /// A job whose kind has no handler here is neither run nor quarantined: its document waits
 /// (`jobfold_waiting_for_handler`) until a processor that has the handler takes its partition,
 /// as in a rolling deploy that adds a kind.
+///
+/// Each part can be switched off, so that a service with an HTTP server of its own runs the
+/// worker alone: `Processor::builder(config).api(false).intake(false).gauges(false)`.
 #[derive(Debug)]
 pub struct Processor {
     config: Config,
     handlers: handler::Handlers,
+    parts: Parts,
+}
+
+/// The parts a [`Processor`] runs besides its handlers.
+#[derive(Debug, Clone, Copy)]
+struct Parts {
+    api: bool,
+    gauges: bool,
+    intake: bool,
+    worker: bool,
 }
 
 impl Processor {
-    /// A processor with no handlers yet.
+    /// A processor with no handlers yet, running every part its configuration turns on: the
+    /// HTTP API, the gauges, the worker (`processor.enabled`) and the intake
+    /// (`intake.enabled`).
     pub fn builder(config: Config) -> Self {
-        Self { config, handlers: handler::Handlers::new() }
+        let parts = Parts {
+            api: true,
+            gauges: true,
+            intake: config.intake.enabled,
+            worker: config.processor.enabled,
+        };
+        Self { config, handlers: handler::Handlers::new(), parts }
+    }
+
+    /// Whether to serve the HTTP API on `http_addr`: accept, reads, operator calls and
+    /// callbacks. Off, remote handlers answering `202` call back the API at
+    /// `processor.callback_base_url`, which must then be set.
+    #[must_use]
+    pub fn api(mut self, on: bool) -> Self {
+        self.parts.api = on;
+        self
+    }
+
+    /// Whether to publish the unfinished-work gauges (one read of Postgres each
+    /// `processor.gauge_interval`; one processor of a group is enough).
+    #[must_use]
+    pub fn gauges(mut self, on: bool) -> Self {
+        self.parts.gauges = on;
+        self
+    }
+
+    /// Whether to consume the intake topic (default: `intake.enabled`).
+    #[must_use]
+    pub fn intake(mut self, on: bool) -> Self {
+        self.parts.intake = on;
+        self
+    }
+
+    /// Whether to run jobs (default: `processor.enabled`); off, the processor only accepts.
+    #[must_use]
+    pub fn worker(mut self, on: bool) -> Self {
+        self.parts.worker = on;
+        self
     }
 
     /// Runs jobs of `kind` with `handler`.
@@ -144,7 +196,7 @@ impl Processor {
     /// The write failed.
     pub async fn register_kinds(&self, pool: &sqlx::PgPool) -> anyhow::Result<()> {
         let by = format!("jobfold-processor/{}", std::process::id());
-        self.resolved()?.register(pool, &by).await.context("registering the job kinds")
+        handler::register(&self.resolved()?, pool, &by).await.context("registering the job kinds")
     }
 
     /// The handlers registered in code, and a [`remote::Remote`] for each configured URL of a
@@ -170,13 +222,23 @@ impl Processor {
     /// Start-up failed, or a part failed.
     pub async fn run(self, shutdown: CancellationToken) -> anyhow::Result<()> {
         let handlers = self.resolved()?;
-        serve(self.config, handlers, shutdown).await
+        if self.parts.worker && !self.parts.api && self.config.processor.callback_base_url.is_none()
+        {
+            // A remote handler answering 202 would be told to call back an address nobody serves.
+            return Err(jobfold_common::config::ConfigError::Invalid {
+                key: "processor.callback_base_url",
+                problem: "must name a processor's API when this one serves none".into(),
+            }
+            .into());
+        }
+        serve(self.config, handlers, self.parts, shutdown).await
     }
 }
 
 async fn serve(
     config: Config,
     handlers: handler::Handlers,
+    run: Parts,
     shutdown: CancellationToken,
 ) -> anyhow::Result<()> {
     let pool = db::connect_and_migrate(&config, config.processor.db_connections).await?;
@@ -192,8 +254,10 @@ async fn serve(
         .await
         .context("registering the job event schema")?;
     let producer = format!("jobfold-processor/{}", std::process::id());
-    if config.processor.enabled {
-        handlers.register(&pool, &producer).await.context("registering the job kinds")?;
+    if run.worker {
+        handler::register(&handlers, &pool, &producer)
+            .await
+            .context("registering the job kinds")?;
         tracing::info!(kinds = ?handlers, "Running these job kinds.");
     }
     let acceptor = Acceptor::new(codec.clone(), config.accept_policy(), producer.clone());
@@ -201,13 +265,21 @@ async fn serve(
     let events =
         store::Events { codec: codec.clone(), topic: config.topics.events.clone(), producer };
     let mut parts = JoinSet::new();
-    parts.spawn(publish_gauges(pool.clone(), config.processor.gauge_interval, shutdown.clone()));
-    let api = http::router(
-        http::ApiState::new(pool.clone(), acceptor.clone(), events.clone(), config.clone()),
-        config.accept.max_input_bytes + BODY_OVERHEAD_BYTES,
-    );
-    parts.spawn(http::serve(config.http_addr, api, shutdown.clone()));
-    if config.processor.enabled {
+    if run.gauges {
+        parts.spawn(publish_gauges(
+            pool.clone(),
+            config.processor.gauge_interval,
+            shutdown.clone(),
+        ));
+    }
+    if run.api {
+        let api = http::router(
+            http::ApiState::new(pool.clone(), acceptor.clone(), events.clone(), config.clone()),
+            config.accept.max_input_bytes + BODY_OVERHEAD_BYTES,
+        );
+        parts.spawn(http::serve(config.http_addr, api, shutdown.clone()));
+    }
+    if run.worker {
         parts.spawn(worker::run(
             config.clone(),
             pool.clone(),
@@ -227,7 +299,7 @@ async fn serve(
             shutdown.clone(),
         ));
     }
-    if config.intake.enabled {
+    if run.intake {
         let intake =
             intake::Intake::new(&config, Decoder::<JobRequest>::new(settings), acceptor, pool)?;
         parts.spawn(intake.run(shutdown.clone()));

@@ -31,9 +31,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use serde_json::{Value, json};
+use serde_json::Value;
 use tokio_util::sync::CancellationToken;
 
+use crate::handler::protocol::{self, Call};
 use crate::handler::{Handler, HandlerError, JobContext};
 
 /// How much of an error answer's body is kept as the attempt's error.
@@ -135,25 +136,14 @@ impl Remote {
 
     /// The request's body: everything the remote handler is given, and where it calls back
     /// (`scope`: run by a processor).
-    fn body(job: &JobContext, scope: Option<&crate::callback::Scope>) -> Value {
-        let mut body = json!({
-            "job_id": job.job_id,
-            "kind": job.kind,
-            "document_id": job.document_id,
-            "input_version": job.input_version,
-            "input": job.input,
-            "attempt": job.attempt,
-            "max_attempts": job.max_attempts,
-            "previous_outcome": job.previous_outcome.as_str(),
-            "generation": job.generation,
-            "deadline": job.deadline,
-        });
+    fn body(job: &JobContext, scope: Option<&crate::callback::Scope>) -> Call {
+        let mut call = Call::new(job);
         if let Some(scope) = scope {
             let (heartbeat, complete) = scope.urls(job.job_id);
-            body["heartbeat_url"] = heartbeat.into();
-            body["complete_url"] = complete.into();
+            call.heartbeat_url = Some(heartbeat);
+            call.complete_url = Some(complete);
         }
-        body
+        call
     }
 
     /// The attempt's error for a call that failed before an answer: ambiguous unless the
@@ -180,7 +170,7 @@ impl Remote {
         let mut request = self
             .client
             .post(self.url.clone())
-            .header("Idempotency-Key", job.idempotency_key())
+            .header(protocol::IDEMPOTENCY_KEY, job.idempotency_key())
             .header(reqwest::header::CONTENT_TYPE, "application/json");
         if let Some(secret) = &self.secret {
             request = request.header(

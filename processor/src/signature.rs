@@ -12,7 +12,7 @@ use hmac::{Hmac, Mac};
 use sha2::Sha256;
 
 /// The header a signed call carries.
-pub const HEADER: &str = "jobfold-signature";
+pub const HEADER: &str = jobfold_handler::protocol::SIGNATURE;
 
 /// How far a signature's timestamp may be from the receiver's clock.
 pub const TOLERANCE: std::time::Duration = std::time::Duration::from_secs(300);

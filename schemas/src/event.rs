@@ -13,6 +13,9 @@ use apache_avro::types::Value;
 use chrono::{DateTime, TimeZone, Utc};
 use uuid::Uuid;
 
+// The handler API's types that events carry: one definition, shared with handlers.
+pub use jobfold_handler::{ErrorClass, TRACEPARENT, TRACESTATE, TraceContext};
+
 /// The `JobEvent` schema text, registered under `jobfold.job-events-value`.
 pub const JOB_EVENT_SCHEMA_TEXT: &str = include_str!("../job_event.avsc");
 /// The `JobRequest` schema text, registered under `jobfold.job-requests-value`.
@@ -46,66 +49,9 @@ pub struct JobEvent {
     pub payload: Payload,
 }
 
-/// W3C trace context (Trace Context level 1): where the job's trace came from.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct TraceContext {
-    /// `00-<trace id: 32 hex>-<parent span id: 16 hex>-<flags: 2 hex>`.
-    pub traceparent: String,
-    /// Vendor data, passed on unchanged.
-    pub tracestate: Option<String>,
-}
-
-/// Kafka header (and HTTP header) carrying [`TraceContext::traceparent`].
-pub const TRACEPARENT: &str = "traceparent";
-/// Kafka header (and HTTP header) carrying [`TraceContext::tracestate`].
-pub const TRACESTATE: &str = "tracestate";
 /// Kafka header carrying the event's kind ([`Payload::kind`]), so a consumer can pass over
 /// the kinds it does not act on without decoding them.
 pub const EVENT_KIND: &str = "jobfold-event";
-
-impl TraceContext {
-    /// A context from received headers; `None` if `traceparent` is not valid W3C (which, per
-    /// the recommendation, starts a new trace rather than failing the request).
-    pub fn from_headers(traceparent: &str, tracestate: Option<&str>) -> Option<Self> {
-        let context = Self {
-            traceparent: traceparent.trim().to_ascii_lowercase(),
-            tracestate: tracestate.map(str::trim).filter(|s| !s.is_empty()).map(str::to_owned),
-        };
-        context.ids().is_some().then_some(context)
-    }
-
-    /// The trace id and the parent span id, if the traceparent is valid.
-    pub fn ids(&self) -> Option<(&str, &str)> {
-        let mut parts = self.traceparent.split('-');
-        let (version, trace_id, parent_id, flags) =
-            (parts.next()?, parts.next()?, parts.next()?, parts.next()?);
-        let hex = |s: &str, len: usize| {
-            s.len() == len && s.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
-        };
-        let zero = |s: &str| s.bytes().all(|b| b == b'0');
-        let valid = hex(version, 2)
-            && version != "ff"
-            // Version 00 has exactly four fields; later versions may append more.
-            && (version != "00" || parts.next().is_none())
-            && hex(trace_id, 32)
-            && !zero(trace_id)
-            && hex(parent_id, 16)
-            && !zero(parent_id)
-            && hex(flags, 2);
-        valid.then_some((trace_id, parent_id))
-    }
-
-    /// The context to send onward from a span `span_id` (16 hex) of this trace: same trace
-    /// id, flags and tracestate, the span as parent. `None` if this context is not valid.
-    pub fn child(&self, span_id: &str) -> Option<Self> {
-        let (trace_id, _) = self.ids()?;
-        let flags = self.traceparent.split('-').nth(3)?;
-        Some(Self {
-            traceparent: format!("00-{trace_id}-{span_id}-{flags}"),
-            tracestate: self.tracestate.clone(),
-        })
-    }
-}
 
 /// What happened: the `payload` union, one variant per branch, in schema order.
 #[derive(Debug, Clone, PartialEq)]
@@ -206,17 +152,6 @@ pub struct JobCancelled {
     pub reason: String,
 }
 
-/// How a handler failure is handled.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum ErrorClass {
-    /// Retried with backoff while the budgets last.
-    Retryable,
-    /// Quarantined at once.
-    Permanent,
-    /// The input can never succeed: quarantined at once, never retried.
-    InvalidInput,
-}
-
 /// Why a job is dispatched again.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum DispatchReason {
@@ -299,24 +234,6 @@ impl Payload {
 impl fmt::Display for Payload {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.kind())
-    }
-}
-
-impl ErrorClass {
-    const SYMBOLS: [&'static str; 3] = ["RETRYABLE", "PERMANENT", "INVALID_INPUT"];
-
-    pub fn as_str(self) -> &'static str {
-        Self::SYMBOLS[self as usize]
-    }
-
-    fn from_index(index: u32) -> Option<Self> {
-        [Self::Retryable, Self::Permanent, Self::InvalidInput].get(index as usize).copied()
-    }
-}
-
-impl fmt::Display for ErrorClass {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
     }
 }
 
@@ -608,7 +525,9 @@ impl Fields {
 
     fn error_class(&mut self, name: &str) -> Result<ErrorClass, ShapeError> {
         let (path, index, symbol) = self.enum_index(name)?;
-        ErrorClass::from_index(index)
+        ErrorClass::ALL
+            .get(index as usize)
+            .copied()
             .filter(|c| c.as_str() == symbol)
             .ok_or_else(|| ShapeError::new(&path, format!("unknown error class {symbol}")))
     }

@@ -618,13 +618,11 @@ pub async fn run(plan: &Plan) -> anyhow::Result<Outcome> {
     crate::handlers::migrate(&pool).await?;
     // Producers may start before the first processor registers its kinds.
     let remote = crate::bad::RemoteBad::start().await?;
-    crate::handlers::handlers()
-        .with(
-            crate::bad::REMOTE,
-            jobfold_processor::remote::Remote::new(&remote.url, config.processor.max_output_bytes)?,
-        )
-        .register(&pool, "campaign")
-        .await?;
+    let handlers = crate::handlers::handlers().with(
+        crate::bad::REMOTE,
+        jobfold_processor::remote::Remote::new(&remote.url, config.processor.max_output_bytes)?,
+    );
+    jobfold_processor::handler::register(&handlers, &pool, "campaign").await?;
     // The events topic takes 64 KiB, so that a result over the limit is also one Kafka would
     // refuse: were it not quarantined, it would hold its document's events back.
     let mut topics: Vec<_> = jobfold_common::kafka::jobfold_topics(&config).into_iter().collect();

@@ -70,7 +70,9 @@ impl Installation {
         let pool = jobfold_common::db::connect(&config, 20).await.unwrap();
         crate::handlers::migrate(&pool).await.unwrap();
         // As if the test processor had run once: its kind is accepted before one starts.
-        crate::handlers::handlers().register(&pool, "test").await.unwrap();
+        jobfold_processor::handler::register(&crate::handlers::handlers(), &pool, "test")
+            .await
+            .unwrap();
         Self { config, pool, database, admin_url }
     }
 

@@ -146,11 +146,9 @@ async fn a_kind_no_processor_registered_is_refused_until_one_does() {
     assert_eq!(it.count("jobs").await, 0);
 
     // A processor with a handler for it starts (here: registers its kinds).
-    jobfold_processor::handler::Handlers::new()
-        .with("transcribe", jobfold_tests::handlers::Simulated)
-        .register(&it.pool, "test")
-        .await
-        .unwrap();
+    let handlers = jobfold_processor::handler::Handlers::new()
+        .with("transcribe", jobfold_tests::handlers::Simulated);
+    jobfold_processor::handler::register(&handlers, &it.pool, "test").await.unwrap();
     assert!(acceptor.accept(&it.pool, &unknown).await.unwrap().created);
 
     let mut open = it.config.clone();

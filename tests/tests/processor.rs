@@ -1492,6 +1492,42 @@ fn with_handler(
     jobfold_processor::Processor::builder(it.config.clone()).handler(kind, handler)
 }
 
+/// An embedding service with an HTTP server of its own runs the worker alone: the jobs
+/// accepted elsewhere run, and the processor's API address is not served. Without a
+/// `callback_base_url` for remote handlers to call back, such a worker does not start.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_embedded_worker_runs_jobs_without_serving_the_api() {
+    let (mut it, acceptor) = fast_installation("proc-worker-alone").await;
+    let port = jobfold_tests::harness::free_port();
+    it.config.http_addr = ([127, 0, 0, 1], port).into();
+    let refused = with_handler(&it, "panics-once", PanicsOnce)
+        .api(false)
+        .run(CancellationToken::new())
+        .await
+        .unwrap_err();
+    let config = refused
+        .chain()
+        .find_map(|c| c.downcast_ref::<jobfold_common::config::ConfigError>())
+        .unwrap_or_else(|| panic!("not a configuration error: {refused:#}"));
+    assert!(config.to_string().contains("processor.callback_base_url"), "{config}");
+
+    it.config.processor.callback_base_url = Some("http://127.0.0.1:9/".into());
+    let worker =
+        with_handler(&it, "panics-once", PanicsOnce).api(false).intake(false).gauges(false);
+    let pipeline = Pipeline::with_processor(&it, worker).await;
+    let jobs: Vec<NewJob> = (1..=3)
+        .map(|d| NewJob { kind: "panics-once".into(), ..job(&format!("doc-w{d}"), 1, json!({})) })
+        .collect();
+    accept_all(&acceptor, &it, &jobs).await;
+    eventually(Duration::from_secs(60), "the jobs to end", || all_finished(&it, 3)).await;
+    // The worker ran them, so it is past the point where the API would have been bound.
+    let connected = tokio::net::TcpStream::connect(("127.0.0.1", port)).await;
+    assert!(connected.is_err(), "the API was served: {connected:?}");
+    pipeline.stop().await;
+    assert_eq!(states(&it).await, [("succeeded".into(), 3)]);
+    it.cleanup().await;
+}
+
 /// Panics on its first attempt, then succeeds.
 #[derive(Debug, Default)]
 struct PanicsOnce;
