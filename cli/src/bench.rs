@@ -215,8 +215,7 @@ pub(crate) async fn run_remote(
         std::fs::create_dir_all(&logs)?;
         let bin =
             std::env::current_exe()?.parent().context("the binary's directory")?.to_path_buf();
-        let _relay =
-            crate::demo::spawn(&config, &bin.join("jobfold-relay"), "relay", &logs, None, &[])?;
+        let _relay = crate::demo::spawn(&config, &bin.join("jobfold-relay"), "relay", &logs, &[])?;
         let batch = (0..jobs)
             .map(|i| NewJob { kind: crate::remote_bench::KIND.into(), ..job(i) })
             .collect();
@@ -482,8 +481,7 @@ async fn measure_accept_and_relay(
     copy_backlog(&pool, sizes.relay_backlog).await?;
     let backlog = jobfold_common::gauges::unpublished(&pool).await?;
     let start_position = cursor(&pool).await?;
-    let mut relay =
-        crate::demo::spawn(config, &bin.join("jobfold-relay"), "relay", &logs, None, &[])?;
+    let mut relay = crate::demo::spawn(config, &bin.join("jobfold-relay"), "relay", &logs, &[])?;
     let relay_pid = relay.child.id().context("the relay's pid")?;
     // Timed from the first move of the cursor, so start-up (connect, lock) is not counted;
     // what the first batch published is left out of the count.
@@ -614,8 +612,7 @@ async fn measure_processing(
         std::env::temp_dir().join(format!("jobfold-bench-{}", uuid::Uuid::new_v4().simple()));
     std::fs::create_dir_all(&logs)?;
     let bin = std::env::current_exe()?.parent().context("the binary's directory")?.to_path_buf();
-    let mut relay =
-        crate::demo::spawn(config, &bin.join("jobfold-relay"), "relay", &logs, None, &[])?;
+    let mut relay = crate::demo::spawn(config, &bin.join("jobfold-relay"), "relay", &logs, &[])?;
     // The processors run the example jobs: index-document as the trivial handler, and
     // summarize-conversation against a stand-in model as the slow one.
     let model = crate::model::Model::start(crate::model::Behaviour {
@@ -1030,8 +1027,7 @@ pub(crate) async fn examples(
     logs: &std::path::Path,
     args: &[String],
 ) -> anyhow::Result<(crate::demo::Process, u32)> {
-    let process =
-        crate::demo::spawn(config, &bin.join("jobfold-examples"), name, logs, None, args)?;
+    let process = crate::demo::spawn(config, &bin.join("jobfold-examples"), name, logs, args)?;
     crate::demo::wait_ready(process.http).await?;
     let pid = process.child.id().context("the processor's pid")?;
     Ok((process, pid))

@@ -166,8 +166,7 @@ async fn demo(
         config.topics.events, config.topics.partitions
     );
 
-    // 3. Two relays and two processors, separate processes; the workload is planned first,
-    // so relay-1's crash lands early in it whatever its size.
+    // 3. Two relays and two processors, separate processes.
     let plan = plan(size.documents);
     let planned = plan.len();
     // The model the summaries come from: a stand-in on 127.0.0.1, as slow and as busy as
@@ -193,7 +192,6 @@ async fn demo(
         "--audio-output".to_owned(),
         audio.join("audio-out").display().to_string(),
     ];
-    let crash_at = (planned / 8).clamp(2, 12);
     let logs = logs_dir(&run_id);
     std::fs::create_dir_all(&logs)?;
     let bin = std::env::current_exe()?.parent().context("the binary's directory")?.to_path_buf();
@@ -203,13 +201,8 @@ async fn demo(
         ("processor-b", "jobfold-examples"),
         ("relay-2", "jobfold-relay"),
     ] {
-        // relay-1 crashes after producing its nth batch and before marking it: relay-2,
-        // standing by, takes over and publishes those events again.
-        let failpoint = (name == "relay-1").then(|| {
-            format!("{}@{crash_at}", jobfold_common::failpoint::RELAY_AFTER_PRODUCE_BEFORE_MARK)
-        });
         let args: &[String] = if binary == "jobfold-examples" { &processor_args } else { &[] };
-        let process = spawn(&config, &bin.join(binary), name, &logs, failpoint, args)?;
+        let process = spawn(&config, &bin.join(binary), name, &logs, args)?;
         println!(
             "started {name:<12} pid {:>7}  log {}",
             process.child.id().unwrap_or(0),
@@ -272,6 +265,10 @@ async fn demo(
         plan.iter().filter(|j| j.retry_submit).count(),
     );
     let mut submitter = Some(tokio::spawn(submit(plan, ports, size.pace)));
+    // relay-1 crashes between producing a batch and marking it, early in the workload:
+    // relay-2, standing by, takes over and publishes those events again.
+    let relay_1 = started.processes[0].child.id().context("relay-1's pid")?;
+    let mut relay_crash = Some(tokio::spawn(crash_relay_before_its_mark(pool.clone(), relay_1)));
 
     // 5. Live progress. Once a third of the jobs ended, kill -9 the processor that holds
     //    work at that moment: partitions and leased jobs, read from its metrics and Postgres.
@@ -300,13 +297,16 @@ async fn demo(
             println!("{line}");
             last_line = Instant::now();
         }
+        if let Some(handle) = relay_crash.take_if(|h| h.is_finished()) {
+            handle.await.context("crashing relay-1 panicked")??;
+        }
         if !relay_crashed && let Ok(Some(status)) = started.processes[0].child.try_wait() {
             relay_crashed = true;
             if terminal {
                 println!();
             }
             println!(
-                "\n>>> relay-1 crashed between producing a batch and marking it ({status}, a failpoint): relay-2 takes the lock and publishes those events again — duplicates the processors must skip\n"
+                "\n>>> relay-1 crashed between producing a batch and marking it ({status}: killed while its mark waited on the cursor, which the demo held): relay-2 takes the lock and publishes those events again — duplicates the processors must skip\n"
             );
         }
         if killed.is_none() && progress.ended() * 3 >= planned {
@@ -529,7 +529,6 @@ pub(crate) fn spawn(
     binary: &Path,
     name: &str,
     logs: &Path,
-    failpoint: Option<String>,
     args: &[String],
 ) -> anyhow::Result<Process> {
     let (http, metrics) = (free_port()?, free_port()?);
@@ -588,9 +587,6 @@ pub(crate) fn spawn(
     if name.starts_with("processor") {
         // A killed member's partitions move after 6 s (the broker's minimum), not 45 s.
         command.env("JOBFOLD_KAFKA__SESSION_TIMEOUT_MS", "6000");
-    }
-    if let Some(failpoint) = failpoint {
-        command.env("JOBFOLD_FAILPOINT", failpoint);
     }
     // Retention as configured (the soak turns it on).
     for (name, after) in config.retention.sweeps() {
@@ -973,6 +969,54 @@ async fn summary(
         ),
     );
     Ok(all)
+}
+
+/// Kills the active relay (`relay`, its pid) between producing a batch and marking it, once
+/// it has marked one batch of the workload: the demo holds the cursor's table against
+/// writes, the relay's next mark waits on it with its batch already delivered to Kafka, and
+/// the relay is killed -9 there. The mark's transaction dies with its session, so the cursor
+/// stays before that batch, and the relay standing by publishes it again.
+async fn crash_relay_before_its_mark(pool: sqlx::PgPool, relay: u32) -> anyhow::Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let start =
+        sqlx::query_scalar!("SELECT published_seq FROM relay_cursor").fetch_one(&pool).await?;
+    while sqlx::query_scalar!("SELECT published_seq FROM relay_cursor").fetch_one(&pool).await?
+        == start
+    {
+        anyhow::ensure!(Instant::now() < deadline, "relay-1 published nothing in 120 s");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let mut tx = pool.begin().await?;
+    // A table lock, not a row lock: it takes no transaction id, so it does not hold the
+    // horizon the relay reads below (which a row lock's id would, and the relay would then
+    // read nothing new to produce). SHARE lets reads by, and stops the cursor's update.
+    sqlx::query!("LOCK TABLE relay_cursor IN SHARE MODE").execute(&mut *tx).await?;
+    let holder =
+        sqlx::query_scalar!(r#"SELECT pg_backend_pid() AS "pid!""#).fetch_one(&mut *tx).await?;
+    // The relay's mark is the only statement that writes the row: a session waiting on this
+    // one is the relay, past its batch's delivery reports. (Looked at from another session:
+    // a transaction sees the sessions' activity as it was at its first look.)
+    while sqlx::query_scalar!(
+        r#"SELECT count(*) AS "n!" FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))"#,
+        holder
+    )
+    .fetch_one(&pool)
+    .await?
+        == 0
+    {
+        anyhow::ensure!(Instant::now() < deadline, "relay-1 did not come to mark a batch");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let pid = nix::unistd::Pid::from_raw(i32::try_from(relay)?);
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL)?;
+    // Gone (or a zombie not yet reaped) before its transaction may go on.
+    let stat = format!("/proc/{relay}/stat");
+    while std::fs::read_to_string(&stat).is_ok_and(|s| !s.contains(") Z ")) {
+        anyhow::ensure!(Instant::now() < deadline, "relay-1 outlived kill -9");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    tx.rollback().await?;
+    Ok(())
 }
 
 /// The demo run's directory for logs and files.

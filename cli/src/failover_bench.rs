@@ -115,7 +115,7 @@ async fn measure(config: &Config, command: String, plan: Plan) -> anyhow::Result
         .join(format!("jobfold-bench-failover-{}", uuid::Uuid::new_v4().simple()));
     std::fs::create_dir_all(&logs)?;
     let bin = std::env::current_exe()?.parent().context("the binary's directory")?.to_path_buf();
-    let _relay = crate::demo::spawn(config, &bin.join("jobfold-relay"), "relay", &logs, None, &[])?;
+    let _relay = crate::demo::spawn(config, &bin.join("jobfold-relay"), "relay", &logs, &[])?;
     let (processor, _) = crate::bench::examples(config, &bin, "processor", &logs, &[]).await?;
     let changes =
         |port| crate::demo::metric_sum(port, jobfold_common::metrics::PRIMARY_CHANGES_TOTAL, "");

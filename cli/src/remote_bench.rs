@@ -198,7 +198,6 @@ pub(crate) async fn measure(
         &bin.join("jobfold-processor"),
         "processor-remote",
         logs,
-        None,
         &args,
     )?;
     crate::demo::wait_ready(process.http).await?;

@@ -102,8 +102,7 @@ async fn soak(mut config: Config, plan: Plan) -> anyhow::Result<(String, bool)> 
     let logs = std::env::temp_dir().join(format!("jobfold-soak-{}", uuid::Uuid::new_v4().simple()));
     std::fs::create_dir_all(&logs)?;
     let bin = std::env::current_exe()?.parent().context("the binary's directory")?.to_path_buf();
-    let mut relay =
-        crate::demo::spawn(&config, &bin.join("jobfold-relay"), "relay", &logs, None, &[])?;
+    let mut relay = crate::demo::spawn(&config, &bin.join("jobfold-relay"), "relay", &logs, &[])?;
     let model = crate::model::Model::start(crate::model::Behaviour {
         latency: Duration::from_millis(50),
         fail_first: 0,
@@ -114,14 +113,8 @@ async fn soak(mut config: Config, plan: Plan) -> anyhow::Result<(String, bool)> 
         crate::model::Behaviour { latency: Duration::from_millis(50), fail_first: 1 },
     );
     let args = ["--model-url".to_owned(), model.url.clone()];
-    let mut processor = crate::demo::spawn(
-        &config,
-        &bin.join("jobfold-examples"),
-        "processor",
-        &logs,
-        None,
-        &args,
-    )?;
+    let mut processor =
+        crate::demo::spawn(&config, &bin.join("jobfold-examples"), "processor", &logs, &args)?;
     crate::demo::wait_ready(processor.http).await?;
     let processor_pid = processor.child.id().context("the processor's pid")?;
     let relay_pid = relay.child.id().context("the relay's pid")?;

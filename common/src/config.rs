@@ -1083,13 +1083,25 @@ pub fn split_host_port(value: &str) -> (&str, Option<&str>) {
     }
 }
 
-/// `JOBFOLD_*` variables that are not configuration: the service scripts' (`docker/`), the
-/// test harness's and the fault points'. Any other `JOBFOLD_*` variable must name a key.
-const NOT_CONFIG: [&str; 17] = [
+/// Whether `variable` arms this build's fault points ([`crate::failpoint`]); a build without
+/// them refuses it as any unknown `JOBFOLD_*` variable.
+fn fault_points(variable: &str) -> bool {
+    #[cfg(feature = "failpoints")]
+    return variable == crate::failpoint::VARIABLE;
+    #[cfg(not(feature = "failpoints"))]
+    {
+        let _ = variable;
+        false
+    }
+}
+
+/// `JOBFOLD_*` variables that are not configuration: the service scripts' (`docker/`) and
+/// the test harness's. Any other `JOBFOLD_*` variable must name a key, but for
+/// `JOBFOLD_FAILPOINT` in a build with fault points ([`crate::failpoint`]).
+const NOT_CONFIG: [&str; 16] = [
     "JOBFOLD_BIN",
     "JOBFOLD_CACHE_DIR",
     "JOBFOLD_CONFIG",
-    "JOBFOLD_FAILPOINT",
     "JOBFOLD_KAFKA_CONTROLLER_PORT",
     "JOBFOLD_KAFKA_PORT",
     "JOBFOLD_KAFKA_SASL_PASSWORD",
@@ -1889,7 +1901,10 @@ fn check_env_names(variables: impl Iterator<Item = String>) -> Result<(), Config
     let mut known: Option<Vec<String>> = None;
     for variable in variables {
         let Some(rest) = variable.strip_prefix("JOBFOLD_") else { continue };
-        if NOT_CONFIG.contains(&variable.as_str()) || rest.starts_with("KAFKA__") {
+        if NOT_CONFIG.contains(&variable.as_str())
+            || rest.starts_with("KAFKA__")
+            || fault_points(&variable)
+        {
             continue;
         }
         let top = rest.split("__").next().unwrap_or_default().to_ascii_lowercase();

@@ -123,7 +123,7 @@ async fn beat(pool: PgPool, tick: Duration, leases: Weak<Leases>) {
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         ticker.tick().await;
-        jobfold_common::failpoint::hit(jobfold_common::failpoint::PROCESSOR_HEARTBEAT);
+        jobfold_common::failpoint::hit(jobfold_common::failpoint::Point::ProcessorHeartbeat);
         let Some(leases) = leases.upgrade() else { return };
         let started = Instant::now();
         // Due by the middle of the next tick: each lease is renewed within half a tick of

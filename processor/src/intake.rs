@@ -163,7 +163,7 @@ impl Intake {
                             metrics::histogram!(m::TRANSACTION_JOBS, "transaction" => "intake")
                                 .record(batch.len() as f64);
                             jobfold_common::failpoint::hit(
-                                jobfold_common::failpoint::INTAKE_AFTER_COMMIT_BEFORE_OFFSET,
+                                jobfold_common::failpoint::Point::IntakeAfterCommitBeforeOffset,
                             );
                             for message in &batch {
                                 // Refused for a partition a rebalance took while the batch

@@ -1101,7 +1101,7 @@ async fn attempt(
         (Some(attempt), Some((job, _))) if attempt.job.generation == job.generation => attempt,
         (_, None) => anyhow::bail!("a lease committed for a run this task did not make"),
         (_, Some((job, isolated))) => {
-            failpoint::hit(failpoint::PROCESSOR_AFTER_LEASE_COMMIT);
+            failpoint::hit(failpoint::Point::ProcessorAfterLeaseCommit);
             let ran = if isolated {
                 match Box::pin(run_isolated(shared, event, &handler, job)).await? {
                     Ok(ran) => ran,
@@ -1283,7 +1283,7 @@ fn completed(shared: &Shared, job_id: uuid::Uuid, generation: i64, done: Complet
             tracing::debug!(job_id = %job.job_id, outcome, "Attempt completed.");
         }
     }
-    failpoint::hit(failpoint::PROCESSOR_AFTER_COMPLETION_BEFORE_OFFSET);
+    failpoint::hit(failpoint::Point::ProcessorAfterCompletionBeforeOffset);
     Step::Done
 }
 
@@ -1378,7 +1378,7 @@ async fn run_handler(
         .record(started.elapsed().as_secs_f64());
     crate::history::ran(&job.kind, started.elapsed());
     metrics::counter!(pm::HANDLER_RUNS_TOTAL).increment(1);
-    failpoint::hit(failpoint::PROCESSOR_IN_HANDLER);
+    failpoint::hit(failpoint::Point::ProcessorInHandler);
     drop(lease);
     // Fit to commit, and no wait an outside answer asks for past the kind's max_retry_after.
     let result = bounded(result, kind.max_output_bytes).map_err(|mut e| {

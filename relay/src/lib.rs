@@ -509,7 +509,7 @@ impl Active<'_> {
                 let Some(outcome) = self.delivered(sent).await else {
                     return Ok(self.shutdown.is_cancelled());
                 };
-                failpoint::hit(failpoint::RELAY_AFTER_PRODUCE_BEFORE_MARK);
+                failpoint::hit(failpoint::Point::RelayAfterProduceBeforeMark);
                 // The cursor stops just before the first event that neither reached Kafka
                 // nor was parked.
                 let undelivered = outcome.undelivered();
@@ -552,7 +552,7 @@ impl Active<'_> {
         let Some(outcome) = self.delivered(sent).await else {
             return Ok(false);
         };
-        failpoint::hit(failpoint::RELAY_AFTER_PRODUCE_BEFORE_MARK);
+        failpoint::hit(failpoint::Point::RelayAfterProduceBeforeMark);
         let parking = parked::parking(&outcome);
         let mut seqs: Vec<i64> = outcome.delivered.iter().map(|(seq, _)| *seq).collect();
         let delivered = seqs.len();
