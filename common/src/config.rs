@@ -404,10 +404,27 @@ pub struct Http {
     /// answered 429 until the minute is over, even with a right token.
     #[serde(default = "auth_failures")]
     pub auth_failures_per_minute: u32,
+    /// The longest a request may take, its body's upload included (not the health checks
+    /// or `/metrics`); past it the caller gets 408 `request_timeout`, and whatever it asked
+    /// may or may not have happened (an accept: retry with the same idempotency key).
+    #[serde(default = "request_timeout", with = "humantime_serde")]
+    pub request_timeout: Duration,
+    /// Requests handled at once (not the health checks or `/metrics`); one more is
+    /// answered 503 `overloaded` with `Retry-After` at once rather than queued.
+    #[serde(default = "max_concurrent_requests")]
+    pub max_concurrent_requests: usize,
 }
 
 fn yes() -> bool {
     true
+}
+
+fn request_timeout() -> Duration {
+    Duration::from_secs(30)
+}
+
+fn max_concurrent_requests() -> usize {
+    1024
 }
 
 fn auth_failures() -> u32 {
@@ -421,6 +438,8 @@ impl Default for Http {
             tokens: Vec::new(),
             open_metrics: true,
             auth_failures_per_minute: auth_failures(),
+            request_timeout: request_timeout(),
+            max_concurrent_requests: max_concurrent_requests(),
         }
     }
 }
@@ -1459,6 +1478,19 @@ impl Config {
         if h.auth_failures_per_minute == 0 || h.auth_failures_per_minute > 10_000 {
             return named("auth_failures_per_minute".into(), "must be between 1 and 10000");
         }
+        // An accept waits up to accept.commit_timeout and is then answered 503, which says
+        // to retry; a shorter request time-out would answer first with a vaguer 408.
+        if h.request_timeout <= self.accept.commit_timeout
+            || h.request_timeout > Duration::from_secs(3600)
+        {
+            return named(
+                "request_timeout".into(),
+                "must be longer than accept.commit_timeout and at most 1h",
+            );
+        }
+        if h.max_concurrent_requests == 0 || h.max_concurrent_requests > 65_536 {
+            return named("max_concurrent_requests".into(), "must be between 1 and 65536");
+        }
         Ok(())
     }
 
@@ -2064,6 +2096,12 @@ mod tests {
         config.http.tokens.pop();
         config.http.auth_failures_per_minute = 0;
         assert!(problem(config.validate()).contains("http.auth_failures_per_minute"));
+        config.http.auth_failures_per_minute = 10;
+        config.http.request_timeout = config.accept.commit_timeout;
+        assert!(problem(config.validate()).contains("http.request_timeout"));
+        config.http.request_timeout = Duration::from_secs(30);
+        config.http.max_concurrent_requests = 0;
+        assert!(problem(config.validate()).contains("http.max_concurrent_requests"));
     }
 
     #[test]

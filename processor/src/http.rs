@@ -113,6 +113,8 @@ pub struct ApiState {
     pub lag: crate::lag::LagReader,
     /// `POST /v1/jobs`'s group commit: the requests waiting at once share a transaction.
     accepts: crate::batch::Batcher<NewJob, Grouped>,
+    /// One permit a request being handled (`http.max_concurrent_requests`).
+    slots: std::sync::Arc<tokio::sync::Semaphore>,
 }
 
 /// A job's answer from the group commit.
@@ -176,6 +178,9 @@ impl ApiState {
         };
         Self {
             accepts,
+            slots: std::sync::Arc::new(tokio::sync::Semaphore::new(
+                config.http.max_concurrent_requests,
+            )),
             pool,
             acceptor,
             events,
@@ -239,7 +244,43 @@ pub fn router(state: ApiState, max_body: usize) -> Router {
         .method_not_allowed_fallback(wrong_method)
         .layer(DefaultBodyLimit::max(max_body))
         .layer(middleware::from_fn_with_state(state.clone(), authorize))
+        .layer(middleware::from_fn_with_state(state.clone(), bounded))
         .with_state(state)
+}
+
+/// Holds every request but the health checks and `/metrics` to `http.request_timeout`, its
+/// body's upload included (408 `request_timeout`), and to `http.max_concurrent_requests`
+/// handled at once: one more is answered 503 `overloaded` at once, not queued, so a flood
+/// (or slow uploads) costs its senders a retry and nobody else their memory. Both are
+/// counted in `jobfold_http_refused_total` (`timeout`, `overloaded`).
+async fn bounded(State(state): State<ApiState>, request: Request, next: Next) -> Response {
+    if matches!(request.uri().path(), "/healthz" | "/readyz" | "/metrics") {
+        return next.run(request).await;
+    }
+    let http = &state.config.http;
+    let Ok(_slot) = std::sync::Arc::clone(&state.slots).try_acquire_owned() else {
+        metrics::counter!(crate::metrics::HTTP_REFUSED_TOTAL, "reason" => "overloaded")
+            .increment(1);
+        let message = format!(
+            "{} requests are being handled (http.max_concurrent_requests); try again shortly",
+            http.max_concurrent_requests
+        );
+        return ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "overloaded", message)
+            .into_response();
+    };
+    match tokio::time::timeout(http.request_timeout, next.run(request)).await {
+        Ok(response) => response,
+        Err(_) => {
+            metrics::counter!(crate::metrics::HTTP_REFUSED_TOTAL, "reason" => "timeout")
+                .increment(1);
+            let message = format!(
+                "the request took longer than http.request_timeout ({}): what it asked may or \
+                 may not have happened; an accept can be retried with its idempotency key",
+                humantime::format_duration(http.request_timeout)
+            );
+            ApiError::new(StatusCode::REQUEST_TIMEOUT, "request_timeout", message).into_response()
+        }
+    }
 }
 
 /// What a callback's body holds besides its progress or result.

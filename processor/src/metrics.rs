@@ -108,7 +108,9 @@ pub const ACCEPT_TO_COMPLETE_SECONDS: &str = "jobfold_accept_to_complete_seconds
 /// topic; `intake`: the requests topic).
 pub const MESSAGE_RETRIES_TOTAL: &str = "jobfold_message_retries_total";
 /// HTTP requests refused before a handler ran, by reason (`host`, `origin`, `token`, `role`,
-/// `failures`; `signature`: a handler's callback not signed with its kind's secret).
+/// `failures`; `signature`: a handler's callback not signed with its kind's secret;
+/// `overloaded`: over `http.max_concurrent_requests`), or cut by `http.request_timeout`
+/// (`timeout`).
 pub const HTTP_REFUSED_TOTAL: &str = "jobfold_http_refused_total";
 /// Callbacks of handlers that answered 202, by route (`heartbeat`, `complete`) and outcome
 /// (`written`; `refused`: the job is not leased at that generation; `not_found`).

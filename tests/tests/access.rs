@@ -1,9 +1,12 @@
-//! Who may call the HTTP API: hosts, roles, failed authentications — against the API served
-//! over TCP with the client's address, on the real Postgres.
+//! Who may call the HTTP API and how much: hosts, roles, failed authentications, slow
+//! uploads and requests past the limit — against the API served over TCP with the client's
+//! address, on the real Postgres.
+
+use std::time::Duration;
 
 use jobfold_common::config::{ApiToken, Role};
 use jobfold_processor::access::digest_hex;
-use jobfold_tests::harness::{Installation, http_client, index_job};
+use jobfold_tests::harness::{Installation, eventually_some, http_client, index_job};
 use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
 
@@ -273,6 +276,63 @@ async fn a_token_the_cli_makes_signs_in_with_its_role() {
     assert_eq!(answer.status(), 200);
     let auth: Value = answer.json().await.unwrap();
     assert_eq!((auth["name"].as_str(), auth["role"].as_str()), (Some("dashboards"), Some("read")));
+    stop.cancel();
+    it.cleanup().await;
+}
+
+/// Sends a request's headers and the start of a 1,000-byte body, then nothing.
+async fn stalled_upload(addr: &str) -> tokio::net::TcpStream {
+    use tokio::io::AsyncWriteExt;
+    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let head = format!(
+        "POST /v1/jobs HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\n\
+         content-length: 1000\r\n\r\n{{\"kind\": "
+    );
+    stream.write_all(head.as_bytes()).await.unwrap();
+    stream
+}
+
+/// What the server answered on `stream`, until it closed it.
+async fn answer_on(mut stream: tokio::net::TcpStream) -> String {
+    use tokio::io::AsyncReadExt;
+    let mut answer = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(120), stream.read_to_end(&mut answer));
+    read.await.expect("no answer in two minutes").unwrap();
+    String::from_utf8_lossy(&answer).into_owned()
+}
+
+/// Uploads that trickle hold their request slot only until `http.request_timeout` (408
+/// `request_timeout`); past `http.max_concurrent_requests` one more request is answered 503
+/// `overloaded` at once, not queued, while the health check still answers; once the slots
+/// are free again a request is served.
+#[tokio::test(flavor = "multi_thread")]
+async fn slow_uploads_are_cut_off_and_requests_past_the_limit_are_refused_not_queued() {
+    let mut it = Installation::new("access-bounds").await;
+    it.config.http.max_concurrent_requests = 2;
+    it.config.accept.commit_timeout = Duration::from_secs(1);
+    it.config.http.request_timeout = Duration::from_secs(3);
+    let (base, stop) = serve(&it).await;
+    let addr = base.trim_start_matches("http://").to_owned();
+    let stalled = [stalled_upload(&addr).await, stalled_upload(&addr).await];
+    let client = http_client();
+    let overview = format!("{base}/v1/overview");
+    let refused = eventually_some(Duration::from_secs(30), "a third request refused", || async {
+        let answer = client.get(&overview).send().await.unwrap();
+        (answer.status() == 503).then_some(answer)
+    })
+    .await;
+    assert_eq!(refused.headers()["retry-after"], "1");
+    let body: Value = refused.json().await.unwrap();
+    assert_eq!(body["error"]["code"], "overloaded", "{body}");
+    let health = client.get(format!("{base}/healthz")).send().await.unwrap();
+    assert_eq!(health.status(), 200, "the health check is not held to the limit");
+    for stream in stalled {
+        let answer = answer_on(stream).await;
+        assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+        assert!(answer.contains("\"request_timeout\""), "{answer}");
+    }
+    let served = client.get(&overview).send().await.unwrap();
+    assert_eq!(served.status(), 200, "{:?}", served.text().await);
     stop.cancel();
     it.cleanup().await;
 }
