@@ -80,10 +80,24 @@ impl Tracker {
         partitions.iter().filter_map(|p| self.partitions.get(p)).map(|s| s.in_flight.len()).sum()
     }
 
+    /// The assignment `partition` is in now: a message polled under it is started with
+    /// [`Tracker::start_in`].
+    pub fn epoch(&self, partition: i32) -> u64 {
+        self.partitions.get(&partition).map_or(0, |s| s.epoch)
+    }
+
     /// Records a message as started; `None` if its partition is revoked (drop the message).
     pub fn start(&mut self, partition: i32, offset: i64) -> Option<Ticket> {
+        let epoch = self.epoch(partition);
+        self.start_in(partition, offset, epoch)
+    }
+
+    /// Records a message polled under assignment `epoch` ([`Tracker::epoch`]) as started;
+    /// `None` if its partition was revoked since (drop the message: the partition's owner
+    /// reads it again from the committed offset).
+    pub fn start_in(&mut self, partition: i32, offset: i64, epoch: u64) -> Option<Ticket> {
         let state = self.partitions.entry(partition).or_default();
-        if state.revoked {
+        if state.revoked || state.epoch != epoch {
             return None;
         }
         if state.stored.is_none() && state.in_flight.is_empty() && state.highest_done.is_none() {
@@ -147,6 +161,18 @@ impl Tracker {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_message_polled_under_an_earlier_assignment_starts_nothing() {
+        let mut t = Tracker::default();
+        t.assign(&[0]);
+        let polled = t.epoch(0);
+        t.revoke(&[0]);
+        assert_eq!(t.start_in(0, 5, polled), None, "revoked since it was polled");
+        t.assign(&[0]);
+        assert_eq!(t.start_in(0, 5, polled), None, "assigned again since it was polled");
+        assert!(t.start_in(0, 5, t.epoch(0)).is_some(), "polled under this assignment");
+    }
 
     #[test]
     fn the_stored_offset_trails_the_lowest_unfinished() {

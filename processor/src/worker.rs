@@ -31,7 +31,9 @@
 //!
 //! Rebalance: a revoked partition starts no new work; its running jobs get
 //! `processor.revoke_timeout` to finish, then its offsets are committed synchronously and it
-//! is released. A new owner resumes from the committed offset and respects live leases.
+//! is released. A new owner resumes from the committed offset and respects live leases. The
+//! consumer is polled on a thread of its own ([`consume`]), where the rebalance callbacks run
+//! and may block that long: no tokio worker waits on them.
 //!
 //! Shutdown (the first SIGTERM): consumption stops and nothing new starts; running handlers
 //! go on, their tokens untouched, up to `processor.shutdown_timeout`. Then the tokens fire
@@ -51,7 +53,8 @@ use jobfold_schemas::event::EVENT_KIND;
 use jobfold_schemas::{Decoder, JobEvent, Payload};
 use rand::Rng;
 use rdkafka::TopicPartitionList;
-use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext, Rebalance, StreamConsumer};
+use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext, Rebalance};
+use rdkafka::error::KafkaError;
 use rdkafka::{ClientContext, Message, Statistics};
 use sqlx::PgPool;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
@@ -307,7 +310,7 @@ impl Queues {
 struct Shared {
     config: Config,
     pool: PgPool,
-    consumer: Arc<StreamConsumer<WorkerContext>>,
+    consumer: Arc<BaseConsumer<WorkerContext>>,
     decoder: Decoder<JobEvent>,
     events: Events,
     /// The handlers this processor runs, by kind.
@@ -391,37 +394,7 @@ pub async fn run(
         lag_reported: Mutex::default(),
         stopping: Arc::clone(&stopping),
     };
-    let mut client = config.kafka_client_for(
-        jobfold_common::config::KafkaRole::Consumer,
-        jobfold_common::kafka::CONSUMER_DEFAULTS,
-    );
-    client.set("group.id", &config.processor.group);
-    if let Some(id) = &config.processor.group_instance_id {
-        client.set("group.instance.id", id);
-    }
-    // What librdkafka fetches ahead is bounded as the buffer is: by default it holds up to
-    // 100,000 messages a partition or 64 MiB, which a burst fills (two in three of them
-    // events passed over) while the buffer holds its own.
-    for (key, value) in PREFETCH {
-        if !config.kafka.0.contains_key(*key) {
-            client.set(*key, *value);
-        }
-    }
-    // librdkafka wants a fetch to hold the largest message (`fetch.max.bytes` ≥
-    // `message.max.bytes`): raising the latter, as the event limit check advises, raises
-    // the read-ahead with it.
-    if !config.kafka.0.contains_key("fetch.max.bytes")
-        && let Some(largest) = config.kafka.0.get("message.max.bytes")
-        && largest.parse::<u64>().is_ok_and(|largest| largest > 1_048_576)
-    {
-        client.set("fetch.max.bytes", largest);
-    }
-    if !config.kafka.0.contains_key("statistics.interval.ms") {
-        let interval = config.processor.gauge_interval.as_millis().to_string();
-        client.set("statistics.interval.ms", interval);
-    }
-    let consumer: StreamConsumer<WorkerContext> = client.create_with_context(context)?;
-    consumer.subscribe(&[&config.topics.events])?;
+    let consumer = subscribe(&config, context)?;
     let owner = format!("{}/{}", hostname(), std::process::id());
     tracing::info!(group = %config.processor.group, %owner, "Running jobs.");
     let leaser = crate::lease::start(crate::lease::Settings {
@@ -454,7 +427,8 @@ pub async fn run(
     let callbacks =
         Arc::new(crate::callback::Scope::new(&config, pool.clone(), owner.clone(), &hostname()));
     let shared = Arc::new(Shared {
-        config: config.clone(),
+        slots: Arc::new(Semaphore::new(config.processor.max_in_flight)),
+        config,
         callbacks,
         pool,
         consumer: Arc::new(consumer),
@@ -463,7 +437,6 @@ pub async fn run(
         handlers,
         waiting_for_handler: std::sync::atomic::AtomicI64::new(0),
         kind_slots,
-        slots: Arc::new(Semaphore::new(config.processor.max_in_flight)),
         buffer,
         leaser,
         completer,
@@ -472,79 +445,153 @@ pub async fn run(
         heartbeats,
         quotas,
         pauses,
-        tracker: Arc::clone(&tracker),
+        tracker,
         running: Arc::default(),
         queues,
         ready: tokio::sync::Notify::new(),
-        shutdown: shutdown.clone(),
+        shutdown,
         hard: CancellationToken::new(),
     });
+    let dispatcher = spawn_background(&shared, &mut tasks);
+    let mut consumer = ConsumerThread::start(Arc::clone(&shared.consumer));
+    let failed = take_arrivals(&shared, &mut tasks, &mut consumer).await;
+    dispatcher.cancel();
+    stop(&shared, failed.is_some(), &stopping, &mut consumer).await;
+    crate::history::flush(&shared.pool, &shared.owner).await;
+    tasks.stop().await;
+    failed.map_or(Ok(()), Err)
+}
+
+/// The consumer of `config`'s events topic, in the processors' group, subscribed, with
+/// `context`'s rebalance callbacks.
+fn subscribe(
+    config: &Config,
+    context: WorkerContext,
+) -> anyhow::Result<BaseConsumer<WorkerContext>> {
+    let mut client = config.kafka_client_for(
+        jobfold_common::config::KafkaRole::Consumer,
+        jobfold_common::kafka::CONSUMER_DEFAULTS,
+    );
+    client.set("group.id", &config.processor.group);
+    if let Some(id) = &config.processor.group_instance_id {
+        client.set("group.instance.id", id);
+    }
+    // What librdkafka fetches ahead is bounded as the buffer is: by default it holds up to
+    // 100,000 messages a partition or 64 MiB, which a burst fills (two in three of them
+    // events passed over) while the buffer holds its own.
+    for (key, value) in PREFETCH {
+        if !config.kafka.0.contains_key(*key) {
+            client.set(*key, *value);
+        }
+    }
+    // librdkafka wants a fetch to hold the largest message (`fetch.max.bytes` ≥
+    // `message.max.bytes`): raising the latter, as the event limit check advises, raises
+    // the read-ahead with it.
+    if !config.kafka.0.contains_key("fetch.max.bytes")
+        && let Some(largest) = config.kafka.0.get("message.max.bytes")
+        && largest.parse::<u64>().is_ok_and(|largest| largest > 1_048_576)
+    {
+        client.set("fetch.max.bytes", largest);
+    }
+    if !config.kafka.0.contains_key("statistics.interval.ms") {
+        let interval = config.processor.gauge_interval.as_millis().to_string();
+        client.set("statistics.interval.ms", interval);
+    }
+    let consumer: BaseConsumer<WorkerContext> = client.create_with_context(context)?;
+    consumer.subscribe(&[&config.topics.events])?;
+    Ok(consumer)
+}
+
+/// Starts the worker's background tasks under `tasks` (the reaper, retention, presence,
+/// history and the dispatcher); returns what stops the dispatcher.
+fn spawn_background(
+    shared: &Arc<Shared>,
+    tasks: &mut crate::supervise::Tasks,
+) -> CancellationToken {
+    let shutdown = &shared.shutdown;
+    let (config, pool) = (&shared.config, &shared.pool);
     tasks.spawn(
         "reaper",
-        crate::reaper::run(
-            shared.config.clone(),
-            shared.pool.clone(),
-            shared.events.clone(),
+        crate::reaper::run(config.clone(), pool.clone(), shared.events.clone(), shutdown.clone()),
+    );
+    // Off (the default), retention has nothing to run.
+    if !config.retention.sweeps().is_empty() {
+        tasks.spawn(
+            "retention",
+            crate::retention::run(config.clone(), pool.clone(), shutdown.clone()),
+        );
+    }
+    let held = Arc::clone(&shared.tracker);
+    tasks.spawn(
+        "presence",
+        crate::presence::run(
+            pool.clone(),
+            shared.owner.clone(),
+            config.processor.group.clone(),
+            Arc::clone(&shared.running),
+            move || held.lock().map(|t| t.held_partitions()).unwrap_or_default(),
             shutdown.clone(),
         ),
     );
-    // Off (the default), retention has nothing to run.
-    if !shared.config.retention.sweeps().is_empty() {
-        tasks.spawn(
-            "retention",
-            crate::retention::run(shared.config.clone(), shared.pool.clone(), shutdown.clone()),
-        );
-    }
-    {
-        let held = Arc::clone(&tracker);
-        tasks.spawn(
-            "presence",
-            crate::presence::run(
-                shared.pool.clone(),
-                shared.owner.clone(),
-                shared.config.processor.group.clone(),
-                Arc::clone(&shared.running),
-                move || held.lock().map(|t| t.held_partitions()).unwrap_or_default(),
-                shutdown.clone(),
-            ),
-        );
-    }
     tasks.spawn(
         "history",
-        crate::history::run(shared.pool.clone(), shared.owner.clone(), shutdown.clone()),
+        crate::history::run(pool.clone(), shared.owner.clone(), shutdown.clone()),
     );
     let dispatcher_stopped = shutdown.child_token();
-    let (stop_dispatcher, dispatching) = (dispatcher_stopped.clone(), Arc::clone(&shared));
+    let (stop_dispatcher, dispatching) = (dispatcher_stopped.clone(), Arc::clone(shared));
     tasks.spawn("dispatcher", async move {
         tokio::select! {
             _ = stop_dispatcher.cancelled() => {}
             () = dispatch(dispatching) => {}
         }
     });
-    let mut failed = None;
+    dispatcher_stopped
+}
+
+/// Takes what the consumer's thread polls until the shutdown, a background task's end or a
+/// fatal consumer error; the error that stops the worker, if one does.
+async fn take_arrivals(
+    shared: &Shared,
+    tasks: &mut crate::supervise::Tasks,
+    consumer: &mut ConsumerThread,
+) -> Option<anyhow::Error> {
+    let shutdown = &shared.shutdown;
     let mut errors = ErrorBackoff::default();
     loop {
-        let message = tokio::select! {
+        let arrival = tokio::select! {
             biased;
-            _ = shutdown.cancelled() => break,
+            _ = shutdown.cancelled() => return None,
             ended = tasks.ended() => {
                 // Stopping already (the cancel came while this select was being polled).
                 if shutdown.is_cancelled() {
-                    break;
+                    return None;
                 }
                 tracing::error!(error = %ended, "A background task of the worker ended; the processor stops.");
-                failed = Some(ended);
                 shutdown.cancel();
-                break;
+                return Some(ended);
             }
-            message = shared.consumer.recv() => message,
+            arrival = consumer.arrivals.recv() => arrival,
         };
-        let message = match message {
-            Ok(message) => {
+        match arrival {
+            Some(Arrival::Dispatch { key, held, epoch }) => {
                 errors.reset();
-                message
+                queue(shared, key, held, epoch);
             }
-            Err(e) => {
+            Some(Arrival::PassedOver { partition, offset, epoch }) => {
+                errors.reset();
+                // Done at once: nothing to decode, queue or run. Its offset counts as
+                // finished, so the stored offset trails only the dispatches still in flight.
+                let done = {
+                    let mut tracker = shared.tracker.lock().expect("tracker");
+                    tracker
+                        .start_in(partition, offset, epoch)
+                        .and_then(|ticket| tracker.finish(ticket))
+                };
+                if let Some(offset) = done {
+                    store_offset(shared, &shared.config.topics.events, partition, offset);
+                }
+            }
+            Some(Arrival::Failed(e)) => {
                 let backoff = errors.after_error();
                 ConsumerFailed { stage: "dispatch", error: &e, backoff }.emit();
                 // A fatal error leaves the consumer dead: stop, to be restarted.
@@ -554,64 +601,67 @@ pub async fn run(
                     shared.config.processor.group_instance_id.as_deref(),
                 );
                 if let Some(why) = fatal {
-                    failed =
-                        Some(anyhow::anyhow!("the dispatch consumer hit a fatal error: {why}"));
                     shutdown.cancel();
-                    break;
+                    return Some(anyhow::anyhow!("the dispatch consumer hit a fatal error: {why}"));
                 }
                 if !backoff.is_zero() {
                     tokio::select! {
-                        _ = shutdown.cancelled() => break,
+                        _ = shutdown.cancelled() => return None,
                         () = tokio::time::sleep(backoff) => {}
                     }
                 }
-                continue;
             }
-        };
-        if passed_over(&message) {
-            // Done at once: nothing to decode, queue or run. Its offset counts as finished,
-            // so the stored offset trails only the dispatches still in flight.
-            let (partition, offset) = (message.partition(), message.offset());
-            let done = {
-                let mut tracker = shared.tracker.lock().expect("tracker");
-                tracker.start(partition, offset).and_then(|ticket| tracker.finish(ticket))
-            };
-            if let Some(offset) = done {
-                store_offset(&shared, message.topic(), partition, offset);
+            None => {
+                shutdown.cancel();
+                return Some(anyhow::anyhow!("the consumer's thread ended"));
             }
-            continue;
-        }
-        let Some(ticket) =
-            shared.tracker.lock().expect("tracker").start(message.partition(), message.offset())
-        else {
-            continue;
-        };
-        let key = message.key().map(String::from_utf8_lossy).unwrap_or_default();
-        let held = Held::of(&message);
-        let bytes = held.payload.as_deref().map_or(0, <[u8]>::len) + key.len();
-        {
-            // Decided and done under the lock: a resume decided meanwhile by a finishing
-            // task cannot come before this pause and leave the partition paused for good.
-            let mut buffer = shared.buffer.lock().expect("buffer");
-            if buffer.add(ticket.partition, bytes) {
-                pause_or_resume(&shared, &buffer, ticket.partition, true);
-            }
-            metrics::gauge!(pm::BUFFERED_MESSAGES).set(buffer.messages() as f64);
-        }
-        let queued = Queued { message: held, ticket, bytes };
-        if shared.queues.lock().expect("queues").push(&key, queued) {
-            shared.ready.notify_one();
         }
     }
-    dispatcher_stopped.cancel();
-    // Graceful stop: nothing new starts, and the partitions go to the rest of the group
-    // at once; running handlers go on, their tokens untouched, up to `shutdown_timeout` (a
-    // failed background task — the heartbeat, say — stops hard at once: leases may no
-    // longer be renewed).
+}
+
+/// Queues a polled dispatch for its document (`key`), counted in its partition's buffer
+/// (which pauses the partition when full).
+fn queue(shared: &Shared, key: String, held: Held, epoch: u64) {
+    // A message polled before its partition was revoked (the revoke ran on the consumer's
+    // thread since) starts nothing: its next owner reads it again.
+    let started =
+        shared.tracker.lock().expect("tracker").start_in(held.partition, held.offset, epoch);
+    let Some(ticket) = started else {
+        return;
+    };
+    let bytes = held.payload.as_deref().map_or(0, <[u8]>::len) + key.len();
+    {
+        // Decided and done under the lock: a resume decided meanwhile by a finishing task
+        // cannot come before this pause and leave the partition paused for good.
+        let mut buffer = shared.buffer.lock().expect("buffer");
+        if buffer.add(ticket.partition, bytes) {
+            pause_or_resume(shared, &buffer, ticket.partition, true);
+        }
+        metrics::gauge!(pm::BUFFERED_MESSAGES).set(buffer.messages() as f64);
+    }
+    let queued = Queued { message: held, ticket, bytes };
+    if shared.queues.lock().expect("queues").push(&key, queued) {
+        shared.ready.notify_one();
+    }
+}
+
+/// Stops the worker. Graceful (unless a background task `failed`: the heartbeat, say, and
+/// leases may no longer be renewed): nothing new starts, the partitions go to the rest of
+/// the group at once, and running handlers go on, their tokens untouched, up to
+/// `shutdown_timeout`. Then hard: the tokens fire, and each run cut short is completed as
+/// released (its attempt given back, due again at once), so another processor takes it
+/// without waiting for the lease to run out. Last, the stored offsets are committed and the
+/// consumer's thread ends.
+async fn stop(
+    shared: &Shared,
+    failed: bool,
+    stopping: &std::sync::atomic::AtomicBool,
+    consumer: &mut ConsumerThread,
+) {
     let all = shared.config.processor.max_in_flight as u32;
-    if failed.is_none() {
+    if !failed {
         stopping.store(true, std::sync::atomic::Ordering::SeqCst);
-        leave_the_group(&shared).await;
+        leave_the_group(shared, &mut consumer.arrivals).await;
         let finished = tokio::time::timeout(
             shared.config.processor.shutdown_timeout,
             shared.slots.acquire_many(all),
@@ -624,9 +674,6 @@ pub async fn run(
             );
         }
     }
-    // Hard stop: the tokens fire; each run cut short is completed as released (its attempt
-    // given back, due again at once), so another processor takes it without waiting for the
-    // lease to run out.
     shared.hard.cancel();
     let released = tokio::time::timeout(
         RELEASE_GRACE + shared.config.processor.revoke_timeout,
@@ -639,17 +686,93 @@ pub async fn run(
     if let Err(e) = jobfold_common::kafka::commit_stored(&*shared.consumer) {
         tracing::warn!(error = %e, "Committing offsets on shutdown failed.");
     }
-    crate::history::flush(&shared.pool, &shared.owner).await;
-    tasks.stop().await;
-    failed.map_or(Ok(()), Err)
+    consumer.stop().await;
 }
 
-/// Unsubscribes, and polls until the group took this member's partitions (what arrives
+/// What the consumer's thread hands the worker, in the order it polled them; a message
+/// with the assignment (`epoch`, [`Tracker::epoch`]) its partition was in when polled.
+enum Arrival {
+    /// A dispatch, for its document's queue.
+    Dispatch { key: String, held: Held, epoch: u64 },
+    /// An event no processor acts on ([`passed_over`]): done at once.
+    PassedOver { partition: i32, offset: i64, epoch: u64 },
+    /// The poll failed.
+    Failed(KafkaError),
+}
+
+/// Arrivals the consumer's thread may hand over before the worker takes them: past it the
+/// thread waits (librdkafka's read-ahead and the partitions' buffers bound the rest).
+const ARRIVALS: usize = 256;
+/// How long one poll of the consumer's thread waits for something before it looks whether
+/// to stop.
+const POLL_TURN: Duration = Duration::from_millis(100);
+
+/// The consumer's own thread ([`consume`]) and what it hands over.
+struct ConsumerThread {
+    arrivals: tokio::sync::mpsc::Receiver<Arrival>,
+    polling: Arc<std::sync::atomic::AtomicBool>,
+    thread: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl ConsumerThread {
+    /// Starts polling `consumer` on a blocking thread.
+    fn start(consumer: Arc<BaseConsumer<WorkerContext>>) -> Self {
+        let (arrive, arrivals) = tokio::sync::mpsc::channel(ARRIVALS);
+        let polling = Arc::new(std::sync::atomic::AtomicBool::new(true));
+        let still = Arc::clone(&polling);
+        let thread = tokio::task::spawn_blocking(move || consume(&consumer, &arrive, &still));
+        Self { arrivals, polling, thread: Some(thread) }
+    }
+
+    /// Ends the thread: at its next turn, or at once if it waits to hand something over.
+    async fn stop(&mut self) {
+        self.polling.store(false, std::sync::atomic::Ordering::SeqCst);
+        self.arrivals.close();
+        if let Some(thread) = self.thread.take()
+            && let Err(e) = thread.await
+        {
+            tracing::warn!(error = %e, "The consumer's thread panicked.");
+        }
+    }
+}
+
+/// Polls `consumer` until `polling` is false or the worker stops taking what arrives, on a
+/// thread of its own: the rebalance callbacks ([`WorkerContext`]) run inside the poll and
+/// block it while a revoked partition's jobs finish and its offsets are committed.
+fn consume(
+    consumer: &BaseConsumer<WorkerContext>,
+    to: &tokio::sync::mpsc::Sender<Arrival>,
+    polling: &std::sync::atomic::AtomicBool,
+) {
+    while polling.load(std::sync::atomic::Ordering::SeqCst) {
+        let arrival = match consumer.poll(POLL_TURN) {
+            None => continue,
+            Some(Err(e)) => Arrival::Failed(e),
+            Some(Ok(message)) => {
+                // Read after the poll, in which any rebalance ran: the message's assignment.
+                let (partition, offset) = (message.partition(), message.offset());
+                let epoch = consumer.context().tracker.lock().expect("tracker").epoch(partition);
+                if passed_over(&message) {
+                    Arrival::PassedOver { partition, offset, epoch }
+                } else {
+                    let key = message.key().map(String::from_utf8_lossy).unwrap_or_default();
+                    Arrival::Dispatch { key: key.into_owned(), held: Held::of(&message), epoch }
+                }
+            }
+        };
+        if to.blocking_send(arrival).is_err() {
+            return;
+        }
+    }
+}
+
+/// Unsubscribes, and waits until the group took this member's partitions (what arrives
 /// meanwhile is left for their next owner), for up to [`LEAVE_TIMEOUT`].
-async fn leave_the_group(shared: &Shared) {
+async fn leave_the_group(shared: &Shared, arrivals: &mut tokio::sync::mpsc::Receiver<Arrival>) {
     shared.consumer.unsubscribe();
     let deadline = tokio::time::Instant::now() + LEAVE_TIMEOUT;
-    // The revoke runs inside a poll, and after it nothing more arrives: poll in short turns.
+    // The revoke runs inside a poll of the consumer's thread, which goes on while what
+    // arrives is taken and let go: look in short turns.
     while shared.tracker.lock().expect("tracker").held() > 0 {
         if tokio::time::Instant::now() >= deadline {
             tracing::warn!(
@@ -657,7 +780,11 @@ async fn leave_the_group(shared: &Shared) {
             );
             return;
         }
-        let _ = tokio::time::timeout(Duration::from_millis(50), shared.consumer.recv()).await;
+        let turn = Duration::from_millis(50);
+        if let Ok(None) = tokio::time::timeout(turn, arrivals.recv()).await {
+            // The thread is gone: nothing arrives, and nothing runs the revoke either.
+            tokio::time::sleep(turn).await;
+        }
     }
     tracing::info!(
         "Stopping: the partitions went to the rest of the group; running jobs finish here."
