@@ -124,7 +124,8 @@ pub async fn rewind(conn: &mut PgConnection, count: i64) -> Result<Position, sql
 /// so the two cannot differ.
 macro_rules! claim_statement {
     ($sql:literal) => {
-        const CLAIM: &str = $sql;
+        /// The statement itself (the relay runs it unprepared by the compiler, see above).
+        pub const CLAIM: &str = $sql;
 
         #[allow(dead_code, clippy::type_complexity)]
         async fn claim_checked(conn: &mut PgConnection) -> Result<(), sqlx::Error> {
@@ -192,14 +193,61 @@ pub async fn claim(
         .bind(i64::from(limit))
         .fetch_all(conn)
         .await?;
+    // Every row of a result has the same columns: checked once, on the first.
+    if let Some(first) = rows.first() {
+        check_columns(first)?;
+    }
     Ok(Batch { rows })
+}
+
+/// The claim's columns, in the statement's order, with their Postgres types: [`Batch`]
+/// reads each by its position here ([`SEQ`], [`KEY`], ...).
+pub const COLUMNS: [(&str, &str); 9] = [
+    ("seq", "INT8"),
+    ("key!", "TEXT"),
+    ("body!", "BYTEA"),
+    ("available_at", "TIMESTAMPTZ"),
+    ("traceparent", "TEXT"),
+    ("tracestate", "TEXT"),
+    ("kind", "TEXT"),
+    ("xid: i64", "xid8"),
+    ("delayed", "BOOL"),
+];
+const SEQ: usize = 0;
+const KEY: usize = 1;
+const BODY: usize = 2;
+const AVAILABLE_AT: usize = 3;
+const TRACEPARENT: usize = 4;
+const TRACESTATE: usize = 5;
+const KIND: usize = 6;
+const XID: usize = 7;
+const DELAYED: usize = 8;
+
+/// Whether `row`'s columns are [`COLUMNS`], by name and type at each position: the reads by
+/// position are unchecked, so a statement whose columns were reordered (two of one type
+/// swapped, say, which the compile-time check of names lets through) is refused here
+/// instead of read into the wrong fields.
+///
+/// # Errors
+/// A column is not the one its position is read as.
+pub fn check_columns(row: &PgRow) -> Result<(), sqlx::Error> {
+    use sqlx::{Column, TypeInfo};
+    let found: Vec<(&str, &str)> =
+        row.columns().iter().map(|c| (c.name(), c.type_info().name())).collect();
+    if found != COLUMNS {
+        return Err(sqlx::Error::Protocol(format!(
+            "the relay's log read returned the columns {found:?}, not {COLUMNS:?}"
+        )));
+    }
+    Ok(())
 }
 
 /// Events read from the log, kept as Postgres sent them: the relay produces straight from
 /// them (nothing is copied before librdkafka copies it). Columns are read by position, in
-/// the statement's order, with the types `claim_checked` holds them to; they are not checked
-/// again per row (`try_get_unchecked`): at thousands of rows a batch, the check cost more
-/// than the decoding.
+/// the statement's order, with the types `claim_checked` holds them to; [`claim`] checks the
+/// batch's columns by name and type once ([`check_columns`]), not per row
+/// (`try_get_unchecked`): at thousands of rows a batch, a check per row cost more than the
+/// decoding.
 #[derive(Debug, Default)]
 pub struct Batch {
     rows: Vec<PgRow>,
@@ -222,7 +270,7 @@ impl Batch {
         self.rows
             .iter()
             .map(|row| {
-                Ok(Position { xid: row.try_get_unchecked(7)?, seq: row.try_get_unchecked(0)? })
+                Ok(Position { xid: row.try_get_unchecked(XID)?, seq: row.try_get_unchecked(SEQ)? })
             })
             .collect()
     }
@@ -235,18 +283,18 @@ impl Batch {
     pub fn events<'a>(&'a self, topic: &'a str) -> Result<Vec<Event<'a>>, sqlx::Error> {
         let mut events = Vec::with_capacity(self.rows.len());
         for row in &self.rows {
-            if row.try_get_unchecked::<bool, _>(8)? {
+            if row.try_get_unchecked::<bool, _>(DELAYED)? {
                 continue;
             }
             events.push(Event {
-                seq: row.try_get_unchecked(0)?,
+                seq: row.try_get_unchecked(SEQ)?,
                 topic,
-                key: row.try_get_unchecked(1)?,
-                body: row.try_get_unchecked(2)?,
-                available_at: row.try_get_unchecked(3)?,
-                traceparent: row.try_get_unchecked(4)?,
-                tracestate: row.try_get_unchecked(5)?,
-                kind: row.try_get_unchecked(6)?,
+                key: row.try_get_unchecked(KEY)?,
+                body: row.try_get_unchecked(BODY)?,
+                available_at: row.try_get_unchecked(AVAILABLE_AT)?,
+                traceparent: row.try_get_unchecked(TRACEPARENT)?,
+                tracestate: row.try_get_unchecked(TRACESTATE)?,
+                kind: row.try_get_unchecked(KIND)?,
             });
         }
         Ok(events)

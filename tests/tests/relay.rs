@@ -1244,3 +1244,35 @@ async fn jobfold_sessions_do_not_compile_statements() {
     admin.close().await;
     it.cleanup().await;
 }
+
+/// The relay reads the log's rows by position without a check per row; a statement whose
+/// columns were reordered (two of one type swapped) is refused once a batch, not read into
+/// the wrong fields.
+#[tokio::test]
+async fn a_log_read_with_its_columns_reordered_is_refused() {
+    use jobfold_relay::log;
+    let it = Installation::new("relaycolumns").await;
+    it.acceptor().await.accept(&it.pool, &job("doc-columns", 1)).await.unwrap();
+    let read = |sql: String| {
+        let pool = it.pool.clone();
+        async move {
+            sqlx::query(&sql)
+                .bind("0")
+                .bind(0_i64)
+                .bind(10_i64)
+                .fetch_all(&pool)
+                .await
+                .unwrap()
+                .remove(0)
+        }
+    };
+    // Without the horizon: another test's open transaction may hold it below the event.
+    let claim = log::CLAIM.replace("AND e.xid < pg_snapshot_xmin(pg_current_snapshot())", "");
+    assert_ne!(claim, log::CLAIM);
+    log::check_columns(&read(claim.clone()).await).unwrap();
+    let swapped = claim.replace("e.traceparent, e.tracestate", "e.tracestate, e.traceparent");
+    assert_ne!(swapped, claim);
+    let refused = log::check_columns(&read(swapped).await).unwrap_err().to_string();
+    assert!(refused.contains("\"tracestate\", \"TEXT\"), (\"traceparent\""), "{refused}");
+    it.cleanup().await;
+}
