@@ -582,6 +582,19 @@ where
     }
 }
 
+/// The value of metric `name` (the sample with every one of `labels`) as this test process
+/// has recorded it: the parts a test runs in-process (a [`Pipeline`], a relay task) report
+/// here. The recorder is installed at the first call, so call it before starting them.
+pub fn metric_here(name: &str, labels: &[(&str, &str)]) -> Option<f64> {
+    static RECORDER: OnceLock<metrics_exporter_prometheus::PrometheusHandle> = OnceLock::new();
+    let handle = RECORDER.get_or_init(|| {
+        metrics_exporter_prometheus::PrometheusBuilder::new()
+            .install_recorder()
+            .expect("one recorder per test process")
+    });
+    metric_value(&handle.render(), name, labels)
+}
+
 /// The value of the sample `name` whose labels include every one of `labels`, in a
 /// Prometheus text exposition.
 pub fn metric_value(text: &str, name: &str, labels: &[(&str, &str)]) -> Option<f64> {

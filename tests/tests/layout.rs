@@ -1,7 +1,8 @@
 //! The layout README's "Layout" and "Queries" describe, held to by the sources themselves:
 //! every statement of the product crates checked at compile time, no module of a crate
-//! importing another in a circle, and the processor library free of the command line's
-//! dependencies.
+//! importing another in a circle, the processor library free of the command line's
+//! dependencies, the handler crate free of the server's, the fault points only in the
+//! tests' builds, and no tokio worker put to sleep.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -120,14 +121,7 @@ fn no_module_of_a_crate_imports_another_in_a_circle() {
 
 #[test]
 fn the_processor_library_depends_on_nothing_only_the_command_line_needs() {
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let tree = Command::new(cargo)
-        .args(["tree", "--locked", "--offline", "-p", "jobfold-processor", "-e", "normal"])
-        .current_dir(root())
-        .output()
-        .expect("running cargo tree");
-    assert!(tree.status.success(), "{}", String::from_utf8_lossy(&tree.stderr));
-    let tree = String::from_utf8(tree.stdout).unwrap();
+    let tree = cargo_tree(&["-p", "jobfold-processor", "-e", "normal"]);
     assert!(tree.contains("jobfold-common"), "{tree}");
     for dependency in ["arrow", "parquet", "indicatif", "jobfold-relay", "jobfold-cli"] {
         assert!(
@@ -135,4 +129,67 @@ fn the_processor_library_depends_on_nothing_only_the_command_line_needs() {
             "jobfold-processor depends on {dependency}:\n{tree}"
         );
     }
+}
+
+/// `cargo tree` of the workspace, from its root, with `args`.
+fn cargo_tree(args: &[&str]) -> String {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let tree = Command::new(cargo)
+        .args(["tree", "--locked", "--offline"])
+        .args(args)
+        .current_dir(root())
+        .output()
+        .expect("running cargo tree");
+    assert!(tree.status.success(), "{}", String::from_utf8_lossy(&tree.stderr));
+    String::from_utf8(tree.stdout).unwrap()
+}
+
+#[test]
+fn a_handler_crate_depends_on_no_server_broker_or_database_client() {
+    let tree = cargo_tree(&["-p", "jobfold-handler", "-e", "normal"]);
+    assert!(tree.contains("tokio-util"), "{tree}");
+    for dependency in ["axum", "rdkafka", "sqlx", "tokio-postgres", "jobfold-"] {
+        let named = tree.lines().skip(1).filter(|l| l.contains(&format!(" {dependency}")));
+        assert_eq!(named.count(), 0, "jobfold-handler depends on {dependency}:\n{tree}");
+    }
+    // Its Postgres commit is a feature the processor turns on, not the handler crate.
+    let with_commit = cargo_tree(&["-p", "jobfold-handler", "-e", "normal", "-F", "postgres"]);
+    assert!(with_commit.lines().any(|l| l.contains(" sqlx ")), "{with_commit}");
+}
+
+#[test]
+fn the_shipped_builds_have_no_fault_points() {
+    // `cargo build --release` (the default members) and the Dockerfile's package set leave
+    // jobfold-common's `failpoints` off; the tests' builds (`--workspace`) turn it on.
+    // docker/test.sh checks the shipped binaries themselves with nm and strings.
+    let shipped = ["-p", "jobfold-relay", "-p", "jobfold-processor", "-p", "jobfold-cli"];
+    for packages in [&[][..], &shipped[..]] {
+        let tree = cargo_tree(&[packages, &["-e", "features", "-i", "jobfold-common"]].concat());
+        assert!(tree.contains("jobfold-common"), "{tree}");
+        assert!(!tree.contains("failpoints"), "{packages:?} builds fault points:\n{tree}");
+    }
+    let tests = cargo_tree(&["--workspace", "-e", "features", "-i", "jobfold-common"]);
+    assert!(tests.contains("jobfold-common feature \"failpoints\""), "{tests}");
+}
+
+#[test]
+fn no_thread_sleeps_on_a_tokio_worker() {
+    // `std::thread::sleep` blocks the thread it runs on: only on threads of their own, each
+    // place with why. Anything else waits with tokio's timers.
+    let allowed = BTreeMap::from([
+        // The revoke callback, inside a poll of the consumer's own thread (worker::consume).
+        ("processor/src/worker.rs".to_owned(), 1),
+        // Waiting for new topics' leaders, inside spawn_blocking.
+        ("common/src/kafka.rs".to_owned(), 1),
+    ]);
+    let mut found = BTreeMap::new();
+    for krate in PRODUCT_CRATES {
+        for (file, text) in sources(&root().join(krate).join("src")) {
+            let sleeps = code(&text).filter(|line| line.contains("thread::sleep")).count();
+            if sleeps > 0 {
+                found.insert(format!("{krate}/src/{file}"), sleeps);
+            }
+        }
+    }
+    assert_eq!(found, allowed, "std::thread::sleep outside a thread of its own");
 }

@@ -9,7 +9,8 @@ use jobfold_common::accept::{Acceptor, NewJob};
 use jobfold_common::failpoint;
 use jobfold_processor::handler::{Handlers, JobContext};
 use jobfold_tests::harness::{
-    Installation, Pipeline, Service, eventually, eventually_some, fold_mismatches, index_job as job,
+    Installation, Pipeline, Service, eventually, eventually_some, fold_mismatches,
+    index_job as job, metric_here,
 };
 use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
@@ -212,6 +213,8 @@ async fn retries_back_off_and_stop_at_the_budget_and_invalid_input_is_not_retrie
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_redelivered_event_is_skipped_without_running_the_handler() {
     let (it, acceptor) = fast_installation("proc-dup").await;
+    let skipped = || metric_here("jobfold_duplicates_skipped_total", &[]).unwrap_or(0.0);
+    assert_eq!(skipped(), 0.0);
     let pipeline = Pipeline::start(&it, true);
     let ids =
         accept_all(&acceptor, &it, &[job("doc-dup", 1, json!({ "text": "once only" }))]).await;
@@ -234,7 +237,11 @@ async fn a_redelivered_event_is_skipped_without_running_the_handler() {
         it.unpublished().await == 0
     })
     .await;
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    // The processor took the redelivered JobRequested and skipped it as a duplicate.
+    eventually(Duration::from_secs(30), "the duplicate to be skipped", || async {
+        skipped() >= 1.0
+    })
+    .await;
     pipeline.stop().await;
 
     let results = count_where(&it, "SELECT count(*) FROM job_results").await;
@@ -781,15 +788,18 @@ async fn heartbeats_keep_a_long_job_leased_by_one_generation() {
         count_where(&it, "SELECT count(*) FROM jobs WHERE state = 'leased'").await == 1
     })
     .await;
-    tokio::time::sleep(Duration::from_secs(5)).await;
-    let live: bool = sqlx::query_scalar(
-        "SELECT state = 'leased' AND lease_until > now() FROM jobs WHERE job_id = $1",
-    )
-    .bind(ids[0])
-    .fetch_one(&it.pool)
-    .await
-    .unwrap();
-    assert!(live, "the lease lapsed while the handler was running");
+    // Renewed past the lease it was first given, by the same generation, while it runs.
+    let lease = "SELECT generation, lease_until FROM jobs WHERE job_id = $1 AND state = 'leased'";
+    let (first_generation, first_until): (i64, chrono::DateTime<chrono::Utc>) =
+        sqlx::query_as(lease).bind(ids[0]).fetch_one(&it.pool).await.unwrap();
+    eventually(Duration::from_secs(10), "a heartbeat to renew the lease", || async {
+        let now: Option<(i64, chrono::DateTime<chrono::Utc>)> =
+            sqlx::query_as(lease).bind(ids[0]).fetch_optional(&it.pool).await.unwrap();
+        let (generation, until) = now.expect("the lease lapsed while the handler was running");
+        assert_eq!(generation, first_generation, "leased again while it ran");
+        until > first_until + chrono::Duration::seconds(2)
+    })
+    .await;
     eventually(Duration::from_secs(30), "the job to succeed", || all_finished(&it, 1)).await;
     pipeline.stop().await;
     let (state, generation): (String, i64) =
@@ -923,11 +933,24 @@ async fn one_heartbeat_statement_keeps_every_lease_alive_and_a_locked_row_holds_
     assert!(!pending.is_cancelled());
     drop(third);
 
-    // Registrations dropped: their leases are left to run out.
+    // Registrations dropped: their leases are left to run out. A beat under way when they
+    // were dropped may still renew them; one that began after it may not.
     leases.truncate(100);
-    tokio::time::sleep(Duration::from_millis(700)).await;
+    let renewals = |n: usize| {
+        let (ids, until) = (&ids, &until);
+        async move {
+            for _ in 0..n {
+                let seen = until(vec![ids[2]]).await[&ids[2]];
+                eventually(Duration::from_secs(10), "a beat", || async {
+                    until(vec![ids[2]]).await[&ids[2]] > seen
+                })
+                .await;
+            }
+        }
+    };
+    renewals(2).await;
     let dropped = until(ids[100..].to_vec()).await;
-    tokio::time::sleep(Duration::from_millis(1500)).await;
+    renewals(2).await;
     assert_eq!(until(ids[100..].to_vec()).await, dropped, "dropped leases were still renewed");
     let kept = until(ids[2..100].to_vec()).await;
     assert!(ids[2..100].iter().all(|id| kept[id] > dropped.values().max().copied().unwrap()));
@@ -1336,11 +1359,23 @@ async fn a_batch_appends_only_to_jobs_no_later_transaction_wrote() {
     let mut b_row = store::lock_job(&mut later, b).await.unwrap().unwrap();
     events.append(&mut later, &mut b_row, due(), None, None).await.unwrap();
     // The batch waits for `b` (and takes `c`) ...
+    let later_pid: i32 =
+        sqlx::query_scalar("SELECT pg_backend_pid()").fetch_one(&mut *later).await.unwrap();
     let waiting = tokio::spawn(async move {
         let rows = store::lock_jobs(&mut batch, &[b, c]).await.unwrap();
         (batch, rows)
     });
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    eventually(Duration::from_secs(10), "the batch to wait for b's lock", || async {
+        let blocked: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))",
+        )
+        .bind(later_pid)
+        .fetch_one(&it.pool)
+        .await
+        .unwrap();
+        blocked == 1
+    })
+    .await;
     later.commit().await.unwrap();
     let (mut batch, mut rows) = waiting.await.unwrap();
     rows.sort_by_key(|r| r.job_id != b);
@@ -1799,8 +1834,12 @@ async fn a_kind_without_a_handler_waits_for_a_processor_that_has_it() {
         count_where(&it, "SELECT count(*) FROM jobs WHERE state = 'succeeded'").await == 1
     })
     .await;
-    // Several looks later the new kind's job is still waiting: not leased, not quarantined.
-    tokio::time::sleep(Duration::from_secs(7)).await;
+    // The processor took its dispatch and found no handler: it waits, not leased, not
+    // quarantined.
+    eventually(Duration::from_secs(30), "the job to wait for its handler", || async {
+        metric_here("jobfold_waiting_for_handler", &[]) == Some(1.0)
+    })
+    .await;
     let (state, attempt) = state_and_attempt(&it, ids[0]).await;
     assert_eq!((state.as_str(), attempt), ("queued", 0));
     old.stop().await;

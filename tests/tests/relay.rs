@@ -537,6 +537,11 @@ async fn an_event_that_commits_after_later_ones_is_published_too() {
     let acceptor = it.acceptor().await;
     let shutdown = CancellationToken::new();
     let relay = tokio::spawn(jobfold_relay::run(it.config.clone(), shutdown.clone()));
+    let before = acceptor.accept(&it.pool, &job("doc-before", 1)).await.unwrap();
+    eventually(Duration::from_secs(30), "the first event published", || async {
+        events_on_topic(&it) == 1
+    })
+    .await;
 
     // `slow` writes its event first (lower seq and xid) but commits after `fast`'s commit
     // and after the relay has read past `fast`'s place in the log: a cursor following seq
@@ -544,14 +549,21 @@ async fn an_event_that_commits_after_later_ones_is_published_too() {
     let mut slow_tx = it.pool.begin().await.unwrap();
     let slow = acceptor.accept_in(&mut slow_tx, &job("doc-slow", 1)).await.unwrap();
     let fast = acceptor.accept(&it.pool, &job("doc-fast", 1)).await.unwrap();
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    // A pass of the relay after `fast` committed: the first event, rewound over, is
+    // published again.
+    it.republish_last(1).await;
+    eventually(Duration::from_secs(30), "the first event published again", || async {
+        events_on_topic(&it) == 2
+    })
+    .await;
     // While `slow` is open, `fast` waits: it may not pass a transaction that could still
     // commit before it in the log.
-    assert_eq!(events_on_topic(&it), 0, "published past a transaction still open");
+    let seen = read_events(&it, Duration::from_secs(30), |seen| seen.len() == 2).await;
+    assert_eq!(job_ids(&seen), HashSet::from([before.job_id]), "published past an open one");
     slow_tx.commit().await.unwrap();
 
-    let events = read_events(&it, Duration::from_secs(30), |seen| job_ids(seen).len() == 2).await;
-    assert_eq!(job_ids(&events), HashSet::from([slow.job_id, fast.job_id]));
+    let events = read_events(&it, Duration::from_secs(30), |seen| job_ids(seen).len() == 3).await;
+    assert_eq!(job_ids(&events), HashSet::from([before.job_id, slow.job_id, fast.job_id]));
     eventually(Duration::from_secs(10), "the cursor to pass both", || async {
         it.unpublished().await == 0
     })
@@ -956,8 +968,13 @@ async fn an_event_kafka_refuses_is_parked_and_every_other_document_flows() {
         events_on_topic(&it) == 51 && parked_rows(&it).await.len() == 3
     })
     .await;
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    assert_eq!(events_on_topic(&it), 51, "nothing was sent twice");
+    // A later pass, which publishes one more document, sends nothing of them again.
+    acceptor.accept(&it.pool, &job("doc-later", 1)).await.unwrap();
+    eventually(Duration::from_secs(30), "doc-later published", || async {
+        after_cursor(&it).await == 0 && events_on_topic(&it) >= 52
+    })
+    .await;
+    assert_eq!(events_on_topic(&it), 52, "nothing was sent twice");
     assert_eq!(after_cursor(&it).await, 0, "the cursor moved past the parked events");
 
     // A retry without a fix is refused again; the document still waits.
@@ -967,7 +984,7 @@ async fn an_event_kafka_refuses_is_parked_and_every_other_document_flows() {
         rows[0].2 == 2 && rows.len() == 3
     })
     .await;
-    assert_eq!(events_on_topic(&it), 51);
+    assert_eq!(events_on_topic(&it), 52);
 
     // Raise the topic's limit, restart the relay (it reads the limit at start), retry: the
     // document's three events go out, in order.
@@ -981,15 +998,15 @@ async fn an_event_kafka_refuses_is_parked_and_every_other_document_flows() {
         1
     );
     eventually(Duration::from_secs(30), "the parked events released", || async {
-        parked_rows(&it).await.is_empty() && events_on_topic(&it) == 54
+        parked_rows(&it).await.is_empty() && events_on_topic(&it) == 55
     })
     .await;
-    let seen = read_events(&it, Duration::from_secs(30), |seen| seen.len() >= 54).await;
+    let seen = read_events(&it, Duration::from_secs(30), |seen| seen.len() >= 55).await;
     let big: Vec<i64> =
         seen.iter().filter(|p| p.key == "doc-big").map(|p| p.event.input_version).collect();
     assert_eq!(big, [1, 2, 3], "the document's events in their order");
     let ids: HashSet<Uuid> = seen.iter().map(|p| p.event.event_id).collect();
-    assert_eq!(ids.len(), 54, "no event twice on the topic");
+    assert_eq!(ids.len(), 55, "no event twice on the topic");
 
     // An event over the producer's limit (1 MB) is refused; dropping it lets the next go.
     generous.accept(&it.pool, &large("doc-drop", 1, 1_100_000)).await.unwrap();
@@ -1020,7 +1037,7 @@ async fn an_event_kafka_refuses_is_parked_and_every_other_document_flows() {
     let dropped = cli(&["parked", "drop", &refused.to_string()]);
     assert!(dropped.contains("1 refused event(s) dropped"), "{dropped}");
     eventually(Duration::from_secs(30), "doc-drop v2 published", || async {
-        parked_rows(&it).await.is_empty() && events_on_topic(&it) == 55
+        parked_rows(&it).await.is_empty() && events_on_topic(&it) == 56
     })
     .await;
     shutdown.cancel();
