@@ -517,8 +517,10 @@ impl ParkedSelection {
     }
 }
 
-/// mimalloc: under load glibc malloc (allocations freed on librdkafka's threads) cost the relay
-/// more than producing; see BENCHMARKS.md.
+/// mimalloc, as the relay had while it ran inside the command line (glibc's malloc, its
+/// buffers freed on librdkafka's threads, cost it more than producing: BENCHMARKS.md). The
+/// services have since moved to glibc's allocator in two arenas, for their resident memory;
+/// the command line's runs are short and keep it.
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 

@@ -103,11 +103,13 @@ pub fn at_most_two_malloc_arenas() {
 }
 
 /// Turns transparent huge pages off for this process (`prctl(PR_SET_THP_DISABLE)`), before
-/// it allocates much. mimalloc asks for them on its arenas (`madvise(MADV_HUGEPAGE)`), and
-/// `khugepaged` then collapses those arenas into 2 MiB pages long after start, whether the
-/// memory in them is in use or not: in the soak the processor's resident set stepped up by
-/// 15-20 MiB about 22 minutes in, with the heap in use unchanged. Without them the resident
-/// set is what the process uses. Nothing to do (and no error) where the kernel has no THP.
+/// it allocates much. Where they apply to the heap (the kernel's THP mode `always`, or an
+/// allocator that asks for them, as mimalloc, the command line's, does with
+/// `madvise(MADV_HUGEPAGE)`), `khugepaged` collapses heap regions into 2 MiB pages long after
+/// start, whether the memory in them is in use or not: in the soak, under mimalloc, the
+/// processor's resident set stepped up by 15-20 MiB about 22 minutes in, with the heap in
+/// use unchanged. Without them the resident set is what the process uses. Nothing to do (and
+/// no error) where the kernel has no THP.
 pub fn no_transparent_huge_pages() {
     #[cfg(target_os = "linux")]
     if let Err(e) = nix::sys::prctl::set_thp_disable(true) {

@@ -49,10 +49,10 @@ struct Args {
     audio_timeout: Duration,
 }
 
-// The system allocator, not mimalloc as in the relay: a processor's memory is mostly its
-// jobs in flight, and an HTTP call in flight held 43 KiB under mimalloc against 26 KiB
-// under glibc (1,000 concurrent reqwest calls, measured), which put a processor running
-// 1,000 slow jobs over its 64 MiB (BENCHMARKS.md).
+// glibc's allocator in two arenas, not mimalloc: a processor's memory is mostly its jobs in
+// flight, and an HTTP call in flight held 43 KiB under mimalloc against 26 KiB under glibc
+// (1,000 concurrent reqwest calls, measured), which put a processor running 1,000 slow jobs
+// over its 64 MiB (BENCHMARKS.md).
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     telemetry::at_most_two_malloc_arenas();
