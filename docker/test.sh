@@ -135,11 +135,14 @@ if [ $# -eq 0 ]; then
 
     # Last, as it replaces the tests' binaries: the package set the Dockerfile ships, built
     # without the tests' fault points (jobfold-common's `failpoints`). No symbol of them, and
-    # no name that arms one, may be in its binaries, even unoptimized.
+    # no name that arms one, may be in its binaries, even unoptimized. (Their debug line
+    # tables, which a release build does not have, name every source file: stripped first.)
     step "the shipped binaries have no fault points"
     cargo build --locked -p jobfold-relay -p jobfold-processor -p jobfold-cli --bins
+    stripped="$(mktemp)"
     for binary in jobfold-relay jobfold-processor jobfold; do
-        found="$( (nm -C "$target/debug/$binary"; strings "$target/debug/$binary") \
+        objcopy --strip-debug "$target/debug/$binary" "$stripped"
+        found="$( (nm -C "$stripped"; strings "$stripped") \
             | grep -i -e failpoint -e relay-after-produce -e processor-after- -e processor-in-handler \
                 -e intake-after-commit -e processor-heartbeat | head -5 || true)"
         if [ -n "$found" ]; then
@@ -147,4 +150,5 @@ if [ $# -eq 0 ]; then
             exit 1
         fi
     done
+    rm -f "$stripped"
 fi
