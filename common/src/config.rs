@@ -570,6 +570,11 @@ pub struct Processor {
     /// A job whose run killed its processor this many times (the process died while it
     /// ran, before anything of the attempt committed) is quarantined, saying so.
     pub max_crashes: i32,
+    /// How long a job one death short of `max_crashes` (a suspect, run isolated) waits
+    /// before that run: its partition's other documents move on meanwhile, so a job that
+    /// kills its process costs its partition one rebalance, not a crash loop. `0s`: no wait.
+    #[serde(with = "humantime_serde")]
+    pub crash_backoff: Duration,
     /// How long a remote handler's connection may take to open.
     #[serde(with = "humantime_serde")]
     pub connect_timeout: Duration,
@@ -799,6 +804,9 @@ pub struct Kind {
     /// `processor.max_crashes`.
     #[serde(default)]
     pub max_crashes: Option<i32>,
+    /// `processor.crash_backoff`.
+    #[serde(default, with = "humantime_serde")]
+    pub crash_backoff: Option<Duration>,
     /// `accept.default_max_attempts`.
     #[serde(default)]
     pub max_attempts: Option<i32>,
@@ -874,6 +882,7 @@ pub struct KindSettings {
     pub max_retry_after: Duration,
     pub max_snoozes: i32,
     pub max_crashes: i32,
+    pub crash_backoff: Duration,
     pub max_attempts: i32,
     pub deadline: Option<Duration>,
     pub retry_base: Duration,
@@ -971,6 +980,7 @@ impl Config {
             max_retry_after: k.max_retry_after.unwrap_or(p.max_retry_after),
             max_snoozes: k.max_snoozes.unwrap_or(p.max_snoozes),
             max_crashes: k.max_crashes.unwrap_or(p.max_crashes),
+            crash_backoff: k.crash_backoff.unwrap_or(p.crash_backoff),
             max_attempts: k.max_attempts.unwrap_or(self.accept.default_max_attempts),
             deadline: k.deadline.or(self.accept.default_deadline),
             retry_base: k.retry_base.unwrap_or(p.retry_base),
@@ -1382,6 +1392,9 @@ impl Config {
         if p.max_crashes < 1 {
             return invalid("processor.max_crashes", "must be at least 1");
         }
+        if p.crash_backoff > Duration::from_secs(3600) {
+            return invalid("processor.crash_backoff", "must be at most 1h");
+        }
         if self.processor.shutdown_timeout > Duration::from_secs(3600) {
             return invalid("processor.shutdown_timeout", "must be at most 1h");
         }
@@ -1529,6 +1542,9 @@ impl Config {
         }
         if k.max_crashes < 1 {
             return invalid("max_crashes", "must be at least 1");
+        }
+        if k.crash_backoff > Duration::from_secs(3600) {
+            return invalid("crash_backoff", "must be at most 1h");
         }
         if k.max_attempts < 1 {
             return invalid("max_attempts", "must be at least 1");
@@ -2320,6 +2336,10 @@ mod tests {
             (Kind { request_timeout: Some(Duration::ZERO), ..Kind::default() }, "request_timeout"),
             (Kind { max_retry_after: Some(Duration::ZERO), ..Kind::default() }, "max_retry_after"),
             (Kind { max_crashes: Some(0), ..Kind::default() }, "max_crashes"),
+            (
+                Kind { crash_backoff: Some(Duration::from_secs(7200)), ..Kind::default() },
+                "crash_backoff",
+            ),
             (Kind { max_snoozes: Some(-1), ..Kind::default() }, "max_snoozes"),
             (Kind { retry_base: Some(Duration::from_secs(3600)), ..Kind::default() }, "retry_base"),
             (Kind { max_attempts: Some(0), ..Kind::default() }, "max_attempts"),

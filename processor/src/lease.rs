@@ -461,11 +461,19 @@ fn crashed_attempt(
         ))
         .ambiguous())
     } else {
-        Err(HandlerError::retryable(format!(
+        let failed = HandlerError::retryable(format!(
             "{what} (crash {} of max_crashes {max})",
             crash.crashes
         ))
-        .ambiguous())
+        .ambiguous();
+        // One death short of max_crashes, its next run is isolated and, if it kills again,
+        // its last: it waits crash_backoff first, so its partition's other documents move on
+        // between its deaths instead of every new owner dying on it within seconds.
+        if decide::runs_isolated(crash.crashes, max) {
+            Err(failed.retry_after(config.kind(&job.kind).crash_backoff))
+        } else {
+            Err(failed)
+        }
     };
     let context = JobContext {
         job_id: job.job_id,

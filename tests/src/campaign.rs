@@ -664,6 +664,9 @@ pub async fn run(plan: &Plan) -> anyhow::Result<Outcome> {
         ("JOBFOLD_PROCESSOR__REVOKE_TIMEOUT", "3s".into()),
         ("JOBFOLD_PROCESSOR__SHUTDOWN_TIMEOUT", "3s".into()),
         ("JOBFOLD_PROCESSOR__STALL_AFTER", "2min".into()),
+        // A suspect's run waits past the session time-out and a few commit intervals: its
+        // partition's new owner gets through the backlog before the suspect runs again.
+        ("JOBFOLD_PROCESSOR__CRASH_BACKOFF", "10s".into()),
         ("JOBFOLD_PROCESSOR__GAUGE_INTERVAL", "1s".into()),
         // Bad jobs: a result over 16 KiB is refused (the events topic takes 64 KiB), a run
         // past 6 s is cancelled.

@@ -416,13 +416,17 @@ async fn a_background_task_that_dies_stops_the_processor() {
 /// lease transaction's inline window spends an attempt and counts a crash each time; at
 /// `max_crashes` it is quarantined with a reason that says so, and the other documents'
 /// jobs — several sharing its lease transactions when it crashed — all succeed, each
-/// business write once.
+/// business write once. One death short of `max_crashes` its next (isolated) run waits
+/// `crash_backoff` from when its death was found, not its kind's short retry backoff.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_job_that_kills_its_processor_ends_quarantined_and_the_rest_flow() {
     let it = Installation::new("boundary-crash").await;
     it.create_topics().await;
     let mut env = it.fast_env(&jobfold_tests::kafka::unique_name("boundary-crash"));
     env.insert("JOBFOLD_PROCESSOR__MAX_CRASHES".into(), "2".into());
+    let crash_backoff = Duration::from_secs(4);
+    env.insert("JOBFOLD_PROCESSOR__CRASH_BACKOFF".into(), "4s".into());
+    assert_eq!(env["JOBFOLD_PROCESSOR__RETRY_CAP"], "200ms", "the backoff is not the retry's");
     env.insert("JOBFOLD_ACCEPT__DEFAULT_MAX_ATTEMPTS".into(), "10".into());
     let _relay = Service::start("jobfold-relay", &env);
     let acceptor = it.acceptor().await;
@@ -450,6 +454,16 @@ async fn a_job_that_kills_its_processor_ends_quarantined_and_the_rest_flow() {
             crashes += 1;
             assert!(crashes <= 2, "the job crashed its processor {crashes} times and still runs");
             processor = Service::start("jobfold-test-processor", &env);
+            if crashes == 1 {
+                // The new processor finds the death (a crash counted) and fails the attempt,
+                // due again no sooner than crash_backoff after.
+                let (found, due) = first_crash_and_retry(&it).await;
+                assert!(
+                    due - found >= chrono::Duration::from_std(crash_backoff).unwrap(),
+                    "a suspect is due again {} ms after its death was found",
+                    (due - found).num_milliseconds()
+                );
+            }
         }
     }
     eventually(Duration::from_secs(90), "the other jobs to succeed", || async {
@@ -474,6 +488,27 @@ async fn a_job_that_kills_its_processor_ends_quarantined_and_the_rest_flow() {
     assert_eq!(fold_mismatches(&it).await, Vec::<String>::new());
     drop(processor);
     it.cleanup().await;
+}
+
+/// When the one job with a crash counted had its death found, and when its next attempt is
+/// due, once its failed attempt is recorded.
+async fn first_crash_and_retry(
+    it: &Installation,
+) -> (chrono::DateTime<chrono::Utc>, chrono::DateTime<chrono::Utc>) {
+    let query = || async {
+        sqlx::query_as::<_, (chrono::DateTime<chrono::Utc>, chrono::DateTime<chrono::Utc>)>(
+            "SELECT c.last_crash_at, j.next_attempt_at FROM job_counters c JOIN jobs j USING \
+             (job_id) WHERE c.crashes = 1 AND j.state = 'retry_wait'",
+        )
+        .fetch_optional(&it.pool)
+        .await
+        .unwrap()
+    };
+    eventually(Duration::from_secs(60), "the death to be found and its attempt failed", || async {
+        query().await.is_some()
+    })
+    .await;
+    query().await.unwrap()
 }
 
 /// A suspect whose isolated run returns (here, failing as handlers do) survived its run: its
