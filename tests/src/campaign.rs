@@ -124,7 +124,7 @@ impl Plan {
             fault_window: Duration::from_secs(25),
             quiet: Duration::from_secs(30),
             brokers: 1,
-            pg_nodes: 1,
+            pg_nodes: 2,
             failover_every: None,
         }
     }

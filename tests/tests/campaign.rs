@@ -1,4 +1,5 @@
-//! The short fault campaigns CI runs: a fixed seed on one broker (20 faults), then a random
+//! The short fault campaigns CI runs: a fixed seed on one broker and a Postgres primary with
+//! a synchronous standby (20 faults, a failover among them), then a random
 //! one (printed) on a three-broker cluster (12 faults, every second one striking Kafka). `jobfold-campaign --faults 200` (and `--brokers 3 --faults 100`) runs the long ones.
 
 use jobfold_tests::campaign::{self, Outcome, Plan};
@@ -16,6 +17,7 @@ async fn campaign(plan: Plan) -> Outcome {
 async fn a_short_fault_campaign_loses_nothing_and_duplicates_nothing() {
     let outcome = campaign(Plan::short(20_261_129)).await;
     assert!(outcome.faults.values().sum::<u64>() >= 20, "{outcome}");
+    assert!(outcome.faults.get(campaign::FAILOVER).is_some_and(|n| *n >= 1), "{outcome}");
     let outcome = campaign(Plan::short_cluster(rand::random())).await;
     let broker_faults: u64 =
         outcome.faults.iter().filter(|(kind, _)| kind.starts_with("Kafka:")).map(|(_, n)| n).sum();

@@ -93,8 +93,7 @@ async fn main() -> ExitCode {
         rate: args.rate,
         bad_share: args.bad_share.clamp(0.0, 0.9),
         port_base: args.port_base.unwrap_or(base.port_base),
-        // A primary and its standby on one broker (CI's short campaign runs on one server).
-        pg_nodes: args.pg_nodes.unwrap_or(if args.brokers == 1 { 2 } else { base.pg_nodes }),
+        pg_nodes: args.pg_nodes.unwrap_or(base.pg_nodes),
         failover_every: args.failover_every,
         ..base
     };
