@@ -84,13 +84,19 @@ fn the_bench_runs_every_measurement() {
     // A deploy's cost is the delay it adds, next to the same load's before it.
     let deploy = written.lines().find(|l| l.starts_with("| rolling restart")).unwrap();
     assert!(deploy.contains("against p99") && deploy.contains("given back"), "{deploy}");
-    // Long remote jobs: all held at once over one connection, their callbacks answered.
+    // Long remote jobs: all held at once as streams of a connection or a few (the client
+    // may open another while its first is still being opened, more of them on a loaded
+    // machine), never a connection a call as HTTP/1.1 takes; their callbacks answered.
     let remote =
         written.lines().find(|l| l.starts_with("| remote jobs in flight, 50 held")).unwrap();
-    assert!(
-        remote.contains("all 50 in flight") && remote.contains("over 1 connection"),
-        "{remote}"
-    );
+    assert!(remote.contains("all 50 in flight"), "{remote}");
+    let connections: usize = remote
+        .split(" connection(s)")
+        .next()
+        .and_then(|before| before.rsplit(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no count of connections: {remote}"));
+    assert!((1..=5).contains(&connections), "50 held calls over {connections} connections");
     // The scratch databases are dropped again.
     assert!(scratch() <= scratch_before, "scratch databases left behind");
 }
