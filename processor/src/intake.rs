@@ -21,8 +21,6 @@
 //! dead-lettered alone. Only failures that may heal (registry or database unreachable) are
 //! retried with backoff, without moving on.
 
-use std::time::Duration;
-
 use crate::dead_letter::Raw;
 use crate::internal_events::{ConsumerFailed, ErrorBackoff, MessageError, MessageRetried};
 use crate::metrics as m;
@@ -36,9 +34,6 @@ use rdkafka::consumer::{Consumer, StreamConsumer};
 use rdkafka::message::{BorrowedMessage, Headers};
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
-
-const RETRY_MIN: Duration = Duration::from_millis(100);
-const RETRY_MAX: Duration = Duration::from_secs(10);
 
 /// What became of one message.
 #[derive(Debug, PartialEq, Eq)]
@@ -151,7 +146,7 @@ impl Intake {
             }
             if !batch.is_empty() {
                 errors.reset();
-                let mut backoff = RETRY_MIN;
+                let mut again = crate::retry::Again::new();
                 loop {
                     match self.handle_batch(&batch).await {
                         Ok(handled) => {
@@ -177,13 +172,11 @@ impl Intake {
                         }
                         Err((message, e)) => {
                             let error = MessageError::at(&batch[message], e.into());
+                            let backoff = again.next();
                             MessageRetried { error: &error, stage: "intake", backoff }.emit();
-                            tokio::select! {
-                                biased;
-                                _ = shutdown.cancelled() => return self.commit(),
-                                _ = tokio::time::sleep(backoff) => {}
+                            if !again.pause(&shutdown).await {
+                                return self.commit();
                             }
-                            backoff = (backoff * 2).min(RETRY_MAX);
                         }
                     }
                 }

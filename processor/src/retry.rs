@@ -1,14 +1,20 @@
-//! The retry policy: when a failed or throttled attempt runs again.
+//! The retry policy: when a failed or throttled attempt runs again, and how the processor's
+//! own steps wait before they are tried again.
 //!
 //! A failed attempt waits an exponential backoff with full jitter, with its kind's
 //! `retry_base` and `retry_cap`. A throttled one (a 429: [`crate::quota`]) waits the
 //! provider's pause, else `retry_base`, plus up to one `retry_base` of jitter, and spends no
 //! attempt.
+//!
+//! A step that failed for a reason outside the job (the database unreachable while a
+//! message is dispatched, a completion committed, an intake batch accepted) is tried again
+//! by its task after [`Again`]'s pauses, spending nothing of the job's.
 
 use std::time::Duration;
 
 use jobfold_common::config::Config;
 use rand::Rng;
+use tokio_util::sync::CancellationToken;
 
 /// Exponential backoff with full jitter: uniform in [0, min(cap, base * 2^(attempt-1))],
 /// with `kind`'s retry base and cap.
@@ -28,4 +34,63 @@ pub fn throttled_delay(config: &Config, kind: &str, retry_after: Option<Duration
     retry_after
         .unwrap_or(base)
         .saturating_add(Duration::from_millis(rand::rng().random_range(0..=millis)))
+}
+
+/// The pauses between tries of a step that failed for a reason outside the job: 100 ms,
+/// doubling up to 10 s.
+#[derive(Debug)]
+pub struct Again {
+    next: Duration,
+}
+
+impl Again {
+    pub const FIRST: Duration = Duration::from_millis(100);
+    pub const LONGEST: Duration = Duration::from_secs(10);
+
+    pub const fn new() -> Self {
+        Self { next: Self::FIRST }
+    }
+
+    /// The pause the next [`Again::pause`] takes.
+    pub const fn next(&self) -> Duration {
+        self.next
+    }
+
+    /// Waits the next pause, and doubles the one after; false, at once, if `stop` is (or
+    /// gets) cancelled first.
+    pub async fn pause(&mut self, stop: &CancellationToken) -> bool {
+        let pause = self.next;
+        self.next = (self.next * 2).min(Self::LONGEST);
+        tokio::select! {
+            biased;
+            () = stop.cancelled() => false,
+            () = tokio::time::sleep(pause) => true,
+        }
+    }
+}
+
+impl Default for Again {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn pauses_double_up_to_the_longest_and_a_stop_ends_them() {
+        let mut again = Again::new();
+        // A first pause is waited out.
+        assert!(again.pause(&CancellationToken::new()).await);
+        let stopped = CancellationToken::new();
+        stopped.cancel();
+        let mut pauses = Vec::new();
+        for _ in 0..8 {
+            pauses.push(again.next().as_millis());
+            assert!(!again.pause(&stopped).await, "a stopped task does not wait");
+        }
+        assert_eq!(pauses, [200, 400, 800, 1600, 3200, 6400, 10_000, 10_000]);
+    }
 }

@@ -90,9 +90,6 @@ const PREFETCH: &[(&str, &str)] = &[
     ("fetch.queue.backoff.ms", "10"),
 ];
 
-const RETRY_MIN: Duration = Duration::from_millis(100);
-const RETRY_MAX: Duration = Duration::from_secs(10);
-
 /// Rebalance callbacks: stop, drain and commit revoked partitions; start assigned ones.
 pub struct WorkerContext {
     tracker: Arc<Mutex<Tracker>>,
@@ -378,6 +375,41 @@ pub async fn run(
     handlers: Handlers,
     shutdown: CancellationToken,
 ) -> anyhow::Result<()> {
+    // Every background task is supervised: one that ends while the worker runs fails it.
+    let mut tasks = crate::supervise::Tasks::default();
+    let (shared, stopping) =
+        assemble(config, pool, decoder, events, handlers, shutdown, &mut tasks).await?;
+    let dispatcher = spawn_background(&shared, &mut tasks);
+    let mut consumer = ConsumerThread::start(Arc::clone(&shared.consumer));
+    let failed = take_arrivals(&shared, &mut tasks, &mut consumer).await;
+    dispatcher.cancel();
+    stop(&shared, failed.is_some(), &stopping, &mut consumer).await;
+    crate::history::flush(&shared.pool, &shared.owner).await;
+    tasks.stop().await;
+    failed.map_or(Ok(()), Err)
+}
+
+/// A semaphore of each kind's `concurrency` slots, for the kinds that set one.
+fn kind_slots(config: &Config) -> HashMap<String, Arc<Semaphore>> {
+    config
+        .kinds
+        .iter()
+        .filter_map(|(kind, k)| Some((kind.clone(), Arc::new(Semaphore::new(k.concurrency?)))))
+        .collect()
+}
+
+/// The worker's state: its consumer subscribed, the lease and completion batchers, the
+/// slots, and its background tasks (heartbeat, quota and pause polls) started in `tasks`.
+/// Also the flag its rebalance callbacks read while it stops.
+async fn assemble(
+    config: Config,
+    pool: PgPool,
+    decoder: Decoder<JobEvent>,
+    events: Events,
+    handlers: Handlers,
+    shutdown: CancellationToken,
+    tasks: &mut crate::supervise::Tasks,
+) -> anyhow::Result<(Arc<Shared>, Arc<std::sync::atomic::AtomicBool>)> {
     let tracker = Arc::new(Mutex::new(Tracker::default()));
     let buffer = Arc::new(Mutex::new(Buffer::new(Bounds {
         messages: config.processor.max_buffered,
@@ -408,13 +440,7 @@ pub async fn run(
     tracing::info!(kinds = ?handlers, "Handlers registered.");
     let completer =
         crate::complete::start(config.clone(), pool.clone(), events.clone(), handlers.clone());
-    let kind_slots = config
-        .kinds
-        .iter()
-        .filter_map(|(kind, k)| Some((kind.clone(), Arc::new(Semaphore::new(k.concurrency?)))))
-        .collect();
-    // Every background task is supervised: one that ends while the worker runs fails it.
-    let mut tasks = crate::supervise::Tasks::default();
+    let kind_slots = kind_slots(&config);
     let (heartbeats, beat) = Heartbeats::new(pool.clone(), config.shortest_heartbeat());
     tasks.spawn("heartbeat", beat);
     let quotas = crate::quota::Quotas::new(&config, pool.clone());
@@ -452,14 +478,7 @@ pub async fn run(
         shutdown,
         hard: CancellationToken::new(),
     });
-    let dispatcher = spawn_background(&shared, &mut tasks);
-    let mut consumer = ConsumerThread::start(Arc::clone(&shared.consumer));
-    let failed = take_arrivals(&shared, &mut tasks, &mut consumer).await;
-    dispatcher.cancel();
-    stop(&shared, failed.is_some(), &stopping, &mut consumer).await;
-    crate::history::flush(&shared.pool, &shared.owner).await;
-    tasks.stop().await;
-    failed.map_or(Ok(()), Err)
+    Ok((shared, stopping))
 }
 
 /// The consumer of `config`'s events topic, in the processors' group, subscribed, with
@@ -962,7 +981,7 @@ async fn handle(
     ticket: &Ticket,
     mut permit: Option<OwnedSemaphorePermit>,
 ) -> bool {
-    let mut backoff = RETRY_MIN;
+    let mut again = crate::retry::Again::new();
     let mut look_again = LOOK_AGAIN_MIN;
     let mut announced = false;
     loop {
@@ -974,47 +993,12 @@ async fn handle(
             Ok(Step::Done) => return true,
             Ok(Step::Interrupted) => return false,
             Ok(Step::NoHandler(kind)) => {
-                use std::sync::atomic::Ordering;
-                let waiting = shared.waiting_for_handler.fetch_add(1, Ordering::Relaxed) + 1;
-                metrics::gauge!(pm::WAITING_FOR_HANDLER).set(waiting as f64);
-                if !announced {
-                    tracing::warn!(
-                        kind = %kind,
-                        partition = message.partition,
-                        offset = message.offset,
-                        "No handler for this kind here; the job waits for a processor that has one."
-                    );
-                    announced = true;
-                }
-                let stopped = tokio::select! {
-                    _ = shared.shutdown.cancelled() => true,
-                    _ = tokio::time::sleep(NO_HANDLER_RETRY) => false,
-                };
-                let waiting = shared.waiting_for_handler.fetch_sub(1, Ordering::Relaxed) - 1;
-                metrics::gauge!(pm::WAITING_FOR_HANDLER).set(waiting as f64);
-                if stopped {
+                if !wait_for_handler(shared, message, &kind, &mut announced).await {
                     return false;
                 }
             }
             Ok(Step::WaitUntil(until)) => {
-                // Another worker's live lease ends at its completion, which may come long
-                // before `until` (a stopping processor finishing the jobs of the partitions it
-                // handed over): looked at again sooner at first, then less and less often.
-                let wait = ((until - Utc::now()).to_std().unwrap_or_default()
-                    + Duration::from_millis(50))
-                .min(look_again);
-                look_again = (look_again * 2).min(LOOK_AGAIN_MAX);
-                let wait = wait.min(
-                    shared.config.processor.lease_ttl.max(
-                        shared
-                            .config
-                            .kinds
-                            .values()
-                            .filter_map(|k| k.lease_ttl)
-                            .max()
-                            .unwrap_or_default(),
-                    ),
-                );
+                let wait = look_again_in(shared, until, &mut look_again);
                 tokio::select! {
                     _ = shared.shutdown.cancelled() => return false,
                     _ = tokio::time::sleep(wait) => {}
@@ -1033,24 +1017,64 @@ async fn handle(
                         tracing::warn!(error = %e, "Storing the dead letter failed; retrying.")
                     }
                 }
-                tokio::select! {
-                    _ = shared.shutdown.cancelled() => return false,
-                    _ = tokio::time::sleep(backoff) => {}
+                if !again.pause(&shared.shutdown).await {
+                    return false;
                 }
-                backoff = (backoff * 2).min(RETRY_MAX);
             }
             Err(e) => {
                 let at = message.at(&shared.config.topics.events).coordinates();
                 let error = MessageError { at, cause: e };
-                MessageRetried { error: &error, stage: "dispatch", backoff }.emit();
-                tokio::select! {
-                    _ = shared.shutdown.cancelled() => return false,
-                    _ = tokio::time::sleep(backoff) => {}
+                MessageRetried { error: &error, stage: "dispatch", backoff: again.next() }.emit();
+                if !again.pause(&shared.shutdown).await {
+                    return false;
                 }
-                backoff = (backoff * 2).min(RETRY_MAX);
             }
         }
     }
+}
+
+/// Waits a while for a processor with a handler for `kind` (counted in
+/// `jobfold_waiting_for_handler`, announced once a message); false if stopped meanwhile.
+async fn wait_for_handler(
+    shared: &Shared,
+    message: &Held,
+    kind: &str,
+    announced: &mut bool,
+) -> bool {
+    use std::sync::atomic::Ordering;
+    let waiting = shared.waiting_for_handler.fetch_add(1, Ordering::Relaxed) + 1;
+    metrics::gauge!(pm::WAITING_FOR_HANDLER).set(waiting as f64);
+    if !*announced {
+        tracing::warn!(
+            kind = %kind,
+            partition = message.partition,
+            offset = message.offset,
+            "No handler for this kind here; the job waits for a processor that has one."
+        );
+        *announced = true;
+    }
+    let stopped = tokio::select! {
+        _ = shared.shutdown.cancelled() => true,
+        _ = tokio::time::sleep(NO_HANDLER_RETRY) => false,
+    };
+    let waiting = shared.waiting_for_handler.fetch_sub(1, Ordering::Relaxed) - 1;
+    metrics::gauge!(pm::WAITING_FOR_HANDLER).set(waiting as f64);
+    !stopped
+}
+
+/// How long to wait before looking again at a job another worker's live lease holds until
+/// `until`. That lease ends at its completion, which may come long before `until` (a
+/// stopping processor finishing the jobs of the partitions it handed over): looked at again
+/// sooner at first (`look_again`, doubled each time), and never later than a lease's TTL.
+fn look_again_in(shared: &Shared, until: DateTime<Utc>, look_again: &mut Duration) -> Duration {
+    let wait = ((until - Utc::now()).to_std().unwrap_or_default() + Duration::from_millis(50))
+        .min(*look_again);
+    *look_again = (*look_again * 2).min(LOOK_AGAIN_MAX);
+    let longest_ttl =
+        shared.config.processor.lease_ttl.max(
+            shared.config.kinds.values().filter_map(|k| k.lease_ttl).max().unwrap_or_default(),
+        );
+    wait.min(longest_ttl)
 }
 
 enum Step {
@@ -1319,7 +1343,7 @@ async fn lease(
 async fn complete(shared: &Shared, attempt: Arc<Attempt>) -> anyhow::Result<Step> {
     let job_id = attempt.job.job_id;
     let generation = attempt.job.generation;
-    let mut backoff = RETRY_MIN;
+    let mut again = crate::retry::Again::new();
     let done = loop {
         match Box::pin(shared.completer.submit(Arc::clone(&attempt))).await {
             Ok(done) => break done,
@@ -1327,11 +1351,9 @@ async fn complete(shared: &Shared, attempt: Arc<Attempt>) -> anyhow::Result<Step
             Err(e) if jobfold_common::db::data_error_in(&e).is_some() => return Err(e),
             Err(e) => {
                 tracing::warn!(error = %format!("{e:#}"), %job_id, generation, "Completion failed; trying it again.");
-                tokio::select! {
-                    _ = shared.hard.cancelled() => return Ok(Step::Interrupted),
-                    _ = tokio::time::sleep(backoff) => {}
+                if !again.pause(&shared.hard).await {
+                    return Ok(Step::Interrupted);
                 }
-                backoff = (backoff * 2).min(RETRY_MAX);
             }
         }
     };
@@ -1386,14 +1408,12 @@ async fn run_isolated(
     let ran = run_handler(shared, event, handler, job).await;
     // The run returned (whatever it made of the job): it did not take the process down, so
     // its crashes so far are not counted against it any more.
-    let mut backoff = RETRY_MIN;
+    let mut again = crate::retry::Again::new();
     while let Err(e) = crate::store::isolated_run_survived(&shared.pool, run_id, job_id).await {
         tracing::warn!(error = %e, "Deleting an isolated run's record failed; trying again.");
-        tokio::select! {
-            _ = shared.shutdown.cancelled() => break,
-            _ = tokio::time::sleep(backoff) => {}
+        if !again.pause(&shared.shutdown).await {
+            break;
         }
-        backoff = (backoff * 2).min(RETRY_MAX);
     }
     ran.map(Ok)
 }
@@ -1423,32 +1443,10 @@ async fn run_handler(
     handler: &std::sync::Arc<dyn crate::handler::ErasedHandler>,
     mut job: Box<JobRow>,
 ) -> anyhow::Result<Option<Attempt>> {
-    // The handler's span continues the job's W3C trace: its own span id, the accepting
-    // request's span as parent; handlers send `context.trace` onward. The span is made once
-    // its fields are known: a log layer formats them when it is made and on every record.
-    let (span, context) = {
-        let span_id =
-            event.trace.as_ref().map(|_| format!("{:016x}", rand::rng().random::<u64>() | 1));
-        let ids = event.trace.as_ref().and_then(|trace| trace.ids());
-        let span = tracing::info_span!(
-            "job",
-            job_id = %event.job_id,
-            document_id = %event.document_id,
-            event = event.payload.kind(),
-            attempt = job.attempt,
-            generation = job.generation,
-            trace_id = ids.map(|(trace_id, _)| trace_id),
-            span_id = ids.and(span_id.as_deref()),
-            parent_span_id = ids.map(|(_, parent_id)| parent_id),
-        );
-        let handler_trace =
-            event.trace.as_ref().zip(span_id.as_deref()).and_then(|(trace, id)| trace.child(id));
-        (span, context_of(&mut job, handler_trace))
-    };
-
-    // 2. Run, with heartbeats. The handler's token fires when the lease is lost or at the
-    //    processor's hard stop; the heartbeat stops with the run, whatever the handler does
-    //    (returns, panics), as the lease's registration drops.
+    let (span, context) = job_span(event, &mut job);
+    // Run, with heartbeats. The handler's token fires when the lease is lost or at the
+    // processor's hard stop; the heartbeat stops with the run, whatever the handler does
+    // (returns, panics), as the lease's registration drops.
     let kind = RunLimits::of(&shared.config, &job.kind);
     let _listed = shared.running.enter(job.job_id, job.generation, &job.kind, &job.document_id);
     let cancel = shared.hard.child_token();
@@ -1464,43 +1462,8 @@ async fn run_handler(
         let due = job.run_at.map_or(job.accepted_at, |at| at.max(job.accepted_at));
         crate::history::started(&job.kind, (Utc::now() - due).to_std().unwrap_or_default());
     }
-    let run = crate::callback::SCOPE.scope(
-        Arc::clone(&shared.callbacks),
-        std::panic::AssertUnwindSafe(handler.run_boxed(&context, cancel.clone())).catch_unwind(),
-    );
-    let run = run.instrument(span.clone());
-    // Past the kind's run time-out the token fires and the run is dropped: a handler that
-    // hangs, or ignores its token, costs its own attempt, not a slot for ever. Without one,
-    // the time-out is too far to come.
-    let timed = tokio::time::timeout(kind.run_timeout.unwrap_or(Duration::MAX), run);
-    // At the hard stop the token fires; a handler deaf to it is dropped after a grace.
-    let stopped = async {
-        shared.hard.cancelled().await;
-        tokio::time::sleep(RELEASE_GRACE).await;
-    };
-    let ran = tokio::select! {
-        ran = timed => Some(ran.ok()),
-        () = stopped => None,
-    };
-    let result = match ran {
-        None => Err(HandlerError::retryable("cut short by its processor's stop").ambiguous()),
-        Some(Some(Ok(result))) => result,
-        // A panic costs its own attempt: a retryable failure naming it. What it did before
-        // is not known.
-        Some(Some(Err(panic))) => Err(HandlerError::retryable(format!(
-            "the handler panicked: {}",
-            panic_message(panic.as_ref())
-        ))
-        .ambiguous()),
-        Some(None) => {
-            cancel.cancel();
-            Err(HandlerError::retryable(format!(
-                "the handler ran past its run_timeout ({:?}) and was cancelled",
-                kind.run_timeout.unwrap_or_default()
-            ))
-            .ambiguous())
-        }
-    };
+    let result =
+        run_contained(shared, handler, &context, &kind, &cancel).instrument(span.clone()).await;
     metrics::histogram!(pm::HANDLER_DURATION_SECONDS, "kind" => shared.handlers.label(&job.kind))
         .record(started.elapsed().as_secs_f64());
     crate::history::ran(&job.kind, started.elapsed());
@@ -1527,6 +1490,76 @@ async fn run_handler(
     }
 
     Ok(Some(Attempt { job: *job, context, result, trace: event.trace.clone(), released: false }))
+}
+
+/// The handler's span, continuing the job's W3C trace (its own span id, the accepting
+/// request's span as parent), and the job's context for the handler, whose `trace` the
+/// handler sends onward. The span is made once its fields are known: a log layer formats
+/// them when it is made and on every record.
+fn job_span(event: &JobEvent, job: &mut JobRow) -> (tracing::Span, JobContext) {
+    let span_id = event.trace.as_ref().map(|_| format!("{:016x}", rand::rng().random::<u64>() | 1));
+    let ids = event.trace.as_ref().and_then(|trace| trace.ids());
+    let span = tracing::info_span!(
+        "job",
+        job_id = %event.job_id,
+        document_id = %event.document_id,
+        event = event.payload.kind(),
+        attempt = job.attempt,
+        generation = job.generation,
+        trace_id = ids.map(|(trace_id, _)| trace_id),
+        span_id = ids.and(span_id.as_deref()),
+        parent_span_id = ids.map(|(_, parent_id)| parent_id),
+    );
+    let handler_trace =
+        event.trace.as_ref().zip(span_id.as_deref()).and_then(|(trace, id)| trace.child(id));
+    (span, context_of(job, handler_trace))
+}
+
+/// Runs `handler` on `context`, contained: a panic, a run past the kind's `run_timeout` and
+/// the processor's hard stop each end the run as a retryable failure that says so.
+async fn run_contained(
+    shared: &Shared,
+    handler: &std::sync::Arc<dyn crate::handler::ErasedHandler>,
+    context: &JobContext,
+    kind: &RunLimits,
+    cancel: &CancellationToken,
+) -> Result<serde_json::Value, HandlerError> {
+    let run = crate::callback::SCOPE.scope(
+        Arc::clone(&shared.callbacks),
+        std::panic::AssertUnwindSafe(handler.run_boxed(context, cancel.clone())).catch_unwind(),
+    );
+    // Past the kind's run time-out the token fires and the run is dropped: a handler that
+    // hangs, or ignores its token, costs its own attempt, not a slot for ever. Without one,
+    // the time-out is too far to come.
+    let timed = tokio::time::timeout(kind.run_timeout.unwrap_or(Duration::MAX), run);
+    // At the hard stop the token fires; a handler deaf to it is dropped after a grace.
+    let stopped = async {
+        shared.hard.cancelled().await;
+        tokio::time::sleep(RELEASE_GRACE).await;
+    };
+    let ran = tokio::select! {
+        ran = timed => Some(ran.ok()),
+        () = stopped => None,
+    };
+    match ran {
+        None => Err(HandlerError::retryable("cut short by its processor's stop").ambiguous()),
+        Some(Some(Ok(result))) => result,
+        // A panic costs its own attempt: a retryable failure naming it. What it did before
+        // is not known.
+        Some(Some(Err(panic))) => Err(HandlerError::retryable(format!(
+            "the handler panicked: {}",
+            panic_message(panic.as_ref())
+        ))
+        .ambiguous()),
+        Some(None) => {
+            cancel.cancel();
+            Err(HandlerError::retryable(format!(
+                "the handler ran past its run_timeout ({:?}) and was cancelled",
+                kind.run_timeout.unwrap_or_default()
+            ))
+            .ambiguous())
+        }
+    }
 }
 
 /// What a run needs of its kind's settings: kept while it runs instead of all of them.
