@@ -4,7 +4,8 @@
 //! Names follow `jobfold_<thing>_<unit>`; counters end in `_total`. Labels have bounded
 //! cardinality (topic, partition, kind, outcome), never a job id.
 
-use metrics::{Unit, describe_counter, describe_gauge, describe_histogram};
+use jobfold_common::metrics::{Description, Shape};
+use metrics::Unit;
 
 /// HTTP accepts answered 503 because they were not durable within `accept.commit_timeout`.
 pub const ACCEPTS_NOT_DURABLE_TOTAL: &str = "jobfold_accepts_not_durable_total";
@@ -120,203 +121,285 @@ pub const AUTH_LOCKOUTS_TOTAL: &str = "jobfold_auth_lockouts_total";
 /// Changes made whose audit row could not be written (logged as errors).
 pub const AUDIT_FAILED_TOTAL: &str = "jobfold_audit_failed_total";
 
+/// What each metric above is, for the installed recorder.
+const DESCRIPTIONS: &[Description] = &[
+    Description::new(
+        DEAD_LETTERS_TOTAL,
+        Shape::Counter,
+        Unit::Count,
+        "Undecodable messages dead-lettered.",
+    ),
+    Description::new(
+        ACCEPTS_NOT_DURABLE_TOTAL,
+        Shape::Counter,
+        Unit::Count,
+        "HTTP accepts answered 503, not durable within accept.commit_timeout (their commit goes on).",
+    ),
+    Description::new(
+        HTTP_REFUSED_TOTAL,
+        Shape::Counter,
+        Unit::Count,
+        "HTTP requests refused before a handler ran, by reason.",
+    ),
+    Description::new(
+        CALLBACKS_TOTAL,
+        Shape::Counter,
+        Unit::Count,
+        "Callbacks of handlers that answered 202, by route and outcome.",
+    ),
+    Description::new(
+        AUTH_LOCKOUTS_TOTAL,
+        Shape::Counter,
+        Unit::Count,
+        "Client addresses refused for a minute after too many failed authentications.",
+    ),
+    Description::new(
+        AUDIT_FAILED_TOTAL,
+        Shape::Counter,
+        Unit::Count,
+        "Changes made whose audit row could not be written.",
+    ),
+    Description::new(
+        INTAKE_DUPLICATES_TOTAL,
+        Shape::Counter,
+        Unit::Count,
+        "Intake requests already accepted before.",
+    ),
+    Description::new(IN_FLIGHT, Shape::Gauge, Unit::Count, "Jobs running in this processor."),
+    Description::new(
+        BUFFERED_MESSAGES,
+        Shape::Gauge,
+        Unit::Count,
+        "Messages held in memory: waiting behind their document's running job, or running.",
+    ),
+    Description::new(
+        PAUSED_PARTITIONS,
+        Shape::Gauge,
+        Unit::Count,
+        "Partitions paused: their buffer is full.",
+    ),
+    Description::new(
+        PARTITION_PAUSES_TOTAL,
+        Shape::Counter,
+        Unit::Count,
+        "Times a partition was paused because it held its max_buffered share.",
+    ),
+    Description::new(
+        WAITING_FOR_HANDLER,
+        Shape::Gauge,
+        Unit::Count,
+        "Documents whose next job waits for a kind this processor has no handler for.",
+    ),
+    Description::new(
+        ASSIGNED_PARTITIONS,
+        Shape::Gauge,
+        Unit::Count,
+        "Partitions of the events topic this processor holds in its consumer group.",
+    ),
+    Description::new(
+        GROUP_REBALANCES_TOTAL,
+        Shape::Counter,
+        Unit::Count,
+        "Rebalances of the processors' group this processor took part in, each ended by an \
+         assignment (empty when nothing moved to it).",
+    ),
+    Description::new(
+        COMPLETED_TOTAL,
+        Shape::Counter,
+        Unit::Count,
+        "Attempts completed, by outcome.",
+    ),
+    Description::new(
+        DUPLICATES_SKIPPED_TOTAL,
+        Shape::Counter,
+        Unit::Count,
+        "Redelivered dispatch events skipped as duplicates, running nothing.",
+    ),
+    Description::new(
+        TRANSACTION_JOBS,
+        Shape::Histogram,
+        Unit::Count,
+        "Jobs per transaction that shares one among the work waiting at once, by transaction.",
+    ),
+    Description::new(
+        FENCED_COMPLETIONS_TOTAL,
+        Shape::Counter,
+        Unit::Count,
+        "Completions discarded: another generation held the job.",
+    ),
+    Description::new(
+        HEARTBEAT_STATEMENTS_TOTAL,
+        Shape::Counter,
+        Unit::Count,
+        "Heartbeat statements, each renewing every lease of this processor that was due.",
+    ),
+    Description::new(
+        LEASES_HELD,
+        Shape::Gauge,
+        Unit::Count,
+        "Leases this processor holds and keeps alive.",
+    ),
+    Description::new(
+        LEASE_MARGIN_SECONDS,
+        Shape::Histogram,
+        Unit::Seconds,
+        "How long a lease still had to run when its heartbeat renewed it.",
+    ),
+    Description::new(
+        LEASE_MARGIN_MIN_SECONDS,
+        Shape::Gauge,
+        Unit::Seconds,
+        "The least time a lease renewed by the last heartbeat still had to run.",
+    ),
+    Description::new(
+        QUOTA_WAITING,
+        Shape::Gauge,
+        Unit::Count,
+        "Jobs waiting for their kind's quota in this processor (no slot held, no attempt spent).",
+    ),
+    Description::new(
+        QUOTA_TAKEN_TOTAL,
+        Shape::Counter,
+        Unit::Count,
+        "Quota this processor took, by kind and unit.",
+    ),
+    Description::new(
+        QUOTA_PAUSED_SECONDS,
+        Shape::Gauge,
+        Unit::Seconds,
+        "How long a kind stays paused by its outside service's 429, at most its max_retry_after.",
+    ),
+    Description::new(
+        CRASHED_RUNS_TOTAL,
+        Shape::Counter,
+        Unit::Count,
+        "Runs that died with their process before anything of them committed; each counts as an attempt.",
+    ),
+    Description::new(
+        PERIODIC_HOLDER,
+        Shape::Gauge,
+        Unit::Count,
+        "1 while this processor holds the periodic schedules' lease.",
+    ),
+    Description::new(
+        PERIODIC_JOBS_TOTAL,
+        Shape::Counter,
+        Unit::Count,
+        "Periodic jobs accepted, one per tick, by schedule.",
+    ),
+    Description::new(
+        PERIODIC_REFUSED_TOTAL,
+        Shape::Counter,
+        Unit::Count,
+        "Ticks whose periodic job was refused (kind unknown, input invalid); each is passed.",
+    ),
+    Description::new(
+        KIND_PAUSED,
+        Shape::Gauge,
+        Unit::Count,
+        "1 while an operator has the kind paused.",
+    ),
+    Description::new(
+        PAUSED_PASSED_OVER_TOTAL,
+        Shape::Counter,
+        Unit::Count,
+        "Dispatches passed over because their kind was paused; each job waits for the resume.",
+    ),
+    Description::new(
+        RESUMED_DISPATCHES_TOTAL,
+        Shape::Counter,
+        Unit::Count,
+        "Jobs passed over while their kind was paused, dispatched again after the resume.",
+    ),
+    Description::new(
+        CRASHED_KEPT_APART_TOTAL,
+        Shape::Counter,
+        Unit::Count,
+        "Dispatches of jobs a death found running before, held for a later lease transaction: one such job at a time runs inside one.",
+    ),
+    Description::new(
+        TASK_FAILURES_TOTAL,
+        Shape::Counter,
+        Unit::Count,
+        "Background tasks that ended while the processor ran; the processor then stops.",
+    ),
+    Description::new(
+        CONSUMER_ERRORS_TOTAL,
+        Shape::Counter,
+        Unit::Count,
+        "Errors a Kafka consumer returned instead of a message, by stage and error code.",
+    ),
+    Description::new(
+        QUOTA_RATE_FACTOR,
+        Shape::Gauge,
+        Unit::Count,
+        "The share of a kind's rate limits in force: 1 unless its outside service answered 429.",
+    ),
+    Description::new(
+        THROTTLED_TOTAL,
+        Shape::Counter,
+        Unit::Count,
+        "Attempts refused for an outside service's quota (429), by kind.",
+    ),
+    Description::new(HANDLER_RUNS_TOTAL, Shape::Counter, Unit::Count, "Handler runs started."),
+    Description::new(
+        HANDLER_DURATION_SECONDS,
+        Shape::Histogram,
+        Unit::Seconds,
+        "Handler duration by kind.",
+    ),
+    Description::new(
+        RETENTION_DELETED_TOTAL,
+        Shape::Counter,
+        Unit::Count,
+        "Rows deleted by retention ([retention]), by table.",
+    ),
+    Description::new(
+        REAPER_DISPATCHED_TOTAL,
+        Shape::Counter,
+        Unit::Count,
+        "Jobs dispatched again by the reaper.",
+    ),
+    Description::new(
+        CANCELLED_TOTAL,
+        Shape::Counter,
+        Unit::Count,
+        "Jobs cancelled, by the state they were in.",
+    ),
+    Description::new(
+        REPLAYED_TOTAL,
+        Shape::Counter,
+        Unit::Count,
+        "Quarantined jobs replayed, one at a time or in bulk.",
+    ),
+    Description::new(
+        DEAD_LETTER_ACTIONS_TOTAL,
+        Shape::Counter,
+        Unit::Count,
+        "Dead letters re-injected to the intake topic or deleted.",
+    ),
+    Description::new(
+        CONSUMER_LAG,
+        Shape::Gauge,
+        Unit::Count,
+        "Messages after the lowest offset in flight, by topic and partition.",
+    ),
+    Description::new(
+        ACCEPT_TO_COMPLETE_SECONDS,
+        Shape::Histogram,
+        Unit::Seconds,
+        "From acceptance to the job's end, by kind and outcome.",
+    ),
+    Description::new(
+        MESSAGE_RETRIES_TOTAL,
+        Shape::Counter,
+        Unit::Count,
+        "Messages that could not be handled this time and are handled again, by stage.",
+    ),
+];
+
 /// Describes every metric above to the installed recorder.
 pub fn describe() {
     jobfold_common::metrics::describe();
-    describe_counter!(DEAD_LETTERS_TOTAL, Unit::Count, "Undecodable messages dead-lettered.");
-    describe_counter!(
-        ACCEPTS_NOT_DURABLE_TOTAL,
-        Unit::Count,
-        "HTTP accepts answered 503, not durable within accept.commit_timeout (their commit goes on)."
-    );
-    describe_counter!(
-        HTTP_REFUSED_TOTAL,
-        Unit::Count,
-        "HTTP requests refused before a handler ran, by reason."
-    );
-    describe_counter!(
-        CALLBACKS_TOTAL,
-        Unit::Count,
-        "Callbacks of handlers that answered 202, by route and outcome."
-    );
-    describe_counter!(
-        AUTH_LOCKOUTS_TOTAL,
-        Unit::Count,
-        "Client addresses refused for a minute after too many failed authentications."
-    );
-    describe_counter!(
-        AUDIT_FAILED_TOTAL,
-        Unit::Count,
-        "Changes made whose audit row could not be written."
-    );
-    describe_counter!(
-        INTAKE_DUPLICATES_TOTAL,
-        Unit::Count,
-        "Intake requests already accepted before."
-    );
-    describe_gauge!(IN_FLIGHT, Unit::Count, "Jobs running in this processor.");
-    describe_gauge!(
-        BUFFERED_MESSAGES,
-        Unit::Count,
-        "Messages held in memory: waiting behind their document's running job, or running."
-    );
-    describe_gauge!(PAUSED_PARTITIONS, Unit::Count, "Partitions paused: their buffer is full.");
-    describe_counter!(
-        PARTITION_PAUSES_TOTAL,
-        Unit::Count,
-        "Times a partition was paused because it held its max_buffered share."
-    );
-    describe_gauge!(
-        WAITING_FOR_HANDLER,
-        Unit::Count,
-        "Documents whose next job waits for a kind this processor has no handler for."
-    );
-    describe_gauge!(
-        ASSIGNED_PARTITIONS,
-        Unit::Count,
-        "Partitions of the events topic this processor holds in its consumer group."
-    );
-    describe_counter!(
-        GROUP_REBALANCES_TOTAL,
-        Unit::Count,
-        "Rebalances of the processors' group this processor took part in, each ended by an \
-         assignment (empty when nothing moved to it)."
-    );
-    describe_counter!(COMPLETED_TOTAL, Unit::Count, "Attempts completed, by outcome.");
-    describe_counter!(
-        DUPLICATES_SKIPPED_TOTAL,
-        Unit::Count,
-        "Redelivered dispatch events skipped as duplicates, running nothing."
-    );
-    describe_histogram!(
-        TRANSACTION_JOBS,
-        Unit::Count,
-        "Jobs per transaction that shares one among the work waiting at once, by transaction."
-    );
-    describe_counter!(
-        FENCED_COMPLETIONS_TOTAL,
-        Unit::Count,
-        "Completions discarded: another generation held the job."
-    );
-    describe_counter!(
-        HEARTBEAT_STATEMENTS_TOTAL,
-        Unit::Count,
-        "Heartbeat statements, each renewing every lease of this processor that was due."
-    );
-    describe_gauge!(LEASES_HELD, Unit::Count, "Leases this processor holds and keeps alive.");
-    describe_histogram!(
-        LEASE_MARGIN_SECONDS,
-        Unit::Seconds,
-        "How long a lease still had to run when its heartbeat renewed it."
-    );
-    describe_gauge!(
-        LEASE_MARGIN_MIN_SECONDS,
-        Unit::Seconds,
-        "The least time a lease renewed by the last heartbeat still had to run."
-    );
-    describe_gauge!(
-        QUOTA_WAITING,
-        Unit::Count,
-        "Jobs waiting for their kind's quota in this processor (no slot held, no attempt spent)."
-    );
-    describe_counter!(
-        QUOTA_TAKEN_TOTAL,
-        Unit::Count,
-        "Quota this processor took, by kind and unit."
-    );
-    describe_gauge!(
-        QUOTA_PAUSED_SECONDS,
-        Unit::Seconds,
-        "How long a kind stays paused by its outside service's 429, at most its max_retry_after."
-    );
-    describe_counter!(
-        CRASHED_RUNS_TOTAL,
-        Unit::Count,
-        "Runs that died with their process before anything of them committed; each counts as an attempt."
-    );
-    describe_gauge!(
-        PERIODIC_HOLDER,
-        Unit::Count,
-        "1 while this processor holds the periodic schedules' lease."
-    );
-    describe_counter!(
-        PERIODIC_JOBS_TOTAL,
-        Unit::Count,
-        "Periodic jobs accepted, one per tick, by schedule."
-    );
-    describe_counter!(
-        PERIODIC_REFUSED_TOTAL,
-        Unit::Count,
-        "Ticks whose periodic job was refused (kind unknown, input invalid); each is passed."
-    );
-    describe_gauge!(KIND_PAUSED, Unit::Count, "1 while an operator has the kind paused.");
-    describe_counter!(
-        PAUSED_PASSED_OVER_TOTAL,
-        Unit::Count,
-        "Dispatches passed over because their kind was paused; each job waits for the resume."
-    );
-    describe_counter!(
-        RESUMED_DISPATCHES_TOTAL,
-        Unit::Count,
-        "Jobs passed over while their kind was paused, dispatched again after the resume."
-    );
-    describe_counter!(
-        CRASHED_KEPT_APART_TOTAL,
-        Unit::Count,
-        "Dispatches of jobs a death found running before, held for a later lease transaction: one such job at a time runs inside one."
-    );
-    describe_counter!(
-        TASK_FAILURES_TOTAL,
-        Unit::Count,
-        "Background tasks that ended while the processor ran; the processor then stops."
-    );
-    describe_counter!(
-        CONSUMER_ERRORS_TOTAL,
-        Unit::Count,
-        "Errors a Kafka consumer returned instead of a message, by stage and error code."
-    );
-    describe_gauge!(
-        QUOTA_RATE_FACTOR,
-        Unit::Count,
-        "The share of a kind's rate limits in force: 1 unless its outside service answered 429."
-    );
-    describe_counter!(
-        THROTTLED_TOTAL,
-        Unit::Count,
-        "Attempts refused for an outside service's quota (429), by kind."
-    );
-    describe_counter!(HANDLER_RUNS_TOTAL, Unit::Count, "Handler runs started.");
-    describe_histogram!(HANDLER_DURATION_SECONDS, Unit::Seconds, "Handler duration by kind.");
-    describe_counter!(
-        RETENTION_DELETED_TOTAL,
-        Unit::Count,
-        "Rows deleted by retention ([retention]), by table."
-    );
-    describe_counter!(REAPER_DISPATCHED_TOTAL, Unit::Count, "Jobs dispatched again by the reaper.");
-    describe_counter!(CANCELLED_TOTAL, Unit::Count, "Jobs cancelled, by the state they were in.");
-    describe_counter!(
-        REPLAYED_TOTAL,
-        Unit::Count,
-        "Quarantined jobs replayed, one at a time or in bulk."
-    );
-    describe_counter!(
-        DEAD_LETTER_ACTIONS_TOTAL,
-        Unit::Count,
-        "Dead letters re-injected to the intake topic or deleted."
-    );
-    describe_gauge!(
-        CONSUMER_LAG,
-        Unit::Count,
-        "Messages after the lowest offset in flight, by topic and partition."
-    );
-    describe_histogram!(
-        ACCEPT_TO_COMPLETE_SECONDS,
-        Unit::Seconds,
-        "From acceptance to the job's end, by kind and outcome."
-    );
-    describe_counter!(
-        MESSAGE_RETRIES_TOTAL,
-        Unit::Count,
-        "Messages that could not be handled this time and are handled again, by stage."
-    );
+    jobfold_common::metrics::describe_all(DESCRIPTIONS);
 }

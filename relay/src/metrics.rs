@@ -3,7 +3,8 @@
 //! Names follow `jobfold_<thing>_<unit>`; counters end in `_total`. Labels have bounded
 //! cardinality (topic, outcome), never a job id.
 
-use metrics::{Unit, describe_counter, describe_gauge, describe_histogram};
+use jobfold_common::metrics::{Description, Shape};
+use metrics::Unit;
 
 /// Outbox rows published and marked by the relay.
 pub const RELAY_PUBLISHED_TOTAL: &str = "jobfold_relay_published_total";
@@ -31,49 +32,77 @@ pub const RELAY_REFUSED_TOTAL: &str = "jobfold_relay_refused_total";
 /// only below it, so while it stays open nothing committed after it began is published.
 pub const RELAY_HORIZON_AGE_SECONDS: &str = "jobfold_relay_horizon_age_seconds";
 
+/// What each metric above is, for the installed recorder.
+const DESCRIPTIONS: &[Description] = &[
+    Description::new(
+        RELAY_PUBLISHED_TOTAL,
+        Shape::Counter,
+        Unit::Count,
+        "Events published and recorded (cursor moved or outbox row marked).",
+    ),
+    Description::new(
+        RELAY_DELIVERY_ERRORS_TOTAL,
+        Shape::Counter,
+        Unit::Count,
+        "Deliveries refused or timed out; the rows are retried.",
+    ),
+    Description::new(
+        RELAY_BACKLOG,
+        Shape::Gauge,
+        Unit::Count,
+        "Events the relay still owes Kafka: after its log cursor, or due in the outbox.",
+    ),
+    Description::new(
+        RELAY_OLDEST_UNPUBLISHED_AGE_SECONDS,
+        Shape::Gauge,
+        Unit::Seconds,
+        "Age of the oldest due, unpublished outbox row.",
+    ),
+    Description::new(
+        RELAY_PUBLISH_LATENCY_SECONDS,
+        Shape::Histogram,
+        Unit::Seconds,
+        "From an outbox row becoming available to its delivery report.",
+    ),
+    Description::new(
+        RELAY_ACTIVE,
+        Shape::Gauge,
+        Unit::Count,
+        "1 while this relay is the active one.",
+    ),
+    Description::new(
+        RELAY_PRUNED_TOTAL,
+        Shape::Counter,
+        Unit::Count,
+        "Published outbox rows pruned.",
+    ),
+    Description::new(
+        RELAY_PARKED,
+        Shape::Gauge,
+        Unit::Count,
+        "Events parked: refused by Kafka, or waiting behind a refused event of their document.",
+    ),
+    Description::new(
+        RELAY_PARKED_DOCUMENTS,
+        Shape::Gauge,
+        Unit::Count,
+        "Documents with parked events.",
+    ),
+    Description::new(
+        RELAY_REFUSED_TOTAL,
+        Shape::Counter,
+        Unit::Count,
+        "Events refused for what they are (size, bytes) and parked.",
+    ),
+    Description::new(
+        RELAY_HORIZON_AGE_SECONDS,
+        Shape::Gauge,
+        Unit::Seconds,
+        "Age of the cluster's oldest transaction holding an id; the relay reads below it.",
+    ),
+];
+
 /// Describes every metric above to the installed recorder.
 pub fn describe() {
-    describe_counter!(
-        RELAY_PUBLISHED_TOTAL,
-        Unit::Count,
-        "Events published and recorded (cursor moved or outbox row marked)."
-    );
-    describe_counter!(
-        RELAY_DELIVERY_ERRORS_TOTAL,
-        Unit::Count,
-        "Deliveries refused or timed out; the rows are retried."
-    );
-    describe_gauge!(
-        RELAY_BACKLOG,
-        Unit::Count,
-        "Events the relay still owes Kafka: after its log cursor, or due in the outbox."
-    );
-    describe_gauge!(
-        RELAY_OLDEST_UNPUBLISHED_AGE_SECONDS,
-        Unit::Seconds,
-        "Age of the oldest due, unpublished outbox row."
-    );
-    describe_histogram!(
-        RELAY_PUBLISH_LATENCY_SECONDS,
-        Unit::Seconds,
-        "From an outbox row becoming available to its delivery report."
-    );
-    describe_gauge!(RELAY_ACTIVE, Unit::Count, "1 while this relay is the active one.");
-    describe_counter!(RELAY_PRUNED_TOTAL, Unit::Count, "Published outbox rows pruned.");
-    describe_gauge!(
-        RELAY_PARKED,
-        Unit::Count,
-        "Events parked: refused by Kafka, or waiting behind a refused event of their document."
-    );
-    describe_gauge!(RELAY_PARKED_DOCUMENTS, Unit::Count, "Documents with parked events.");
-    describe_counter!(
-        RELAY_REFUSED_TOTAL,
-        Unit::Count,
-        "Events refused for what they are (size, bytes) and parked."
-    );
-    describe_gauge!(
-        RELAY_HORIZON_AGE_SECONDS,
-        Unit::Seconds,
-        "Age of the cluster's oldest transaction holding an id; the relay reads below it."
-    );
+    jobfold_common::metrics::describe_all(DESCRIPTIONS);
 }
