@@ -146,8 +146,9 @@ async fn a_kinds_rate_limits_hold_across_the_processors_of_a_group() {
 }
 
 /// The provider answers 429 (Retry-After: 2) to two calls of a kind limited to 4 a second:
-/// no call of the kind comes from either processor between 0.6 s after the first 429 (what
-/// was already on its way) and the pause's end, although the rate alone would have sent
+/// no call of the kind comes from either processor between 1 s after the first 429 (what
+/// was already on its way; on a loaded machine a call sent just before the 429 was answered
+/// was seen arriving 0.64 s after it) and the pause's end, although the rate alone would have sent
 /// several; the kind's rate halves; and every job succeeds although its
 /// budget is one attempt — on attempt 1, with the log folding cleanly.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -176,7 +177,7 @@ async fn a_429_holds_the_kind_back_everywhere_without_spending_attempts() {
     let quiet: Vec<f64> = calls
         .iter()
         .map(|c| c.0 - throttled_at)
-        .filter(|after| (0.6..1.9).contains(after))
+        .filter(|after| (1.0..1.9).contains(after))
         .collect();
     assert!(quiet.is_empty(), "calls during the pause, seconds after the 429: {quiet:?}");
     for id in &ids {
