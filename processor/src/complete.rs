@@ -251,30 +251,13 @@ impl Batch<'_> {
                 .await?;
             }
             let error = attempt.result.as_ref().err();
-            let backoff = if attempt.released {
-                std::time::Duration::ZERO
-            } else if error.is_some_and(|e| e.throttled) {
-                // Throttled: its kind's pause (Retry-After, else retry_base), spread over
-                // one retry_base so the jobs throttled together do not come back together.
-                crate::retry::throttled_delay(
-                    self.config,
-                    &job.kind,
-                    error.and_then(|e| e.retry_after),
-                )
-            } else if let Some(e) = error.filter(|e| e.snoozed) {
-                // Snoozed: when it asked for, this job alone.
-                e.retry_after.unwrap_or_default()
-            } else {
-                // An outside service's Retry-After is a floor under the backoff.
-                crate::retry::backoff(self.config, &job.kind, job.attempt)
-                    .max(error.and_then(|e| e.retry_after).unwrap_or_default())
-            };
-            // The delay is bounded (max_retry_after, retry_cap); whatever it is, the
-            // arithmetic saturates rather than fail the completion.
-            let retry_at = chrono::Duration::from_std(backoff)
-                .ok()
-                .and_then(|d| Utc::now().checked_add_signed(d))
-                .unwrap_or(chrono::DateTime::<Utc>::MAX_UTC);
+            let retry_at = crate::retry::next_attempt_at(
+                self.config,
+                &job.kind,
+                job.attempt,
+                error,
+                attempt.released,
+            );
             let owner = self.config.quarantine_owner(&job.kind);
             let trace = attempt.trace.clone();
             let what = store::complete(tx, self.events, &mut job, outcome, retry_at, &owner, trace)

@@ -12,6 +12,8 @@
 
 use std::time::Duration;
 
+use crate::handler::HandlerError;
+use chrono::{DateTime, Utc};
 use jobfold_common::config::Config;
 use rand::Rng;
 use tokio_util::sync::CancellationToken;
@@ -34,6 +36,36 @@ pub fn throttled_delay(config: &Config, kind: &str, retry_after: Option<Duration
     retry_after
         .unwrap_or(base)
         .saturating_add(Duration::from_millis(rand::rng().random_range(0..=millis)))
+}
+
+/// When the `attempt`-th attempt of a job of `kind` that failed with `error` runs again:
+/// at once if its processor gave it back (`released`); when its kind's pause ends if it was
+/// throttled; when it asked for if it snoozed; else after the backoff, and no sooner than
+/// an outside service's `Retry-After` (bounded before: `max_retry_after`, the kind's
+/// `crash_backoff`). Saturates rather than fail: the latest time there is.
+pub fn next_attempt_at(
+    config: &Config,
+    kind: &str,
+    attempt: i32,
+    error: Option<&HandlerError>,
+    released: bool,
+) -> DateTime<Utc> {
+    let delay = if released {
+        Duration::ZERO
+    } else if error.is_some_and(|e| e.throttled) {
+        // Throttled: its kind's pause (Retry-After, else retry_base), spread over one
+        // retry_base so the jobs throttled together do not come back together.
+        throttled_delay(config, kind, error.and_then(|e| e.retry_after))
+    } else if let Some(e) = error.filter(|e| e.snoozed) {
+        // Snoozed: when it asked for, this job alone.
+        e.retry_after.unwrap_or_default()
+    } else {
+        backoff(config, kind, attempt).max(error.and_then(|e| e.retry_after).unwrap_or_default())
+    };
+    chrono::Duration::from_std(delay)
+        .ok()
+        .and_then(|d| Utc::now().checked_add_signed(d))
+        .unwrap_or(DateTime::<Utc>::MAX_UTC)
 }
 
 /// The pauses between tries of a step that failed for a reason outside the job: 100 ms,
