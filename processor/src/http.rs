@@ -361,37 +361,14 @@ async fn authorize(State(state): State<ApiState>, mut request: Request, next: Ne
 
 /// The caller, if the request may pass; else the refusal to answer.
 fn admit(state: &ApiState, request: &Request, request_id: &str) -> Result<Caller, Box<Response>> {
-    use crate::access::Refusal;
-    let refuse = |status: StatusCode, code: &'static str, reason: &'static str, message: String| {
-        metrics::counter!(crate::metrics::HTTP_REFUSED_TOTAL, "reason" => reason).increment(1);
-        Box::new(ApiError::new(status, code, message).into_response())
-    };
     let (method, path) = (request.method(), request.uri().path());
     let access = &state.access;
     if path != "/healthz" && path != "/readyz" {
-        let host = request
-            .headers()
-            .get(header::HOST)
-            .and_then(|v| v.to_str().ok())
-            .or_else(|| request.uri().authority().map(axum::http::uri::Authority::as_str));
-        match host {
-            Some(host) if access.host_allowed(host) => {}
-            host => {
-                let shown: String = host.unwrap_or("(none)").chars().take(100).collect();
-                return Err(refuse(
-                    StatusCode::MISDIRECTED_REQUEST,
-                    "host_not_allowed",
-                    "host",
-                    format!(
-                        "this API does not answer to Host {shown}: list it in http.allowed_hosts"
-                    ),
-                ));
-            }
-        }
+        check_host(access, request)?;
     }
     let mutating = !matches!(*method, Method::GET | Method::HEAD | Method::OPTIONS);
     if mutating && let Some(origin) = cross_origin(request.headers()) {
-        return Err(refuse(
+        return Err(refused(
             StatusCode::FORBIDDEN,
             "cross_origin",
             "origin",
@@ -404,49 +381,18 @@ fn admit(state: &ApiState, request: &Request, request_id: &str) -> Result<Caller
     let signed_callback = *method == Method::POST
         && request.headers().contains_key(crate::signature::HEADER)
         && crate::access::is_callback(path);
-    let anonymous = || Caller {
-        principal: crate::access::Principal::anonymous(),
-        request_id: request_id.to_owned(),
-        authenticated: false,
-    };
     if !access.tokens_required() || (needs.is_none() && path != "/v1/auth") || signed_callback {
-        return Ok(anonymous());
+        return Ok(Caller {
+            principal: crate::access::Principal::anonymous(),
+            request_id: request_id.to_owned(),
+            authenticated: false,
+        });
     }
-    let client =
-        request.extensions().get::<axum::extract::ConnectInfo<SocketAddr>>().map(|c| c.0.ip());
-    let authorization = request.headers().get(header::AUTHORIZATION).and_then(|v| v.to_str().ok());
-    let principal = match access.authenticate(client, authorization) {
-        Ok(principal) => principal,
-        Err(Refusal::TooManyFailures(wait)) => {
-            let mut response = refuse(
-                StatusCode::TOO_MANY_REQUESTS,
-                "too_many_failed_authentications",
-                "failures",
-                "too many failed authentications from this address: try again later".into(),
-            );
-            let secs = wait.as_secs().max(1).to_string();
-            if let Ok(value) = header::HeaderValue::from_str(&secs) {
-                response.headers_mut().insert(header::RETRY_AFTER, value);
-            }
-            return Err(response);
-        }
-        Err(_) => {
-            let mut response = refuse(
-                StatusCode::UNAUTHORIZED,
-                "unauthorized",
-                "token",
-                "this request needs the header Authorization: Bearer <token>".into(),
-            );
-            response
-                .headers_mut()
-                .insert(header::WWW_AUTHENTICATE, header::HeaderValue::from_static("Bearer"));
-            return Err(response);
-        }
-    };
+    let principal = authenticate(access, request)?;
     if let Some(needs) = needs
         && principal.role < needs
     {
-        return Err(refuse(
+        return Err(refused(
             StatusCode::FORBIDDEN,
             "forbidden",
             "role",
@@ -457,6 +403,79 @@ fn admit(state: &ApiState, request: &Request, request_id: &str) -> Result<Caller
         ));
     }
     Ok(Caller { principal, request_id: request_id.to_owned(), authenticated: true })
+}
+
+/// A refusal before any handler ran, counted by `reason` in `jobfold_http_refused_total`.
+fn refused(
+    status: StatusCode,
+    code: &'static str,
+    reason: &'static str,
+    message: String,
+) -> Box<Response> {
+    metrics::counter!(crate::metrics::HTTP_REFUSED_TOTAL, "reason" => reason).increment(1);
+    Box::new(ApiError::new(status, code, message).into_response())
+}
+
+/// The request's `Host` (or its URI's authority) must be one `http.allowed_hosts` lists: a
+/// DNS rebinding page sends its own.
+fn check_host(access: &crate::access::Access, request: &Request) -> Result<(), Box<Response>> {
+    let host = request
+        .headers()
+        .get(header::HOST)
+        .and_then(|v| v.to_str().ok())
+        .or_else(|| request.uri().authority().map(axum::http::uri::Authority::as_str));
+    match host {
+        Some(host) if access.host_allowed(host) => Ok(()),
+        host => {
+            let shown: String = host.unwrap_or("(none)").chars().take(100).collect();
+            Err(refused(
+                StatusCode::MISDIRECTED_REQUEST,
+                "host_not_allowed",
+                "host",
+                format!("this API does not answer to Host {shown}: list it in http.allowed_hosts"),
+            ))
+        }
+    }
+}
+
+/// Who sent the request, by its bearer token: 401 without a valid one, 429 (with
+/// `Retry-After`) for an address past `http.auth_failures_per_minute`.
+fn authenticate(
+    access: &crate::access::Access,
+    request: &Request,
+) -> Result<crate::access::Principal, Box<Response>> {
+    use crate::access::Refusal;
+    let client =
+        request.extensions().get::<axum::extract::ConnectInfo<SocketAddr>>().map(|c| c.0.ip());
+    let authorization = request.headers().get(header::AUTHORIZATION).and_then(|v| v.to_str().ok());
+    match access.authenticate(client, authorization) {
+        Ok(principal) => Ok(principal),
+        Err(Refusal::TooManyFailures(wait)) => {
+            let mut response = refused(
+                StatusCode::TOO_MANY_REQUESTS,
+                "too_many_failed_authentications",
+                "failures",
+                "too many failed authentications from this address: try again later".into(),
+            );
+            let secs = wait.as_secs().max(1).to_string();
+            if let Ok(value) = header::HeaderValue::from_str(&secs) {
+                response.headers_mut().insert(header::RETRY_AFTER, value);
+            }
+            Err(response)
+        }
+        Err(_) => {
+            let mut response = refused(
+                StatusCode::UNAUTHORIZED,
+                "unauthorized",
+                "token",
+                "this request needs the header Authorization: Bearer <token>".into(),
+            );
+            response
+                .headers_mut()
+                .insert(header::WWW_AUTHENTICATE, header::HeaderValue::from_static("Bearer"));
+            Err(response)
+        }
+    }
 }
 
 /// The origin a browser says it sends this request from, if that is not this host: an

@@ -146,39 +146,8 @@ impl Intake {
             }
             if !batch.is_empty() {
                 errors.reset();
-                let mut again = crate::retry::Again::new();
-                loop {
-                    match self.handle_batch(&batch).await {
-                        Ok(handled) => {
-                            tracing::debug!(
-                                messages = batch.len(),
-                                ?handled,
-                                "Intake batch handled."
-                            );
-                            metrics::histogram!(m::TRANSACTION_JOBS, "transaction" => "intake")
-                                .record(batch.len() as f64);
-                            jobfold_common::failpoint::hit(
-                                jobfold_common::failpoint::Point::IntakeAfterCommitBeforeOffset,
-                            );
-                            for message in &batch {
-                                // Refused for a partition a rebalance took while the batch
-                                // was gathered: its next owner reads the request again and
-                                // finds it accepted by its request id.
-                                if let Err(e) = self.consumer.store_offset_from_message(message) {
-                                    tracing::debug!(error = %e, partition = message.partition(), offset = message.offset(), "Storing an intake offset was refused.");
-                                }
-                            }
-                            break;
-                        }
-                        Err((message, e)) => {
-                            let error = MessageError::at(&batch[message], e.into());
-                            let backoff = again.next();
-                            MessageRetried { error: &error, stage: "intake", backoff }.emit();
-                            if !again.pause(&shutdown).await {
-                                return self.commit();
-                            }
-                        }
-                    }
+                if !self.handle_until_done(&batch, &shutdown).await {
+                    return self.commit();
                 }
                 batch.clear();
             }
@@ -203,6 +172,45 @@ impl Intake {
             }
         }
         self.commit()
+    }
+
+    /// Accepts `batch` in one transaction, tried again after [`crate::retry::Again`]'s
+    /// pauses while it fails, then stores its offsets; false if `shutdown` came first.
+    async fn handle_until_done(
+        &self,
+        batch: &[BorrowedMessage<'_>],
+        shutdown: &CancellationToken,
+    ) -> bool {
+        let mut again = crate::retry::Again::new();
+        loop {
+            match self.handle_batch(batch).await {
+                Ok(handled) => {
+                    tracing::debug!(messages = batch.len(), ?handled, "Intake batch handled.");
+                    metrics::histogram!(m::TRANSACTION_JOBS, "transaction" => "intake")
+                        .record(batch.len() as f64);
+                    jobfold_common::failpoint::hit(
+                        jobfold_common::failpoint::Point::IntakeAfterCommitBeforeOffset,
+                    );
+                    for message in batch {
+                        // Refused for a partition a rebalance took while the batch was
+                        // gathered: its next owner reads the request again and finds it
+                        // accepted by its request id.
+                        if let Err(e) = self.consumer.store_offset_from_message(message) {
+                            tracing::debug!(error = %e, partition = message.partition(), offset = message.offset(), "Storing an intake offset was refused.");
+                        }
+                    }
+                    return true;
+                }
+                Err((message, e)) => {
+                    let error = MessageError::at(&batch[message], e.into());
+                    let backoff = again.next();
+                    MessageRetried { error: &error, stage: "intake", backoff }.emit();
+                    if !again.pause(shutdown).await {
+                        return false;
+                    }
+                }
+            }
+        }
     }
 
     /// Commits the stored offsets at shutdown. A failure (the group moved on: an

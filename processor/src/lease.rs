@@ -230,82 +230,104 @@ async fn lease_batch_recorded(
     let pairs: Vec<(&str, &str)> =
         locked.iter().map(|j| (j.document_id.as_str(), j.kind.as_str())).collect();
     let newest = store::newest_succeeded_each(&mut tx, &pairs).await?;
-    let mut jobs: HashMap<Uuid, (JobRow, Option<i64>)> =
+    let jobs: HashMap<Uuid, (JobRow, Option<i64>)> =
         locked.into_iter().zip(newest).map(|(job, newest)| (job.job_id, (job, newest))).collect();
 
     let now = Utc::now();
-    let mut decided = Vec::with_capacity(dispatches.len());
-    let mut to_lease = Vec::new();
+    let (mut decided, to_lease, ended) =
+        decide_all(settings, &mut tx, dispatches, jobs, now).await?;
+    let Crashes { to_lease, died, isolated, wary } =
+        sort_out_crashes(settings, &mut tx, &offers, to_lease, &mut decided, now).await?;
+    // A crashed run's attempt: leased in memory and completed as failed with the others
+    // completed in this transaction.
+    let died = attempts_that_died(settings, dispatches, died, now)?;
+    // Jobs whose handlers may run in this transaction are leased in memory and sent to
+    // run; the others' leases are written now.
+    let (inline, plain): (Vec<_>, Vec<_>) =
+        to_lease.into_iter().partition(|(i, _)| offers[*i].is_some() && !isolated.contains(i));
+    let mut plain = plain;
+    let leases = plain
+        .iter_mut()
+        .map(|(i, job)| (job, dispatches[*i].event_id, dispatches[*i].trace.clone()))
+        .collect();
+    let ttl = |kind: &str| settings.config.kind(kind).lease_ttl;
+    store::take_leases(&mut tx, &settings.events, leases, &settings.owner, ttl).await?;
+    if !inline.is_empty() {
+        // Recorded in a commit of its own before they start: should this process die while
+        // they run, the record outlives this transaction and tells whoever leases them next.
+        let run_id = Uuid::new_v4();
+        let ids: Vec<Uuid> = inline.iter().map(|(_, job)| job.job_id).collect();
+        store::inline_runs_begin(&settings.pool, run_id, &ids, &settings.owner).await?;
+        *recorded = Some(run_id);
+    }
+    let (finished, mut pending) =
+        run_inline(settings, dispatches, &mut offers, inline, now, &mut decided)?.wait().await;
+    let mut finished: Vec<Finished> =
+        finished.into_iter().map(|(i, attempt, lease)| (i, attempt, Some(lease))).collect();
+    finished.extend(died);
+    let leases = pending
+        .iter_mut()
+        .map(|(i, job, lease)| (job, lease.clone(), dispatches[*i].trace.clone()))
+        .collect();
+    store::write_leases(&mut tx, &settings.events, leases).await?;
+    let (indices, completed) = complete_finished(settings, &mut tx, finished).await?;
+    if let Some(run_id) = *recorded {
+        store::inline_runs_end(&mut *tx, run_id).await?;
+    }
+    tx.commit().await?;
+    drop(wary);
+    for (job, outcome) in &ended {
+        crate::complete::count(job, outcome, &settings.handlers);
+    }
+    for (i, job) in plain {
+        decided[i] = if isolated.contains(&i) {
+            Leased::Isolated(Box::new(job))
+        } else {
+            Leased::Run(Box::new(job))
+        };
+    }
+    for (i, _, _) in pending {
+        decided[i] = Leased::RunOn;
+    }
+    for (i, done) in indices.into_iter().zip(completed) {
+        decided[i] = Leased::Completed(done);
+    }
+    Ok(decided)
+}
+
+/// The jobs to lease, sorted by what the records of runs that died say of them.
+struct Crashes {
+    /// Still to lease.
+    to_lease: Vec<(usize, JobRow)>,
+    /// Their runs died: each is an attempt that failed.
+    died: Vec<(usize, JobRow, store::Crashed)>,
+    /// Suspects: leased first, then run isolated.
+    isolated: std::collections::HashSet<usize>,
+    /// This process's one inline run of a job that died beside others before, if one of
+    /// these took it; held until the transaction ends.
+    wary: Option<tokio::sync::OwnedSemaphorePermit>,
+}
+
+/// Sorts `to_lease` by the records of runs that died (see [`Crashes`]); a job that died
+/// beside others before, offered to run inline while another such job of this process is,
+/// waits for the next transaction instead (`decided`).
+async fn sort_out_crashes(
+    settings: &Settings,
+    tx: &mut sqlx::PgConnection,
+    offers: &[Option<Inline>],
+    to_lease: Vec<(usize, JobRow)>,
+    decided: &mut [Leased],
+    now: DateTime<Utc>,
+) -> anyhow::Result<Crashes> {
     let mut died = Vec::new();
     let mut isolated = std::collections::HashSet::new();
-    let mut ended = Vec::new();
-    let mut seen = std::collections::HashSet::with_capacity(dispatches.len());
-    for (i, dispatch) in dispatches.iter().enumerate() {
-        // One document's dispatches are handled one after another, so a job comes once per
-        // batch; should it come twice, the second waits for the next transaction.
-        if !seen.insert(dispatch.job_id) {
-            decided.push(Leased::WaitUntil(now));
-            continue;
-        }
-        let Some((mut job, newer)) = jobs.remove(&dispatch.job_id) else {
-            tracing::warn!(job_id = %dispatch.job_id, "Event for an unknown job skipped.");
-            decided.push(Leased::Done);
-            continue;
-        };
-        if !job.fresh_xid {
-            // Written meanwhile by a transaction that started after this one: decided in the
-            // next transaction, whose xid comes after it.
-            decided.push(Leased::WaitUntil(now));
-            continue;
-        }
-        let trace = dispatch.trace.clone();
-        match decide(&job, dispatch.input_version, dispatch.stream_version, newer, now) {
-            LeaseDecision::Wait(until) => decided.push(Leased::WaitUntil(until)),
-            LeaseDecision::Duplicate => {
-                metrics::counter!(pm::DUPLICATES_SKIPPED_TOTAL).increment(1);
-                tracing::debug!(event_id = %dispatch.event_id, "Duplicate event skipped.");
-                decided.push(Leased::Done);
-            }
-            LeaseDecision::Skip(why) => {
-                tracing::debug!(job_id = %job.job_id, why, "Dispatch event skipped.");
-                decided.push(Leased::Done);
-            }
-            LeaseDecision::Supersede(newer) => {
-                job.dispatch_version = dispatch.stream_version;
-                store::supersede(&mut tx, &settings.events, &mut job, newer, trace).await?;
-                ended.push((job, "superseded"));
-                decided.push(Leased::Done);
-            }
-            LeaseDecision::Quarantine(reason) => {
-                let owner = settings.config.quarantine_owner(&job.kind);
-                job.dispatch_version = dispatch.stream_version;
-                store::quarantine(
-                    &mut tx,
-                    &settings.events,
-                    &mut job,
-                    ErrorClass::Retryable,
-                    &reason,
-                    &owner,
-                    trace,
-                )
-                .await?;
-                ended.push((job, "quarantined"));
-                decided.push(Leased::Done);
-            }
-            LeaseDecision::Lease => {
-                job.dispatch_version = dispatch.stream_version;
-                to_lease.push((i, job));
-                decided.push(Leased::Done); // replaced below by the leased row
-            }
-        }
-    }
     // Of the jobs to lease (no live lease holds them: their runs, if any, are dead), those
     // that were running when a process died: each run found dead counts as an attempt that
     // failed (so a job that kills its process cannot crash-loop the group), and at the
     // kind's max_crashes the job is quarantined, saying so. A job one death short of it runs
     // isolated (see `decide::runs_isolated`); one with fewer runs beside the others.
     let leasing: Vec<Uuid> = to_lease.iter().map(|(_, job)| job.job_id).collect();
-    let crashed = store::crashed_runs(&mut tx, &leasing).await?;
+    let crashed = store::crashed_runs(&mut *tx, &leasing).await?;
     // Held until this transaction ends: its inline runs' record goes with its commit.
     let mut wary = None;
     let kept_apart = || {
@@ -344,10 +366,100 @@ async fn lease_batch_recorded(
         }
         kept
     };
-    // A crashed run's attempt: leased in memory and completed as failed with the others
-    // completed in this transaction.
-    let died = died
-        .into_iter()
+    Ok(Crashes { to_lease, died, isolated, wary })
+}
+
+/// Decides each of `dispatches` against its job, locked by `tx`, with the newest version of
+/// its document and kind that succeeded (`jobs`): what becomes of each now (`Done` standing
+/// for those to lease until they are), the jobs to lease with their dispatch's index, and
+/// the jobs `tx` ended (superseded, quarantined) with how.
+async fn decide_all(
+    settings: &Settings,
+    tx: &mut sqlx::PgConnection,
+    dispatches: &[Dispatch],
+    mut jobs: HashMap<Uuid, (JobRow, Option<i64>)>,
+    now: DateTime<Utc>,
+) -> anyhow::Result<(Vec<Leased>, Vec<(usize, JobRow)>, Vec<(JobRow, &'static str)>)> {
+    let mut decided = Vec::with_capacity(dispatches.len());
+    let mut to_lease = Vec::new();
+    let mut ended = Vec::new();
+    let mut seen = std::collections::HashSet::with_capacity(dispatches.len());
+    for (i, dispatch) in dispatches.iter().enumerate() {
+        // One document's dispatches are handled one after another, so a job comes once per
+        // batch; should it come twice, the second waits for the next transaction.
+        if !seen.insert(dispatch.job_id) {
+            decided.push(Leased::WaitUntil(now));
+            continue;
+        }
+        let Some((mut job, newer)) = jobs.remove(&dispatch.job_id) else {
+            tracing::warn!(job_id = %dispatch.job_id, "Event for an unknown job skipped.");
+            decided.push(Leased::Done);
+            continue;
+        };
+        if !job.fresh_xid {
+            // Written meanwhile by a transaction that started after this one: decided in the
+            // next transaction, whose xid comes after it.
+            decided.push(Leased::WaitUntil(now));
+            continue;
+        }
+        let trace = dispatch.trace.clone();
+        match decide(&job, dispatch.input_version, dispatch.stream_version, newer, now) {
+            LeaseDecision::Wait(until) => decided.push(Leased::WaitUntil(until)),
+            LeaseDecision::Duplicate => {
+                metrics::counter!(pm::DUPLICATES_SKIPPED_TOTAL).increment(1);
+                tracing::debug!(event_id = %dispatch.event_id, "Duplicate event skipped.");
+                decided.push(Leased::Done);
+            }
+            LeaseDecision::Skip(why) => {
+                tracing::debug!(job_id = %job.job_id, why, "Dispatch event skipped.");
+                decided.push(Leased::Done);
+            }
+            LeaseDecision::Supersede(newer) => {
+                job.dispatch_version = dispatch.stream_version;
+                store::supersede(&mut *tx, &settings.events, &mut job, newer, trace).await?;
+                ended.push((job, "superseded"));
+                decided.push(Leased::Done);
+            }
+            LeaseDecision::Quarantine(reason) => {
+                let owner = settings.config.quarantine_owner(&job.kind);
+                job.dispatch_version = dispatch.stream_version;
+                store::quarantine(
+                    &mut *tx,
+                    &settings.events,
+                    &mut job,
+                    ErrorClass::Retryable,
+                    &reason,
+                    &owner,
+                    trace,
+                )
+                .await?;
+                ended.push((job, "quarantined"));
+                decided.push(Leased::Done);
+            }
+            LeaseDecision::Lease => {
+                job.dispatch_version = dispatch.stream_version;
+                to_lease.push((i, job));
+                decided.push(Leased::Done); // replaced below by the leased row
+            }
+        }
+    }
+    Ok((decided, to_lease, ended))
+}
+
+/// An attempt that ended in a lease transaction: its dispatch's index, and the `JobLeased`
+/// to write before it if its lease is not written yet.
+type Finished = (usize, Arc<Attempt>, Option<Payload>);
+
+/// The attempts of the jobs in `died` (their runs died with their process), failed as
+/// [`crashed_attempt`]s, each with the `JobLeased` to write before it if its run had no
+/// committed lease (it ran in a lease transaction that died).
+fn attempts_that_died(
+    settings: &Settings,
+    dispatches: &[Dispatch],
+    died: Vec<(usize, JobRow, store::Crashed)>,
+    now: DateTime<Utc>,
+) -> anyhow::Result<Vec<Finished>> {
+    died.into_iter()
         .map(|(i, mut job, crash)| {
             // Its committed lease, expired (an isolated run), is the attempt that died; a
             // run in a dead lease transaction had none, so it gets one here.
@@ -363,36 +475,16 @@ async fn lease_batch_recorded(
                 lease,
             ))
         })
-        .collect::<anyhow::Result<Vec<_>>>()?;
-    // Jobs whose handlers may run in this transaction are leased in memory and sent to
-    // run; the others' leases are written now.
-    let (inline, plain): (Vec<_>, Vec<_>) =
-        to_lease.into_iter().partition(|(i, _)| offers[*i].is_some() && !isolated.contains(i));
-    let mut plain = plain;
-    let leases = plain
-        .iter_mut()
-        .map(|(i, job)| (job, dispatches[*i].event_id, dispatches[*i].trace.clone()))
-        .collect();
-    let ttl = |kind: &str| settings.config.kind(kind).lease_ttl;
-    store::take_leases(&mut tx, &settings.events, leases, &settings.owner, ttl).await?;
-    if !inline.is_empty() {
-        // Recorded in a commit of its own before they start: should this process die while
-        // they run, the record outlives this transaction and tells whoever leases them next.
-        let run_id = Uuid::new_v4();
-        let ids: Vec<Uuid> = inline.iter().map(|(_, job)| job.job_id).collect();
-        store::inline_runs_begin(&settings.pool, run_id, &ids, &settings.owner).await?;
-        *recorded = Some(run_id);
-    }
-    let (finished, mut pending) =
-        run_inline(settings, dispatches, &mut offers, inline, now, &mut decided)?.wait().await;
-    let mut finished: Vec<(usize, Arc<Attempt>, Option<Payload>)> =
-        finished.into_iter().map(|(i, attempt, lease)| (i, attempt, Some(lease))).collect();
-    finished.extend(died);
-    let leases = pending
-        .iter_mut()
-        .map(|(i, job, lease)| (job, lease.clone(), dispatches[*i].trace.clone()))
-        .collect();
-    store::write_leases(&mut tx, &settings.events, leases).await?;
+        .collect()
+}
+
+/// Completes in `tx` the attempts that ended in it (run inline, or found dead): the index
+/// of each one's dispatch, and what became of it once `tx` commits.
+async fn complete_finished(
+    settings: &Settings,
+    tx: &mut sqlx::PgConnection,
+    finished: Vec<Finished>,
+) -> anyhow::Result<(Vec<usize>, Vec<crate::complete::Completed>)> {
     let mut indices = Vec::with_capacity(finished.len());
     let completed = if finished.is_empty() {
         Vec::new()
@@ -415,30 +507,9 @@ async fn lease_batch_recorded(
             events: &settings.events,
             handlers: &settings.handlers,
         };
-        batch.complete_locked(&mut tx, current, &attempts, unwritten).await?
+        batch.complete_locked(tx, current, &attempts, unwritten).await?
     };
-    if let Some(run_id) = *recorded {
-        store::inline_runs_end(&mut *tx, run_id).await?;
-    }
-    tx.commit().await?;
-    drop(wary);
-    for (job, outcome) in &ended {
-        crate::complete::count(job, outcome, &settings.handlers);
-    }
-    for (i, job) in plain {
-        decided[i] = if isolated.contains(&i) {
-            Leased::Isolated(Box::new(job))
-        } else {
-            Leased::Run(Box::new(job))
-        };
-    }
-    for (i, _, _) in pending {
-        decided[i] = Leased::RunOn;
-    }
-    for (i, done) in indices.into_iter().zip(completed) {
-        decided[i] = Leased::Completed(done);
-    }
-    Ok(decided)
+    Ok((indices, completed))
 }
 
 /// The attempt of `job` (leased in memory) whose run died with its process: a retryable

@@ -222,50 +222,20 @@ async fn run_schedule(
         let now = Utc::now();
         let due = ticks(p, last, now, TICKS_PER_LOOK);
         let Some(&newest) = due.last() else { return Ok(()) };
-        let catch_up = chrono::Duration::from_std(p.catch_up)?;
-        // The oldest tick still due: a late one; before it, missed ones.
-        let (missed, late): (Vec<_>, Vec<_>) = due.into_iter().partition(|t| now - *t > catch_up);
-        let tick = match (late.first(), missed.last(), p.missed) {
-            (_, Some(&newest_missed), Missed::RunOnce) => newest_missed,
-            (Some(&first_late), ..) => {
-                if !missed.is_empty() {
-                    tracing::warn!(
-                        schedule = name,
-                        skipped = missed.len(),
-                        "Ticks missed by more than catch_up are skipped."
-                    );
-                }
-                first_late
-            }
-            (None, ..) => {
-                // Only missed ticks, skipped: the schedule moves past them.
-                tracing::warn!(
-                    schedule = name,
-                    skipped = missed.len(),
-                    "Ticks missed by more than catch_up are skipped."
-                );
-                sqlx::query!(
-                    "UPDATE periodic_schedules SET last_tick = $2, updated_at = clock_timestamp() \
-                     WHERE name = $1",
-                    name,
-                    newest,
-                )
-                .execute(&mut *tx)
-                .await?;
-                tx.commit().await?;
-                continue;
-            }
+        let Some(tick) = tick_to_run(name, p, due, now)? else {
+            // Only missed ticks, skipped: the schedule moves past them.
+            sqlx::query!(
+                "UPDATE periodic_schedules SET last_tick = $2, updated_at = clock_timestamp() \
+                 WHERE name = $1",
+                name,
+                newest,
+            )
+            .execute(&mut *tx)
+            .await?;
+            tx.commit().await?;
+            continue;
         };
-        let job = NewJob {
-            document_id: format!("periodic/{name}"),
-            kind: p.kind.clone(),
-            input_version: tick.timestamp(),
-            input: p.input.clone().unwrap_or_else(|| serde_json::json!({})),
-            idempotency_key: Some(format!("periodic/{name}/{}", tick.to_rfc3339())),
-            trace: None,
-            run_at: None,
-        };
-        let accepted = match acceptor.accept_in(&mut tx, &job).await {
+        let accepted = match acceptor.accept_in(&mut tx, &tick_job(name, p, tick)).await {
             Ok(accepted) => Ok(accepted.job_id),
             // The tick has its job already (accepted by a holder whose input differed).
             Err(AcceptError::Conflict { job_id, .. }) => Ok(job_id),
@@ -289,26 +259,74 @@ async fn run_schedule(
             Err(e) if e.is_request_fault() => {
                 // The job's fault, not the database's: the tick is passed, the error kept.
                 drop(tx);
-                let error = format!("tick {}: {e}", tick.to_rfc3339());
-                tracing::error!(
-                    schedule = name,
-                    error,
-                    "A periodic job was refused; its tick is passed."
-                );
-                sqlx::query!(
-                    "UPDATE periodic_schedules SET last_tick = $2, last_error = $3, \
-                     updated_at = clock_timestamp() WHERE name = $1",
-                    name,
-                    tick,
-                    error,
-                )
-                .execute(pool)
-                .await?;
-                metrics::counter!(pm::PERIODIC_REFUSED_TOTAL, "schedule" => name.to_owned())
-                    .increment(1);
+                pass_refused(pool, name, tick, &e).await?;
             }
             Err(e) => return Err(e.into()),
         }
+    }
+}
+
+/// Passes schedule `name`'s `tick`, whose job was refused for what it is (`error`): the
+/// refusal kept in the schedule's row, logged and counted.
+async fn pass_refused(
+    pool: &PgPool,
+    name: &str,
+    tick: DateTime<Utc>,
+    refused: &AcceptError,
+) -> anyhow::Result<()> {
+    let error = format!("tick {}: {refused}", tick.to_rfc3339());
+    tracing::error!(schedule = name, error, "A periodic job was refused; its tick is passed.");
+    sqlx::query!(
+        "UPDATE periodic_schedules SET last_tick = $2, last_error = $3, \
+         updated_at = clock_timestamp() WHERE name = $1",
+        name,
+        tick,
+        error,
+    )
+    .execute(pool)
+    .await?;
+    metrics::counter!(pm::PERIODIC_REFUSED_TOTAL, "schedule" => name.to_owned()).increment(1);
+    Ok(())
+}
+
+/// Of the `due` ticks (oldest first), the one to run now: the newest of those missed by
+/// more than `catch_up` for `missed = "run_once"`, else the oldest still within it (the
+/// missed ones before it skipped, and logged); `None` when every due tick was missed and
+/// is skipped.
+fn tick_to_run(
+    name: &str,
+    p: &Periodic,
+    due: Vec<DateTime<Utc>>,
+    now: DateTime<Utc>,
+) -> anyhow::Result<Option<DateTime<Utc>>> {
+    let catch_up = chrono::Duration::from_std(p.catch_up)?;
+    // The oldest tick still due: a late one; before it, missed ones.
+    let (missed, late): (Vec<_>, Vec<_>) = due.into_iter().partition(|t| now - *t > catch_up);
+    if let (Some(&newest_missed), Missed::RunOnce) = (missed.last(), p.missed) {
+        return Ok(Some(newest_missed));
+    }
+    if !missed.is_empty() {
+        tracing::warn!(
+            schedule = name,
+            skipped = missed.len(),
+            "Ticks missed by more than catch_up are skipped."
+        );
+    }
+    Ok(late.first().copied())
+}
+
+/// The job of schedule `name`'s `tick`: document `periodic/<name>`, its input version the
+/// tick's time, and an idempotency key naming both, so a tick makes one job whoever
+/// accepts it.
+fn tick_job(name: &str, p: &Periodic, tick: DateTime<Utc>) -> NewJob {
+    NewJob {
+        document_id: format!("periodic/{name}"),
+        kind: p.kind.clone(),
+        input_version: tick.timestamp(),
+        input: p.input.clone().unwrap_or_else(|| serde_json::json!({})),
+        idempotency_key: Some(format!("periodic/{name}/{}", tick.to_rfc3339())),
+        trace: None,
+        run_at: None,
     }
 }
 

@@ -633,6 +633,40 @@ pub enum Outcome {
     },
 }
 
+/// Schedules `job`'s next attempt at `retry_at` after a failure with `message`: the
+/// `JobRetryScheduled` event, the `RetryDue` the relay publishes when it is due, and the
+/// row waiting in `retry_wait`.
+async fn schedule_retry(
+    tx: &mut PgConnection,
+    events: &Events,
+    job: &mut JobRow,
+    retry_at: DateTime<Utc>,
+    message: &str,
+    trace: Option<TraceContext>,
+) -> anyhow::Result<()> {
+    let scheduled = Payload::JobRetryScheduled(JobRetryScheduled {
+        attempt: job.attempt,
+        next_attempt_at: retry_at,
+    });
+    events.append(tx, job, scheduled, None, trace.clone()).await?;
+    let due = Payload::RetryDue(RetryDue { due_at: retry_at, reason: DispatchReason::Backoff });
+    events.append(tx, job, due, Some(retry_at), trace).await?;
+    sqlx::query!(
+        "UPDATE jobs SET state = $4::text::job_state, lease_until = NULL, \
+         attempt = $5, lease_owner = NULL, next_attempt_at = $2, last_error = $3, \
+         previous_outcome = $6 WHERE job_id = $1",
+        job.job_id,
+        retry_at,
+        message,
+        job.state.as_str(),
+        job.attempt,
+        job.previous_outcome.as_deref(),
+    )
+    .execute(&mut *tx)
+    .await?;
+    Ok(())
+}
+
 /// Completes an attempt whose fence (state `leased`, same generation) was checked by the
 /// caller in this transaction: result row, state, events; a retryable failure with budget
 /// left schedules a `RetryDue` at `retry_at`. A throttled one, one snoozed within its
@@ -684,29 +718,7 @@ pub async fn complete(
             let budget_left = job.attempt < job.max_attempts;
             let in_time = job.deadline.is_none_or(|d| retry_at < d);
             if class == ErrorClass::Retryable && budget_left && in_time {
-                let scheduled = Payload::JobRetryScheduled(JobRetryScheduled {
-                    attempt: job.attempt,
-                    next_attempt_at: retry_at,
-                });
-                events.append(tx, job, scheduled, None, trace.clone()).await?;
-                let due = Payload::RetryDue(RetryDue {
-                    due_at: retry_at,
-                    reason: DispatchReason::Backoff,
-                });
-                events.append(tx, job, due, Some(retry_at), trace).await?;
-                sqlx::query!(
-                    "UPDATE jobs SET state = $4::text::job_state, lease_until = NULL, \
-                     attempt = $5, lease_owner = NULL, next_attempt_at = $2, last_error = $3, \
-                     previous_outcome = $6 WHERE job_id = $1",
-                    job.job_id,
-                    retry_at,
-                    &message,
-                    job.state.as_str(),
-                    job.attempt,
-                    job.previous_outcome.as_deref(),
-                )
-                .execute(&mut *tx)
-                .await?;
+                schedule_retry(tx, events, job, retry_at, &message, trace).await?;
                 return Ok(match (throttled, snoozed, released) {
                     (true, _, _) => "throttled",
                     (false, true, _) => "snoozed",

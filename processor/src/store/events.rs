@@ -155,23 +155,7 @@ impl Events {
             );
         }
         // Every event goes through the state machine first: one it refuses is not written.
-        let next: Vec<Status> = appends
-            .iter()
-            .map(|a| {
-                a.payloads.iter().try_fold(a.job.state, |state, payload| {
-                    state.after(payload).map_err(|allowed| {
-                        let allowed: Vec<&str> = allowed.iter().map(|s| s.as_str()).collect();
-                        anyhow::anyhow!(
-                            "job {}: {} cannot follow state {} (allowed only in {})",
-                            a.job.job_id,
-                            payload.kind(),
-                            state,
-                            allowed.join(", ")
-                        )
-                    })
-                })
-            })
-            .collect::<anyhow::Result<_>>()?;
+        let next = states_after(&appends)?;
         let now = Utc::now();
         let now = DateTime::from_timestamp_millis(now.timestamp_millis()).unwrap_or(now);
         let n = appends.iter().map(|a| a.payloads.len()).sum();
@@ -230,6 +214,28 @@ impl Events {
         }
         Ok(())
     }
+}
+
+/// Each job's state after its events, in the order of `appends`; an error naming the first
+/// event the state machine refuses.
+fn states_after(appends: &[Append<'_>]) -> anyhow::Result<Vec<Status>> {
+    appends
+        .iter()
+        .map(|a| {
+            a.payloads.iter().try_fold(a.job.state, |state, payload| {
+                state.after(payload).map_err(|allowed| {
+                    let allowed: Vec<&str> = allowed.iter().map(|s| s.as_str()).collect();
+                    anyhow::anyhow!(
+                        "job {}: {} cannot follow state {} (allowed only in {})",
+                        a.job.job_id,
+                        payload.kind(),
+                        state,
+                        allowed.join(", ")
+                    )
+                })
+            })
+        })
+        .collect()
 }
 
 /// A job's events to append, in stream order.

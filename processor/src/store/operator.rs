@@ -421,17 +421,8 @@ macro_rules! open_match {
     };
 }
 
-/// Cancels the open jobs `request` selects, `batch_size` to a transaction, in job id order;
-/// or, with `dry_run`, only counts them. A job that ended meanwhile is left as it is.
-///
-/// # Errors
-/// [`BulkCancelError`]; batches committed before stay.
-pub async fn cancel_matching(
-    pool: &sqlx::PgPool,
-    events: &Events,
-    request: BulkCancel,
-) -> Result<BulkCancelled, BulkCancelError> {
-    let f = &request;
+/// A bulk cancel must select by something, and a state it names must be an open one.
+fn check_filter(f: &BulkCancel) -> Result<(), BulkCancelError> {
     if f.kind.is_none()
         && f.document_id.is_none()
         && f.state.is_none()
@@ -445,6 +436,21 @@ pub async fn cancel_matching(
     {
         return Err(BulkCancelError::State(state.chars().take(40).collect()));
     }
+    Ok(())
+}
+
+/// Cancels the open jobs `request` selects, `batch_size` to a transaction, in job id order;
+/// or, with `dry_run`, only counts them. A job that ended meanwhile is left as it is.
+///
+/// # Errors
+/// [`BulkCancelError`]; batches committed before stay.
+pub async fn cancel_matching(
+    pool: &sqlx::PgPool,
+    events: &Events,
+    request: BulkCancel,
+) -> Result<BulkCancelled, BulkCancelError> {
+    let f = &request;
+    check_filter(f)?;
     let count =
         || open_match!(query_scalar!([] r#"SELECT count(*) AS "count!""#, "", f)).fetch_one(pool);
     let matched = count().await?;
