@@ -2,7 +2,8 @@
 //! every statement of the product crates checked at compile time, no module of a crate
 //! importing another in a circle, the processor library free of the command line's
 //! dependencies, the handler crate free of the server's, the fault points only in the
-//! tests' builds, and no tokio worker put to sleep.
+//! tests' builds, no tokio worker put to sleep, and no function of the processor longer than
+//! a reader takes in at once.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -192,4 +193,113 @@ fn no_thread_sleeps_on_a_tokio_worker() {
         }
     }
     assert_eq!(found, allowed, "std::thread::sleep outside a thread of its own");
+}
+
+/// The lines each function of `text` spans, from its `fn` to its body's closing brace:
+/// (name, first line, lines). A scan that skips comments, strings (raw ones too) and
+/// character literals, so that a brace inside them is not counted.
+fn function_lengths(text: &str) -> Vec<(String, usize, usize)> {
+    let bytes = text.as_bytes();
+    let mut found = Vec::new();
+    // Bodies open: (name, first line, the brace depth inside it).
+    let mut open: Vec<(String, usize, usize)> = Vec::new();
+    // A function whose body has not begun yet: (name, line).
+    let mut pending: Option<(String, usize)> = None;
+    let (mut i, mut line, mut depth, mut nest) = (0, 1, 0usize, 0usize);
+    // Moves `i` to `end`, counting the lines passed.
+    let skip_to = |i: &mut usize, line: &mut usize, end: usize| {
+        let end = end.min(bytes.len());
+        *line += text[*i..end].matches('\n').count();
+        *i = end;
+    };
+    while i < bytes.len() {
+        let rest = &bytes[i..];
+        let boundary = i == 0 || !(bytes[i - 1].is_ascii_alphanumeric() || bytes[i - 1] == b'_');
+        let raw_hashes = rest[1..].iter().take_while(|b| **b == b'#').count();
+        if rest.starts_with(b"//") {
+            let end = rest.iter().position(|b| *b == b'\n').map_or(bytes.len(), |n| i + n);
+            skip_to(&mut i, &mut line, end);
+        } else if rest.starts_with(b"/*") {
+            let end = text[i + 2..].find("*/").map_or(bytes.len(), |n| i + n + 4);
+            skip_to(&mut i, &mut line, end);
+        } else if boundary && rest[0] == b'r' && rest.get(1 + raw_hashes) == Some(&b'"') {
+            let close = format!("\"{}", "#".repeat(raw_hashes));
+            let from = i + 2 + raw_hashes;
+            let end = text[from..].find(&close).map_or(bytes.len(), |n| from + n + close.len());
+            skip_to(&mut i, &mut line, end);
+        } else if rest[0] == b'"' {
+            let mut j = i + 1;
+            while j < bytes.len() && bytes[j] != b'"' {
+                j += if bytes[j] == b'\\' { 2 } else { 1 };
+            }
+            skip_to(&mut i, &mut line, j + 1);
+        } else if rest[0] == b'\'' && rest.get(1) == Some(&b'\\') {
+            // An escaped character: '\n', '\'', '\u{7b}'.
+            let end = rest[2..].iter().position(|b| *b == b'\'').map_or(bytes.len(), |n| i + n + 3);
+            skip_to(&mut i, &mut line, end);
+        } else if rest[0] == b'\'' && rest.get(2) == Some(&b'\'') {
+            i += 3;
+        } else if boundary && rest.starts_with(b"fn ") {
+            let from = i + 3;
+            let end = bytes[from..]
+                .iter()
+                .position(|b| !(b.is_ascii_alphanumeric() || *b == b'_'))
+                .map_or(bytes.len(), |n| from + n);
+            if end > from {
+                pending = Some((text[from..end].to_owned(), line));
+            }
+            i = end;
+        } else {
+            match rest[0] {
+                b'\n' => line += 1,
+                b'(' | b'[' => nest += 1,
+                b')' | b']' => nest = nest.saturating_sub(1),
+                // A declaration without a body (a trait's method).
+                b';' if nest == 0 => pending = None,
+                b'{' => {
+                    depth += 1;
+                    if let Some((name, first)) = pending.take() {
+                        open.push((name, first, depth));
+                    }
+                }
+                b'}' => {
+                    if open.last().is_some_and(|o| o.2 == depth) {
+                        let (name, first, _) = open.pop().expect("an open body");
+                        found.push((name, first, line - first + 1));
+                    }
+                    depth = depth.saturating_sub(1);
+                }
+                _ => {}
+            }
+            i += 1;
+        }
+    }
+    found
+}
+
+#[test]
+fn the_function_scan_measures_bodies_not_what_is_inside_strings() {
+    let text = "fn a() {\n    let s = \"}}{\";\n    let c = '}';\n    // }\n}\n\
+                trait T {\n    fn b(&self, x: [u8; 2]);\n}\n\
+                fn c<'a>(x: &'a str) -> impl Fn() {\n    let r = r#\"{\"#;\n    move || {}\n}\n\
+                fn d() { let e = '\\''; /* { */ }\n";
+    assert_eq!(
+        function_lengths(text),
+        [("a".to_owned(), 1, 5), ("c".to_owned(), 9, 4), ("d".to_owned(), 13, 1)],
+        "{text}"
+    );
+}
+
+#[test]
+fn no_function_of_the_processor_is_longer_than_80_lines() {
+    // A function a reader takes in at once: past it, the parts are functions with names.
+    let mut long = Vec::new();
+    for (file, text) in sources(&root().join("processor/src")) {
+        for (name, first, lines) in function_lengths(&text) {
+            if lines > 80 {
+                long.push(format!("processor/src/{file}:{first} {name}: {lines} lines"));
+            }
+        }
+    }
+    assert!(long.is_empty(), "functions over 80 lines:\n{}", long.join("\n"));
 }
