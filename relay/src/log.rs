@@ -187,7 +187,22 @@ pub async fn claim(
     after: Position,
     limit: u32,
 ) -> Result<Batch, sqlx::Error> {
-    let rows = sqlx::query(CLAIM)
+    claim_by(conn, CLAIM, after, limit).await
+}
+
+/// [`claim`] with `statement` in place of [`CLAIM`]: what shows that a statement whose
+/// columns moved is refused before its rows are read by position.
+///
+/// # Errors
+/// The connection failed, or the columns are not [`COLUMNS`].
+#[doc(hidden)]
+pub async fn claim_by(
+    conn: &mut PgConnection,
+    statement: &str,
+    after: Position,
+    limit: u32,
+) -> Result<Batch, sqlx::Error> {
+    let rows = sqlx::query(statement)
         .bind(after.xid.to_string())
         .bind(after.seq)
         .bind(i64::from(limit))
