@@ -1,11 +1,13 @@
 //! `jobfold`: the operator's command line.
 
+mod api;
 mod bench;
 mod demo;
 mod failover_bench;
 mod model;
 mod remote_bench;
 mod replay_bench;
+mod report;
 mod soak;
 
 use std::path::PathBuf;
@@ -27,6 +29,14 @@ struct Args {
     /// TOML configuration file; JOBFOLD_* environment variables override it.
     #[arg(long, global = true, env = "JOBFOLD_CONFIG")]
     config: Option<PathBuf>,
+    /// Make the change through this processor's HTTP API (`http://host:8080`) instead of
+    /// Postgres: its token, roles, rules and audit trail apply. For submit, status, cancel,
+    /// run-now, quarantine replay, kinds pause and resume, dead-letters reinject and delete.
+    #[arg(long, global = true, env = "JOBFOLD_API")]
+    api: Option<String>,
+    /// The API token (`jobfold token` makes one) for --api.
+    #[arg(long, global = true, env = "JOBFOLD_TOKEN", hide_env_values = true)]
+    token: Option<String>,
     #[command(subcommand)]
     command: Command,
 }
@@ -535,11 +545,51 @@ async fn main() -> ExitCode {
         }
     };
     telemetry::init_tracing_at(config.log_json, "warn");
-    match Box::pin(run(config, args.command)).await {
+    let done = match args.api.as_deref() {
+        None => Box::pin(run(config, args.command)).await,
+        Some(url) => match api::Api::new(url, args.token) {
+            Ok(api) => Box::pin(api::run(&api, args.command)).await,
+            Err(e) => Err(e),
+        },
+    };
+    match done {
         Ok(()) => ExitCode::SUCCESS,
+        // Asked for what cannot be: a usage error, as a bad setting is.
+        Err(e) if e.is::<api::Usage>() => {
+            eprintln!("jobfold: {e}");
+            ExitCode::from(EXIT_CONFIG as u8)
+        }
         Err(e) => {
             eprintln!("jobfold: {e:#}");
             ExitCode::FAILURE
+        }
+    }
+}
+
+impl Command {
+    /// The command's name, as typed.
+    fn name(&self) -> &'static str {
+        match self {
+            Self::Migrate => "migrate",
+            Self::Submit { .. } => "submit",
+            Self::Cancel { .. } => "cancel",
+            Self::RunNow { .. } => "run-now",
+            Self::Jobs { .. } => "jobs",
+            Self::DeadLetters { .. } => "dead-letters",
+            Self::Status { .. } => "status",
+            Self::Events { .. } => "events",
+            Self::Stats { .. } => "stats",
+            Self::Replay { .. } => "replay",
+            Self::Periodic { .. } => "periodic",
+            Self::Token { .. } => "token",
+            Self::Audit { .. } => "audit",
+            Self::Kinds { .. } => "kinds",
+            Self::Quarantine { .. } => "quarantine",
+            Self::Parked { .. } => "parked",
+            Self::Demo { .. } => "demo",
+            Self::Capacity { .. } => "capacity",
+            Self::Bench { .. } => "bench",
+            Self::Soak { .. } => "soak",
         }
     }
 }
@@ -573,8 +623,7 @@ async fn run(config: Config, command: Command) -> anyhow::Result<()> {
                 run_at,
             };
             let accepted = acceptor.accept(&pool, &job).await?;
-            let what = if accepted.created { "accepted" } else { "already accepted" };
-            println!("{} {what}", accepted.job_id);
+            report::submitted(accepted.job_id, accepted.created);
         }
         Command::Status { job_id, json } => status(config, job_id, json).await?,
         Command::Cancel {
@@ -613,14 +662,7 @@ async fn run(config: Config, command: Command) -> anyhow::Result<()> {
                 let detail = serde_json::json!({ "request": filter, "done": done });
                 audited(&pool, "cancel_matching", None, detail).await?;
             }
-            if done.dry_run {
-                println!("{} open jobs match; nothing cancelled (--dry-run)", done.matched);
-            } else {
-                println!(
-                    "{} of {} jobs cancelled in {} transactions; {} still match",
-                    done.cancelled, done.matched, done.batches, done.remaining
-                );
-            }
+            report::bulk_cancelled(&done);
         }
         Command::Cancel { job_id: Some(job_id), reason, by, .. } => {
             let pool = db::connect_and_migrate(&config, 1).await?;
@@ -636,11 +678,7 @@ async fn run(config: Config, command: Command) -> anyhow::Result<()> {
                 audited(&mut *tx, "cancel", Some(&job_id.to_string()), detail).await?;
             }
             tx.commit().await?;
-            if was == jobfold_schemas::fold::Status::Cancelled {
-                println!("{job_id} was already cancelled");
-            } else {
-                println!("{job_id} cancelled (was {was})");
-            }
+            report::cancelled(job_id, was.as_str());
         }
         Command::RunNow { job_id } => {
             use jobfold_processor::store::Waited;
@@ -653,11 +691,7 @@ async fn run(config: Config, command: Command) -> anyhow::Result<()> {
                 audited(&mut *tx, "run_now", Some(&job_id.to_string()), detail).await?;
             }
             tx.commit().await?;
-            match waited {
-                Waited::Scheduled => println!("{job_id} was scheduled for later: dispatched now"),
-                Waited::Retry => println!("{job_id} was waiting to retry: dispatched now"),
-                Waited::Due => println!("{job_id} is already due: its dispatch is on its way"),
-            }
+            report::ran_now(job_id, waited);
         }
         Command::Jobs {
             state,
@@ -988,11 +1022,7 @@ async fn kinds(config: Config, command: KindCommand) -> anyhow::Result<()> {
             let changed = kinds::pause(&pool, &kind, request).await?;
             let detail = serde_json::json!({ "request": said, "done": changed });
             audited(&pool, "pause_kind", Some(&kind), detail).await?;
-            if changed.was_paused {
-                println!("{kind} was already paused");
-            } else {
-                println!("{kind} paused: its jobs wait until `jobfold kinds resume {kind}`");
-            }
+            report::kind_changed(&kind, &changed, true);
         }
         KindCommand::Resume { kind, reason, by } => {
             let pool = db::connect_and_migrate(&config, 1).await?;
@@ -1002,8 +1032,7 @@ async fn kinds(config: Config, command: KindCommand) -> anyhow::Result<()> {
             let changed = kinds::resume(&pool, &events, &kind, request).await?;
             let detail = serde_json::json!({ "request": said, "done": changed });
             audited(&pool, "resume_kind", Some(&kind), detail).await?;
-            let state = if changed.was_paused { "resumed" } else { "was not paused" };
-            println!("{kind} {state}; {} jobs that waited dispatched again", changed.dispatched);
+            report::kind_changed(&kind, &changed, false);
         }
     }
     Ok(())
@@ -1165,16 +1194,13 @@ async fn dead_letters(config: Config, command: DeadLetterCommand) -> anyhow::Res
             let sent = dead_letter::reinject(&pool, &config, id).await?;
             let detail = serde_json::json!({ "sent": sent });
             audited(&pool, "reinject_dead_letter", Some(&id.to_string()), detail).await?;
-            println!(
-                "dead letter {id} sent to {} [{}] @ {}",
-                sent.topic, sent.partition, sent.offset
-            );
+            report::reinjected(id, &sent);
         }
         DeadLetterCommand::Delete { id } => {
             anyhow::ensure!(dead_letter::delete(&pool, id).await?, "no dead letter {id}");
             audited(&pool, "delete_dead_letter", Some(&id.to_string()), serde_json::json!({}))
                 .await?;
-            println!("dead letter {id} deleted");
+            report::dead_letter_deleted(id);
         }
     }
     Ok(())
@@ -1239,14 +1265,7 @@ async fn quarantine(config: Config, command: QuarantineCommand) -> anyhow::Resul
                 let detail = serde_json::json!({ "request": said, "done": done });
                 audited(&pool, "replay_matching", None, detail).await?;
             }
-            if done.dry_run {
-                println!("{} quarantined job(s) match; nothing replayed (--dry-run)", done.matched);
-            } else {
-                println!(
-                    "{} of {} matching job(s) replayed in {} transaction(s); {} still quarantined",
-                    done.replayed, done.matched, done.batches, done.remaining
-                );
-            }
+            report::bulk_replayed(&done);
         }
         QuarantineCommand::Replay {
             job_id: Some(job_id), new_input_version, input, by, ..
@@ -1273,7 +1292,7 @@ async fn quarantine(config: Config, command: QuarantineCommand) -> anyhow::Resul
             let detail = serde_json::json!({ "input_version": job.input_version });
             audited(&mut *tx, "replay", Some(&job_id.to_string()), detail).await?;
             tx.commit().await?;
-            println!("{job_id} queued again at input version {}", job.input_version);
+            report::replayed(job_id, job.input_version);
         }
     }
     Ok(())

@@ -1124,10 +1124,12 @@ fn fault_points(variable: &str) -> bool {
     }
 }
 
-/// `JOBFOLD_*` variables that are not configuration: the service scripts' (`docker/`) and
-/// the test harness's. Any other `JOBFOLD_*` variable must name a key, but for
+/// `JOBFOLD_*` variables that are not configuration: the service scripts' (`docker/`), the
+/// test harness's and the command line's. Any other `JOBFOLD_*` variable must name a key, but for
 /// `JOBFOLD_FAILPOINT` in a build with fault points ([`crate::failpoint`]).
-const NOT_CONFIG: [&str; 16] = [
+const NOT_CONFIG: [&str; 18] = [
+    // The command line's --api and --token.
+    "JOBFOLD_API",
     "JOBFOLD_BIN",
     "JOBFOLD_CACHE_DIR",
     "JOBFOLD_CONFIG",
@@ -1144,6 +1146,7 @@ const NOT_CONFIG: [&str; 16] = [
     "JOBFOLD_SASL_PASSWORD",
     "JOBFOLD_SASL_USERNAME",
     "JOBFOLD_STATE_DIR",
+    "JOBFOLD_TOKEN",
 ];
 
 /// The shortest secret a kind's calls are signed with.

@@ -294,7 +294,7 @@ pub enum ReinjectError {
 }
 
 /// Where a re-injected message went.
-#[derive(Debug, Clone, serde::Serialize)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct Reinjected {
     pub id: i64,
     pub topic: String,

@@ -336,3 +336,81 @@ async fn slow_uploads_are_cut_off_and_requests_past_the_limit_are_refused_not_qu
     stop.cancel();
     it.cleanup().await;
 }
+
+/// `jobfold --api URL --token T` makes its changes through the API: with a database URL
+/// that leads nowhere it submits, runs now and cancels, each answered as without --api;
+/// the audit trail names the token and says "api"; a token without the role is refused
+/// with the API's own words; a command with no API form, or a URL that is none, exits 2.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_command_line_changes_jobs_through_the_api_under_its_token() {
+    let mut it = Installation::new("access-cli").await;
+    it.config.http.tokens = tokens();
+    let (base, stop) = serve(&it).await;
+    let later = |document: &str| {
+        let mut job = index_job(document, 1, json!({}));
+        job.run_at = Some(chrono::Utc::now() + chrono::Duration::hours(1));
+        job
+    };
+    let acceptor = it.acceptor().await;
+    let scheduled = acceptor.accept(&it.pool, &later("doc-cli-now")).await.unwrap().job_id;
+    let to_cancel = acceptor.accept(&it.pool, &later("doc-cli-cancel")).await.unwrap().job_id;
+    // Whatever goes to Postgres from the command line fails: only the API can do the work.
+    let cli = |token: &str, args: &[&str]| {
+        let output = jobfold_tests::harness::jobfold_cli()
+            .envs(it.env())
+            .env("JOBFOLD_DATABASE_URL", "postgres://jobfold@127.0.0.1:1/nowhere")
+            .env("JOBFOLD_API", &base)
+            .env("JOBFOLD_TOKEN", token)
+            .args(args)
+            .output()
+            .unwrap();
+        let said = |bytes: &[u8]| String::from_utf8_lossy(bytes).trim().to_owned();
+        (output.status.code(), said(&output.stdout), said(&output.stderr))
+    };
+
+    let (code, out, err) = cli(OPERATE, &["run-now", &scheduled.to_string()]);
+    assert_eq!(
+        (code, out),
+        (Some(0), format!("{scheduled} was scheduled for later: dispatched now")),
+        "{err}"
+    );
+    let cancel = ["cancel", &to_cancel.to_string(), "--reason", "moved"];
+    let (code, out, err) = cli(OPERATE, &cancel);
+    assert_eq!((code, out), (Some(0), format!("{to_cancel} cancelled (was queued)")), "{err}");
+    let (code, out, err) = cli(OPERATE, &cancel);
+    assert_eq!((code, out), (Some(0), format!("{to_cancel} was already cancelled")), "{err}");
+    let submit = ["submit", "--document", "doc-cli-new", "--key", "cli-1", "--delay", "1h"];
+    let (code, first, err) = cli(SUBMIT, &submit);
+    assert_eq!(code, Some(0), "{err}");
+    let (_, again, _) = cli(SUBMIT, &submit);
+    let id = first.strip_suffix(" accepted").expect(&first);
+    assert_eq!(again, format!("{id} already accepted"));
+    assert_eq!(it.state_and_attempt(to_cancel).await.0, "cancelled");
+    assert_eq!(it.state_and_attempt(id.parse().unwrap()).await.0, "queued");
+
+    let filter = jobfold_processor::store::audit::AuditFilter {
+        target: Some(to_cancel.to_string()),
+        ..Default::default()
+    };
+    let audited = jobfold_processor::store::audit::list(&it.pool, &filter).await.unwrap();
+    let said: Vec<(&str, &str, &str)> = audited
+        .entries
+        .iter()
+        .map(|e| (e.actor.as_str(), e.via.as_str(), e.action.as_str()))
+        .collect();
+    assert_eq!(said, [("oncall", "api", "cancel")], "the repeat changed nothing and logs nothing");
+
+    // The read-only token may not run a job now: the API's refusal, in its words.
+    let (code, _, err) = cli(READ, &["run-now", &scheduled.to_string()]);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("403") && err.contains(&format!("/v1/jobs/{scheduled}/run-now")), "{err}");
+    let (code, _, err) = cli(OPERATE, &["jobs"]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("--api: `jobfold jobs` has no API form"), "{err}");
+    let (code, _, err) =
+        cli(OPERATE, &["--api", "localhost:8080", "status", &scheduled.to_string()]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("is not an http:// or https:// URL"), "{err}");
+    stop.cancel();
+    it.cleanup().await;
+}

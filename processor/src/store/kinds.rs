@@ -32,7 +32,7 @@ pub enum KindError {
 }
 
 /// A pause or resume request.
-#[derive(Debug, Clone, Default, serde::Deserialize)]
+#[derive(Debug, Clone, Default, serde::Deserialize, serde::Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct KindControl {
     /// Who asks (operator name, API client).
@@ -82,7 +82,7 @@ pub struct KindState {
 }
 
 /// What a pause or resume did.
-#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct KindChanged {
     pub kind: String,
     pub paused: bool,

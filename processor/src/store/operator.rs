@@ -22,7 +22,7 @@ pub enum ReplayError {
 }
 
 /// A replay request for a quarantined job.
-#[derive(Debug, Clone, Default, serde::Deserialize)]
+#[derive(Debug, Clone, Default, serde::Deserialize, serde::Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct Replay {
     /// Who asks (operator name, API client).
@@ -113,7 +113,7 @@ async fn replay_locked(
 }
 
 /// A replay of every quarantined job a filter selects.
-#[derive(Debug, Clone, Default, serde::Deserialize)]
+#[derive(Debug, Clone, Default, serde::Deserialize, serde::Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct BulkReplay {
     #[serde(flatten)]
@@ -153,7 +153,7 @@ pub const BULK_BATCH_MAX: usize = 1000;
 pub const BULK_LIMIT_MAX: usize = 10_000;
 
 /// What a bulk replay did.
-#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct BulkReplayed {
     pub dry_run: bool,
     /// Quarantined jobs the filter matched when the request began.
@@ -269,7 +269,7 @@ pub enum CancelError {
 }
 
 /// A cancel request.
-#[derive(Debug, Clone, Default, serde::Deserialize)]
+#[derive(Debug, Clone, Default, serde::Deserialize, serde::Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct Cancel {
     /// Who asks (operator name, API client).
@@ -339,7 +339,7 @@ async fn cancel_locked(
 
 /// A cancel of every open job (queued, running or waiting to retry) a filter selects: a
 /// bad deploy's jobs, say. At least one filter is required.
-#[derive(Debug, Clone, Default, serde::Deserialize)]
+#[derive(Debug, Clone, Default, serde::Deserialize, serde::Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct BulkCancel {
     pub kind: Option<String>,
@@ -368,7 +368,7 @@ pub struct BulkCancel {
 }
 
 /// What a bulk cancel did.
-#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct BulkCancelled {
     pub dry_run: bool,
     /// Open jobs the filter matched when the request began.
@@ -539,7 +539,7 @@ pub enum RunNowError {
 }
 
 /// What a run-now found the job waiting for.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Waited {
     /// A scheduled job, due later (`run_at`).
