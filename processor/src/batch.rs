@@ -36,9 +36,15 @@ impl<T: Send + 'static, R: Send + 'static> Batcher<T, R> {
     /// answers each item, in order. While a worker processes a batch, the next one takes
     /// what has arrived since, so up to `workers` batches run at once (a slow batch — slow
     /// business writes, a lock wait — does not hold up the rest). `name` labels the batch
-    /// size histogram ([`pm::TRANSACTION_JOBS`]). The tasks end when every clone of the
-    /// batcher is dropped.
-    pub fn start<F, Fut>(name: &'static str, max: usize, workers: usize, process: F) -> Self
+    /// size histogram ([`pm::TRANSACTION_JOBS`]). The tasks run in `work`, and end when every
+    /// clone of the batcher is dropped.
+    pub fn start<F, Fut>(
+        name: &'static str,
+        max: usize,
+        workers: usize,
+        work: &crate::supervise::Work,
+        process: F,
+    ) -> Self
     where
         F: Fn(Vec<T>) -> Fut + Clone + Send + 'static,
         Fut: Future<Output = Vec<anyhow::Result<R>>> + Send,
@@ -47,7 +53,7 @@ impl<T: Send + 'static, R: Send + 'static> Batcher<T, R> {
         let receiver = Arc::new(Mutex::new(receiver));
         for _ in 0..workers.max(1) {
             let (receiver, process) = (Arc::clone(&receiver), process.clone());
-            tokio::spawn(async move {
+            work.spawn(name, async move {
                 let mut batch = Vec::with_capacity(max);
                 loop {
                     // The lock is held only while waiting for the batch, not while it runs.

@@ -62,13 +62,14 @@ pub struct Scope {
 
 impl Scope {
     /// The scope of a processor with `config`, its pool and lease owner name, on the host
-    /// named `host`; starts the task that looks for the outcomes of its waits (it ends with
-    /// the last clone).
+    /// named `host`; starts the task that looks for the outcomes of its waits in `work` (it
+    /// ends within a [`POLL`] of the last clone's drop).
     pub fn new(
         config: &jobfold_common::config::Config,
         pool: PgPool,
         owner: String,
         host: &str,
+        work: &crate::supervise::Work,
     ) -> Self {
         let base = config.processor.callback_base_url.clone().unwrap_or_else(|| {
             let addr = config.http_addr;
@@ -79,7 +80,7 @@ impl Scope {
             }
         });
         let waiters = Arc::new(Waiters { pool: pool.clone(), waiting: Mutex::default() });
-        tokio::spawn(look_for_outcomes(Arc::downgrade(&waiters)));
+        work.spawn("callback look", look_for_outcomes(Arc::downgrade(&waiters)));
         Self { pool, owner, base_url: base.trim_end_matches('/').into(), waiters }
     }
 

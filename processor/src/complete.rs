@@ -59,10 +59,16 @@ pub enum Completed {
 /// Commits finished attempts, several to a transaction.
 pub type Completer = Batcher<Arc<Attempt>, Completed>;
 
-/// Starts the completing task; it ends when every clone of the returned [`Completer`] is
-/// dropped.
-pub fn start(config: Config, pool: PgPool, events: Events, handlers: Handlers) -> Completer {
-    Batcher::start("completion", BATCH, WORKERS, move |attempts: Vec<Arc<Attempt>>| {
+/// Starts the completing tasks in `work`; they end when every clone of the returned
+/// [`Completer`] is dropped.
+pub fn start(
+    config: Config,
+    pool: PgPool,
+    events: Events,
+    handlers: Handlers,
+    work: &crate::supervise::Work,
+) -> Completer {
+    Batcher::start("completion", BATCH, WORKERS, work, move |attempts: Vec<Arc<Attempt>>| {
         let (config, pool, events, handlers) =
             (config.clone(), pool.clone(), events.clone(), handlers.clone());
         async move { complete_all(&config, &pool, &events, &handlers, &attempts).await }

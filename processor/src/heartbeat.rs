@@ -76,14 +76,7 @@ impl Drop for Registration {
 }
 
 impl Heartbeats {
-    /// Starts the beat: every `tick`, one statement renews the leases that are due.
-    pub fn start(pool: PgPool, tick: Duration) -> Self {
-        let (heartbeats, beat) = Self::new(pool, tick);
-        tokio::spawn(beat);
-        heartbeats
-    }
-
-    /// The leases, and the beat to run (as [`Heartbeats::start`] does, or supervised): every
+    /// The leases, and the beat for their owner to run (the worker supervises it): every
     /// `tick`, one statement renews the leases that are due. The beat ends once every clone
     /// of the leases is dropped.
     pub fn new(pool: PgPool, tick: Duration) -> (Self, impl std::future::Future<Output = ()>) {

@@ -115,6 +115,9 @@ pub struct ApiState {
     accepts: crate::batch::Batcher<NewJob, Grouped>,
     /// One permit a request being handled (`http.max_concurrent_requests`).
     slots: std::sync::Arc<tokio::sync::Semaphore>,
+    /// The group commit's tasks and the accepts running past their caller
+    /// ([`durable_within`]): the server waits for them when it stops.
+    work: crate::supervise::Work,
 }
 
 /// A job's answer from the group commit.
@@ -162,12 +165,14 @@ impl ApiState {
         config: jobfold_common::config::Config,
     ) -> Self {
         let config = std::sync::Arc::new(config);
+        let work = crate::supervise::Work::default();
         let accepts = {
             let (acceptor, pool) = (acceptor.clone(), pool.clone());
             crate::batch::Batcher::start(
                 "http",
                 MAX_BATCH_JOBS,
                 ACCEPT_TRANSACTIONS,
+                &work,
                 move |jobs: Vec<NewJob>| {
                     let (acceptor, pool) = (acceptor.clone(), pool.clone());
                     async move {
@@ -188,7 +193,14 @@ impl ApiState {
             access: std::sync::Arc::new(crate::access::Access::new(&config)),
             lag: crate::lag::LagReader::new(std::sync::Arc::clone(&config)),
             config,
+            work,
         }
+    }
+
+    /// The API's own tasks (the group commit's, the accepts still committing): once the
+    /// server stopped and dropped its state, [`crate::supervise::Work::join`] waits for them.
+    pub fn work(&self) -> crate::supervise::Work {
+        self.work.clone()
     }
 }
 
@@ -573,16 +585,18 @@ impl IntoResponse for ApiError {
 }
 
 /// `accept`'s answer if it is durable within `limit` (`accept.commit_timeout`), else 503
-/// `not_durable_yet`. The accept runs in a task of its own and goes on past the limit: a
-/// commit that waits for the synchronous standby must not be cancelled or its connection
-/// dropped, for Postgres then keeps it committed locally without the standby having it (a
-/// job a failover would lose, though it may already have run). The caller retries with its
-/// idempotency key and is answered 200 once the commit ends.
+/// `not_durable_yet`. The accept runs in a task of its own (in `work`, which a stopping
+/// server waits for) and goes on past the limit: a commit that waits for the synchronous
+/// standby must not be cancelled or its connection dropped, for Postgres then keeps it
+/// committed locally without the standby having it (a job a failover would lose, though it
+/// may already have run). The caller retries with its idempotency key and is answered 200
+/// once the commit ends.
 async fn durable_within<T: Send + 'static>(
+    work: &crate::supervise::Work,
     limit: std::time::Duration,
     accept: impl Future<Output = Result<T, ApiError>> + Send + 'static,
 ) -> Result<T, ApiError> {
-    let task = tokio::spawn(accept);
+    let task = work.spawn("accept", accept);
     match tokio::time::timeout(limit, task).await {
         Ok(Ok(answer)) => answer,
         Ok(Err(join)) => {
@@ -807,8 +821,8 @@ async fn submit(
         })?),
     };
     let job = parsed.into_job(idempotency_key, trace_context(&headers))?;
-    let limit = state.config.accept.commit_timeout;
-    let accepted = durable_within(limit, async move {
+    let (limit, work) = (state.config.accept.commit_timeout, state.work.clone());
+    let accepted = durable_within(&work, limit, async move {
         let grouped = state.accepts.submit(job).await.map_err(|e| {
             tracing::error!(error = %format!("{e:#}"), "The accept batch failed.");
             ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "unavailable", "the accept failed")
@@ -867,14 +881,12 @@ async fn submit_batch(
         }
     }
     // A failure of the whole batch (the database) is one answer, as for a single job.
-    let limit = state.config.accept.commit_timeout;
-    let mut accepted =
-        durable_within(
-            limit,
-            async move { Ok(state.acceptor.accept_each(&state.pool, &jobs).await?) },
-        )
-        .await?
-        .into_iter();
+    let (limit, work) = (state.config.accept.commit_timeout, state.work.clone());
+    let mut accepted = durable_within(&work, limit, async move {
+        Ok(state.acceptor.accept_each(&state.pool, &jobs).await?)
+    })
+    .await?
+    .into_iter();
     let (mut created, mut existing, mut failed) = (0, 0, 0);
     // The jobs that parsed take their answers from accept_each, in order.
     let results: Vec<serde_json::Value> = answers

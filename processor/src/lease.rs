@@ -146,9 +146,10 @@ impl Wary {
 /// Leases dispatches, several to a transaction.
 pub type Leaser = Batcher<Request, Leased>;
 
-/// Starts the leasing task; it ends when every clone of the returned [`Leaser`] is dropped.
-pub fn start(settings: Settings) -> Leaser {
-    Batcher::start("lease", BATCH, WORKERS, move |requests: Vec<Request>| {
+/// Starts the leasing tasks in `work`; they end when every clone of the returned [`Leaser`]
+/// is dropped.
+pub fn start(settings: Settings, work: &crate::supervise::Work) -> Leaser {
+    Batcher::start("lease", BATCH, WORKERS, work, move |requests: Vec<Request>| {
         let settings = settings.clone();
         async move {
             let (dispatches, offers): (Vec<Dispatch>, Vec<Option<Inline>>) =

@@ -273,11 +273,11 @@ async fn serve(
         ));
     }
     if run.api {
-        let api = http::router(
-            http::ApiState::new(pool.clone(), acceptor.clone(), events.clone(), config.clone()),
-            config.accept.max_input_bytes + BODY_OVERHEAD_BYTES,
-        );
-        parts.spawn(http::serve(config.http_addr, api, shutdown.clone()));
+        let state =
+            http::ApiState::new(pool.clone(), acceptor.clone(), events.clone(), config.clone());
+        let (addr, max_body) =
+            (config.http_addr, config.accept.max_input_bytes + BODY_OVERHEAD_BYTES);
+        parts.spawn(serve_api(state, addr, max_body, shutdown.clone()));
     }
     if run.worker {
         parts.spawn(worker::run(
@@ -314,6 +314,21 @@ async fn serve(
         }
     }
     result
+}
+
+/// Serves the API with `state` until `shutdown`; then waits (bounded) for what it started:
+/// the accepts still committing, and then the group commit's tasks.
+async fn serve_api(
+    state: http::ApiState,
+    addr: std::net::SocketAddr,
+    max_body: usize,
+    shutdown: CancellationToken,
+) -> anyhow::Result<()> {
+    let work = state.work();
+    // The router, and the state in it, are dropped when the server ends.
+    let served = http::serve(addr, http::router(state, max_body), shutdown).await;
+    work.join("the HTTP API", supervise::JOIN_TIMEOUT).await;
+    served
 }
 
 /// Reads the unfinished-work gauges from Postgres every `interval` and publishes them. A

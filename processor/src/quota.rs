@@ -76,13 +76,6 @@ pub struct Admitted {
 }
 
 impl Quotas {
-    /// The limits of `config`'s kinds; polls the shared pauses until `shutdown`.
-    pub fn start(config: &Config, pool: PgPool, shutdown: CancellationToken) -> Arc<Self> {
-        let quotas = Self::new(config, pool);
-        tokio::spawn(Arc::clone(&quotas).poll(shutdown));
-        quotas
-    }
-
     /// The limits of `config`'s kinds; [`Quotas::poll`] keeps the shared pauses current.
     pub fn new(config: &Config, pool: PgPool) -> Arc<Self> {
         let mut limits = HashMap::new();

@@ -104,6 +104,24 @@ pub struct WorkerContext {
     stopping: Arc<std::sync::atomic::AtomicBool>,
 }
 
+impl WorkerContext {
+    /// The state the rebalance callbacks share with the worker, empty.
+    fn new(config: &Config) -> Self {
+        Self {
+            tracker: Arc::new(Mutex::new(Tracker::default())),
+            buffer: Arc::new(Mutex::new(Buffer::new(Bounds {
+                messages: config.processor.max_buffered,
+                bytes: config.processor.max_buffered_bytes,
+            }))),
+            queues: Arc::new(Mutex::new(Queues::default())),
+            revoke_timeout: config.processor.revoke_timeout,
+            topic: config.topics.events.clone(),
+            lag_reported: Mutex::default(),
+            stopping: Arc::new(std::sync::atomic::AtomicBool::new(false)),
+        }
+    }
+}
+
 impl std::fmt::Debug for WorkerContext {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("WorkerContext").field("revoke_timeout", &self.revoke_timeout).finish()
@@ -349,6 +367,9 @@ struct Shared {
     /// background task failed): running handlers' tokens fire, and what they leave unfinished
     /// is given back ([`released`]).
     hard: CancellationToken,
+    /// The tasks started as work comes (each document's next message, the batchers, the
+    /// callback look): joined when the worker stops, a panic ending it.
+    work: crate::supervise::Work,
 }
 
 /// How long a handler whose token the hard stop fired may take to return before its run is
@@ -386,6 +407,11 @@ pub async fn run(
     stop(&shared, failed.is_some(), &stopping, &mut consumer).await;
     crate::history::flush(&shared.pool, &shared.owner).await;
     tasks.stop().await;
+    // With the background tasks gone, this is the last hold on the worker's state: dropped,
+    // the batchers and the callback look end, and the documents' last tasks finish.
+    let work = shared.work.clone();
+    drop(shared);
+    work.join("the worker", crate::supervise::JOIN_TIMEOUT).await;
     failed.map_or(Ok(()), Err)
 }
 
@@ -410,36 +436,36 @@ async fn assemble(
     shutdown: CancellationToken,
     tasks: &mut crate::supervise::Tasks,
 ) -> anyhow::Result<(Arc<Shared>, Arc<std::sync::atomic::AtomicBool>)> {
-    let tracker = Arc::new(Mutex::new(Tracker::default()));
-    let buffer = Arc::new(Mutex::new(Buffer::new(Bounds {
-        messages: config.processor.max_buffered,
-        bytes: config.processor.max_buffered_bytes,
-    })));
-    let queues = Arc::new(Mutex::new(Queues::default()));
-    let stopping = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let context = WorkerContext {
-        tracker: Arc::clone(&tracker),
-        buffer: Arc::clone(&buffer),
-        queues: Arc::clone(&queues),
-        revoke_timeout: config.processor.revoke_timeout,
-        topic: config.topics.events.clone(),
-        lag_reported: Mutex::default(),
-        stopping: Arc::clone(&stopping),
-    };
+    let context = WorkerContext::new(&config);
+    let (tracker, buffer, queues, stopping) = (
+        Arc::clone(&context.tracker),
+        Arc::clone(&context.buffer),
+        Arc::clone(&context.queues),
+        Arc::clone(&context.stopping),
+    );
     let consumer = subscribe(&config, context)?;
     let owner = format!("{}/{}", hostname(), std::process::id());
     tracing::info!(group = %config.processor.group, %owner, "Running jobs.");
-    let leaser = crate::lease::start(crate::lease::Settings {
+    let work = tasks.work();
+    let settings = crate::lease::Settings {
         config: config.clone(),
         pool: pool.clone(),
         events: events.clone(),
         owner: owner.clone(),
         handlers: handlers.clone(),
         wary: crate::lease::Wary::default(),
-    });
+    };
+    let (leaser, completer) = (
+        crate::lease::start(settings, &work),
+        crate::complete::start(
+            config.clone(),
+            pool.clone(),
+            events.clone(),
+            handlers.clone(),
+            &work,
+        ),
+    );
     tracing::info!(kinds = ?handlers, "Handlers registered.");
-    let completer =
-        crate::complete::start(config.clone(), pool.clone(), events.clone(), handlers.clone());
     let kind_slots = kind_slots(&config);
     let (heartbeats, beat) = Heartbeats::new(pool.clone(), config.shortest_heartbeat());
     tasks.spawn("heartbeat", beat);
@@ -451,11 +477,11 @@ async fn assemble(
     let pauses = Arc::new(crate::pauses::Pauses::load(pool.clone(), kinds).await?);
     tasks.spawn("pause poll", Arc::clone(&pauses).poll(shutdown.clone()));
     let callbacks =
-        Arc::new(crate::callback::Scope::new(&config, pool.clone(), owner.clone(), &hostname()));
+        crate::callback::Scope::new(&config, pool.clone(), owner.clone(), &hostname(), &work);
     let shared = Arc::new(Shared {
         slots: Arc::new(Semaphore::new(config.processor.max_in_flight)),
         config,
-        callbacks,
+        callbacks: Arc::new(callbacks),
         pool,
         consumer: Arc::new(consumer),
         decoder,
@@ -477,6 +503,7 @@ async fn assemble(
         ready: tokio::sync::Notify::new(),
         shutdown,
         hard: CancellationToken::new(),
+        work,
     });
     Ok((shared, stopping))
 }
@@ -903,7 +930,7 @@ async fn dispatch(shared: Arc<Shared>) {
         let Some(key) = shared.queues.lock().expect("queues").ready.pop_front() else {
             continue;
         };
-        tokio::spawn(run_next(Arc::clone(&shared), key, permit));
+        shared.work.spawn("document", run_next(Arc::clone(&shared), key, permit));
     }
 }
 

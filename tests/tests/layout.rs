@@ -2,8 +2,9 @@
 //! every statement of the product crates checked at compile time, no module of a crate
 //! importing another in a circle, the processor library free of the command line's
 //! dependencies, the handler crate free of the server's, the fault points only in the
-//! tests' builds, no tokio worker put to sleep, and no function of the processor longer than
-//! a reader takes in at once.
+//! tests' builds, no tokio worker put to sleep or left to poll the consumer, every task the
+//! processor starts owned and joined, and no function of the processor longer than a reader
+//! takes in at once.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -302,4 +303,57 @@ fn no_function_of_the_processor_is_longer_than_80_lines() {
         }
     }
     assert!(long.is_empty(), "functions over 80 lines:\n{}", long.join("\n"));
+}
+
+#[test]
+fn every_task_the_processor_starts_is_owned_and_joined() {
+    // A task spawned bare is waited for by nobody: a stop does not wait for it, and its death
+    // goes unnoticed. The processor starts tasks through supervise::{Tasks, Work}, or a
+    // JoinSet its owner joins; blocking work (spawn_blocking) is awaited where it starts.
+    let bare = ["tokio::spawn(", "task::spawn(", "thread::spawn("];
+    let mut found = Vec::new();
+    for (file, text) in sources(&root().join("processor/src")) {
+        // Unit tests may spawn as they like.
+        let product = text.split("#[cfg(test)]").next().unwrap_or_default();
+        for (n, line) in product.lines().enumerate() {
+            let code = !line.trim_start().starts_with("//");
+            if code && bare.iter().any(|b| line.contains(b)) {
+                found.push(format!("processor/src/{file}:{}: {}", n + 1, line.trim()));
+            }
+        }
+    }
+    assert!(found.is_empty(), "tasks spawned bare:\n{}", found.join("\n"));
+}
+
+#[test]
+fn the_consumer_is_polled_only_on_a_thread_of_its_own() {
+    // Its rebalance callbacks run inside its poll and block it (the revoke waits for the
+    // partition's jobs, then commits synchronously): polled on a tokio worker, they would
+    // stall every task scheduled there. So the poll is in `consume`, and `consume` runs only
+    // inside spawn_blocking.
+    let text = std::fs::read_to_string(root().join("processor/src/worker.rs")).unwrap();
+    let (_, first, lines) = function_lengths(&text)
+        .into_iter()
+        .find(|(name, _, _)| name == "consume")
+        .expect("worker::consume");
+    let body = first..first + lines;
+    let mut polls = Vec::new();
+    let mut calls = Vec::new();
+    for (n, line) in text.lines().enumerate().filter(|(_, l)| !l.trim_start().starts_with("//")) {
+        if line.contains("consumer.poll(") {
+            polls.push(n + 1);
+        }
+        if line.contains("consume(&") {
+            calls.push((n + 1, line.contains("spawn_blocking(")));
+        }
+    }
+    assert!(!polls.is_empty(), "worker.rs polls its consumer nowhere");
+    let outside: Vec<usize> = polls.into_iter().filter(|n| !body.contains(n)).collect();
+    assert!(
+        outside.is_empty(),
+        "worker.rs polls the consumer outside `consume`: lines {outside:?}"
+    );
+    assert!(!calls.is_empty(), "`consume` is called nowhere");
+    let on_workers: Vec<usize> = calls.iter().filter(|c| !c.1).map(|c| c.0).collect();
+    assert!(on_workers.is_empty(), "`consume` runs outside spawn_blocking: lines {on_workers:?}");
 }

@@ -852,7 +852,8 @@ async fn one_heartbeat_statement_keeps_every_lease_alive_and_a_locked_row_holds_
     };
     let before = until(ids.clone()).await;
 
-    let beats = Heartbeats::start(it.pool.clone(), Duration::from_millis(300));
+    let (beats, beat) = Heartbeats::new(it.pool.clone(), Duration::from_millis(300));
+    let _beat = tokio_util::task::AbortOnDropHandle::new(tokio::spawn(beat));
     let tokens: Vec<CancellationToken> = ids.iter().map(|_| CancellationToken::new()).collect();
     let mut leases: Vec<_> = ids
         .iter()
@@ -1203,14 +1204,17 @@ async fn a_failing_business_write_fails_its_attempt_alone() {
     let events = it.events().await;
 
     // Lease all six (as dispatches arriving together would be).
-    let leaser = lease::start(lease::Settings {
-        config: it.config.clone(),
-        pool: it.pool.clone(),
-        events: events.clone(),
-        owner: "test".into(),
-        handlers: jobfold_tests::handlers::handlers(),
-        wary: lease::Wary::default(),
-    });
+    let leaser = lease::start(
+        lease::Settings {
+            config: it.config.clone(),
+            pool: it.pool.clone(),
+            events: events.clone(),
+            owner: "test".into(),
+            handlers: jobfold_tests::handlers::handlers(),
+            wary: lease::Wary::default(),
+        },
+        &jobfold_processor::supervise::Work::default(),
+    );
     let mut attempts = Vec::new();
     for job_id in &ids {
         attempts.push(leased_attempt(&it, &leaser, *job_id, Ok(json!({}))).await);
@@ -1270,14 +1274,17 @@ async fn jobs_a_death_found_running_run_inside_lease_transactions_one_at_a_time(
     .execute(&it.pool)
     .await
     .unwrap();
-    let leaser = lease::start(lease::Settings {
-        config: it.config.clone(),
-        pool: it.pool.clone(),
-        events: it.events().await,
-        owner: "test".into(),
-        handlers: jobfold_tests::handlers::handlers(),
-        wary: lease::Wary::default(),
-    });
+    let leaser = lease::start(
+        lease::Settings {
+            config: it.config.clone(),
+            pool: it.pool.clone(),
+            events: it.events().await,
+            owner: "test".into(),
+            handlers: jobfold_tests::handlers::handlers(),
+            wary: lease::Wary::default(),
+        },
+        &jobfold_processor::supervise::Work::default(),
+    );
     // Each dispatch offers an inline run; one offered is held (never answered), so its
     // transaction stays open for the whole window and then commits the lease alone. The
     // events are read first, so that a round's dispatches come in together.
@@ -1731,6 +1738,8 @@ async fn a_graceful_stop_finishes_what_it_can_and_gives_back_the_rest() {
     assert!(status.success(), "{status}: {log}");
     assert_eq!(state_and_attempt(&it, short).await, ("succeeded".into(), 1), "{log}");
     assert_eq!(log.matches("the job is given back").count(), 2, "{log}");
+    // Its tasks ended before it did: the batchers, each document's, the API's.
+    assert!(!log.contains("Stopping without waiting longer for its tasks"), "{log}");
 
     eventually(Duration::from_secs(120), "the jobs given back to succeed", || async {
         count_where(&it, "SELECT count(*) FROM jobs WHERE state = 'succeeded'").await == 4
