@@ -180,7 +180,7 @@ fn no_thread_sleeps_on_a_tokio_worker() {
     // place with why. Anything else waits with tokio's timers.
     let allowed = BTreeMap::from([
         // The revoke callback, inside a poll of the consumer's own thread (worker::consume).
-        ("processor/src/worker.rs".to_owned(), 1),
+        ("processor/src/worker/consumer.rs".to_owned(), 1),
         // Waiting for new topics' leaders, inside spawn_blocking.
         ("common/src/kafka.rs".to_owned(), 1),
     ]);
@@ -330,8 +330,8 @@ fn the_consumer_is_polled_only_on_a_thread_of_its_own() {
     // Its rebalance callbacks run inside its poll and block it (the revoke waits for the
     // partition's jobs, then commits synchronously): polled on a tokio worker, they would
     // stall every task scheduled there. So the poll is in `consume`, and `consume` runs only
-    // inside spawn_blocking.
-    let text = std::fs::read_to_string(root().join("processor/src/worker.rs")).unwrap();
+    // inside spawn_blocking (worker/consumer.rs).
+    let text = std::fs::read_to_string(root().join("processor/src/worker/consumer.rs")).unwrap();
     let (_, first, lines) = function_lengths(&text)
         .into_iter()
         .find(|(name, _, _)| name == "consume")
@@ -347,12 +347,9 @@ fn the_consumer_is_polled_only_on_a_thread_of_its_own() {
             calls.push((n + 1, line.contains("spawn_blocking(")));
         }
     }
-    assert!(!polls.is_empty(), "worker.rs polls its consumer nowhere");
+    assert!(!polls.is_empty(), "worker/consumer.rs polls its consumer nowhere");
     let outside: Vec<usize> = polls.into_iter().filter(|n| !body.contains(n)).collect();
-    assert!(
-        outside.is_empty(),
-        "worker.rs polls the consumer outside `consume`: lines {outside:?}"
-    );
+    assert!(outside.is_empty(), "the consumer is polled outside `consume`: lines {outside:?}");
     assert!(!calls.is_empty(), "`consume` is called nowhere");
     let on_workers: Vec<usize> = calls.iter().filter(|c| !c.1).map(|c| c.0).collect();
     assert!(on_workers.is_empty(), "`consume` runs outside spawn_blocking: lines {on_workers:?}");
