@@ -153,7 +153,13 @@ impl Intake {
             }
             if let Some(e) = failed {
                 let backoff = errors.after_error();
-                ConsumerFailed { stage: "intake", error: &e, backoff }.emit();
+                ConsumerFailed {
+                    stage: "intake",
+                    error: &e,
+                    backoff,
+                    first: errors.first_of_its_second(),
+                }
+                .emit();
                 // A fatal error leaves the consumer dead: stop, to be restarted.
                 let fatal = jobfold_common::kafka::fatal_error(
                     self.consumer.client(),

@@ -97,16 +97,29 @@ pub struct ConsumerFailed<'a> {
     pub stage: &'static str,
     pub error: &'a rdkafka::error::KafkaError,
     pub backoff: Duration,
+    /// The first error of its second ([`ErrorBackoff::first_of_its_second`]): logged as a
+    /// warning; the rest of that second's at debug level (all are counted), so an outage's
+    /// hundreds of errors cost a few lines.
+    pub first: bool,
 }
 
 impl ConsumerFailed<'_> {
     pub fn emit(self) {
-        tracing::warn!(
-            error = %self.error,
-            stage = self.stage,
-            backoff = ?self.backoff,
-            "Consumer error; asking again after the backoff."
-        );
+        if self.first {
+            tracing::warn!(
+                error = %self.error,
+                stage = self.stage,
+                backoff = ?self.backoff,
+                "Consumer error; asking again after the backoff."
+            );
+        } else {
+            tracing::debug!(
+                error = %self.error,
+                stage = self.stage,
+                backoff = ?self.backoff,
+                "Consumer error; asking again after the backoff."
+            );
+        }
         let code = self
             .error
             .rdkafka_error_code()
@@ -118,34 +131,55 @@ impl ConsumerFailed<'_> {
 
 /// How long a consumer waits after an error before it asks again. librdkafka reports what
 /// it goes through on its own (all brokers down, a connection refused, a coordinator moved)
-/// as consumer errors, a few at each change, queued with the messages: waiting after each
-/// would hold every message queued behind them. So the first errors in a row are asked past
-/// at once; only a long run of them with no message between (librdkafka failing every call)
-/// is paced, from 10 ms doubling to 1 s, back to none after a message.
+/// as consumer errors, queued with the messages: a broker down for a few seconds leaves
+/// hundreds of them ahead of the messages fetched once it is back. A wait after each error
+/// holds every message queued behind them (paced up to 1 s an error, a 15 s outage held a
+/// processor's partitions for minutes). So errors are asked past at once up to a budget a
+/// second ([`ErrorBackoff::PER_SECOND`]); one past it waits for the rest of its second. A
+/// backlog drains at the budget's pace (300 errors: 2 s), and a call that fails at once for
+/// ever is asked at most that many times a second.
 #[derive(Debug, Default)]
 pub struct ErrorBackoff {
-    /// Errors since the last message.
-    in_a_row: u32,
+    /// When the current second of errors began, and the errors in it so far.
+    second: Option<(std::time::Instant, u32)>,
 }
 
 impl ErrorBackoff {
-    /// Errors in a row asked past at once.
-    const UNPACED: u32 = 100;
-    const FIRST: Duration = Duration::from_millis(10);
-    const MOST: Duration = Duration::from_secs(1);
+    /// Errors asked past at once in a second.
+    pub const PER_SECOND: u32 = 100;
+    const SECOND: Duration = Duration::from_secs(1);
 
     /// The wait after the next error.
     pub fn after_error(&mut self) -> Duration {
-        self.in_a_row = self.in_a_row.saturating_add(1);
-        match self.in_a_row.checked_sub(Self::UNPACED + 1) {
-            None => Duration::ZERO,
-            Some(beyond) => Self::FIRST.saturating_mul(1 << beyond.min(16)).min(Self::MOST),
+        self.after_error_at(std::time::Instant::now())
+    }
+
+    /// The wait after an error at `now`.
+    fn after_error_at(&mut self, now: std::time::Instant) -> Duration {
+        match &mut self.second {
+            Some((began, count)) if now.duration_since(*began) < Self::SECOND => {
+                *count += 1;
+                if *count > Self::PER_SECOND {
+                    Self::SECOND - now.duration_since(*began)
+                } else {
+                    Duration::ZERO
+                }
+            }
+            _ => {
+                self.second = Some((now, 1));
+                Duration::ZERO
+            }
         }
     }
 
-    /// A message arrived.
+    /// Whether the last error was the first of its second.
+    pub fn first_of_its_second(&self) -> bool {
+        matches!(self.second, Some((_, 1)))
+    }
+
+    /// A message arrived: librdkafka is working again, the next error starts a second.
     pub fn reset(&mut self) {
-        self.in_a_row = 0;
+        self.second = None;
     }
 }
 
@@ -285,6 +319,52 @@ mod tests {
 
     use super::*;
 
+    /// An outage's backlog of errors, all queued at once ahead of the messages, is asked
+    /// past at the budget's pace: 300 of them wait 2 s in all, not minutes.
+    #[test]
+    fn a_backlog_of_errors_waits_a_second_per_budget_not_one_per_error() {
+        let mut errors = ErrorBackoff::default();
+        let mut now = std::time::Instant::now();
+        let mut waited = Duration::ZERO;
+        for _ in 0..300 {
+            let wait = errors.after_error_at(now);
+            waited += wait;
+            now += wait;
+        }
+        assert_eq!(waited, Duration::from_secs(2));
+    }
+
+    /// A call that fails at once, for ever, is asked at most the budget's times a second.
+    #[test]
+    fn errors_that_never_stop_are_asked_past_at_the_budgets_pace() {
+        let mut errors = ErrorBackoff::default();
+        let start = std::time::Instant::now();
+        let (mut now, mut asked) = (start, 0u32);
+        while now < start + Duration::from_secs(10) {
+            asked += 1;
+            now += errors.after_error_at(now) + Duration::from_micros(1);
+        }
+        assert!(asked <= 10 * ErrorBackoff::PER_SECOND + 10, "{asked} in 10 s");
+        assert!(asked >= 10 * ErrorBackoff::PER_SECOND, "{asked} in 10 s");
+    }
+
+    /// The first error of each second is the one logged as a warning; a message starts
+    /// the count again.
+    #[test]
+    fn the_first_error_of_each_second_is_told() {
+        let mut errors = ErrorBackoff::default();
+        let now = std::time::Instant::now();
+        errors.after_error_at(now);
+        assert!(errors.first_of_its_second());
+        errors.after_error_at(now + Duration::from_millis(10));
+        assert!(!errors.first_of_its_second());
+        errors.after_error_at(now + Duration::from_millis(1_100));
+        assert!(errors.first_of_its_second());
+        errors.reset();
+        errors.after_error_at(now + Duration::from_millis(1_200));
+        assert!(errors.first_of_its_second());
+    }
+
     #[test]
     fn a_message_error_says_where_the_message_sits_and_keeps_its_cause() {
         let message = OwnedMessage::new(
@@ -304,18 +384,5 @@ mod tests {
         assert_eq!(error.to_string(), "message jobfold.job-events/3@42: connection refused");
         let cause = std::error::Error::source(&error).expect("the cause is its source");
         assert_eq!(cause.to_string(), "connection refused");
-    }
-
-    #[test]
-    fn a_consumer_asks_past_errors_at_once_and_paces_only_a_long_run_of_them() {
-        let mut backoff = ErrorBackoff::default();
-        let waits: Vec<Duration> = (0..120).map(|_| backoff.after_error()).collect();
-        assert!(waits[..100].iter().all(Duration::is_zero), "{waits:?}");
-        assert_eq!(waits[100], Duration::from_millis(10));
-        assert_eq!(waits[101], Duration::from_millis(20));
-        assert!(waits.windows(2).all(|w| w[1] >= w[0]), "{waits:?}");
-        assert_eq!(waits[119], Duration::from_secs(1), "at most 1 s: {waits:?}");
-        backoff.reset();
-        assert_eq!(backoff.after_error(), Duration::ZERO);
     }
 }

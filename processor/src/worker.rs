@@ -352,7 +352,13 @@ async fn take_arrivals(
             }
             Some(Arrival::Failed(e)) => {
                 let backoff = errors.after_error();
-                ConsumerFailed { stage: "dispatch", error: &e, backoff }.emit();
+                ConsumerFailed {
+                    stage: "dispatch",
+                    error: &e,
+                    backoff,
+                    first: errors.first_of_its_second(),
+                }
+                .emit();
                 // A fatal error leaves the consumer dead: stop, to be restarted.
                 let fatal = jobfold_common::kafka::fatal_error(
                     shared.consumer.client(),
