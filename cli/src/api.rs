@@ -4,9 +4,7 @@
 
 use anyhow::Context;
 use jobfold_processor::store::kinds::{KindChanged, KindControl};
-use jobfold_processor::store::{
-    BulkCancel, BulkCancelled, BulkReplay, BulkReplayed, Cancel, Replay, Waited,
-};
+use jobfold_processor::store::{BulkCancelled, BulkReplayed, Cancel, Replay, Waited};
 use reqwest::{Method, StatusCode};
 use serde::Deserialize;
 use serde::de::DeserializeOwned;
@@ -181,30 +179,8 @@ pub(crate) async fn run(api: &Api, command: Command) -> anyhow::Result<()> {
                 api.call(Method::POST, &["v1", "jobs", &id, "cancel"], Some(body), None).await?;
             report::cancelled(job_id, answer.was.as_deref().unwrap_or("open"));
         }
-        Command::Cancel {
-            job_id: None,
-            kind,
-            document,
-            state,
-            since,
-            until,
-            dry_run,
-            limit,
-            reason,
-            by,
-        } => {
-            let request = BulkCancel {
-                kind,
-                document_id: document,
-                state,
-                since,
-                until,
-                dry_run,
-                batch_size: None,
-                limit: Some(limit),
-                requested_by: Some(by),
-                reason,
-            };
+        command @ Command::Cancel { job_id: None, .. } => {
+            let request = command.into_bulk_cancel().expect("a cancel by filter");
             let body = serde_json::to_value(request)?;
             let done: BulkCancelled =
                 api.call(Method::POST, &["v1", "jobs", "cancel"], Some(body), None).await?;
@@ -242,26 +218,8 @@ async fn quarantine(api: &Api, command: QuarantineCommand) -> anyhow::Result<()>
                 api.call(Method::POST, &["v1", "jobs", &id, "replay"], Some(body), None).await?;
             report::replayed(job_id, answer.input_version.unwrap_or_default());
         }
-        QuarantineCommand::Replay {
-            job_id: None,
-            owner,
-            kind,
-            reason,
-            since,
-            until,
-            dry_run,
-            batch_size,
-            limit,
-            by,
-            ..
-        } => {
-            let request = BulkReplay {
-                filter: jobfold_processor::store::BulkFilter { owner, kind, reason, since, until },
-                dry_run,
-                batch_size: Some(batch_size),
-                limit: Some(limit),
-                requested_by: Some(by),
-            };
+        command @ QuarantineCommand::Replay { job_id: None, .. } => {
+            let request = command.into_bulk_replay().expect("a replay by filter");
             let body = serde_json::to_value(request)?;
             let done: BulkReplayed =
                 api.call(Method::POST, &["v1", "quarantine", "replay"], Some(body), None).await?;

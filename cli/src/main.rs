@@ -364,6 +364,70 @@ fn event_decoder(config: &Config) -> anyhow::Result<jobfold_schemas::Decoder<Job
     Ok(jobfold_schemas::Decoder::new(config.registry()?))
 }
 
+impl Command {
+    /// The request a `cancel` by filter makes, sent alike to the API (`--api`) and to the
+    /// database; `None` for any other command.
+    fn into_bulk_cancel(self) -> Option<jobfold_processor::store::BulkCancel> {
+        let Self::Cancel {
+            job_id: None,
+            kind,
+            document,
+            state,
+            since,
+            until,
+            dry_run,
+            limit,
+            reason,
+            by,
+        } = self
+        else {
+            return None;
+        };
+        Some(jobfold_processor::store::BulkCancel {
+            kind,
+            document_id: document,
+            state,
+            since,
+            until,
+            dry_run,
+            batch_size: None,
+            limit: Some(limit),
+            requested_by: Some(by),
+            reason,
+        })
+    }
+}
+
+impl QuarantineCommand {
+    /// The request a `quarantine replay` by filter makes, sent alike to the API (`--api`)
+    /// and to the database; `None` for any other command.
+    fn into_bulk_replay(self) -> Option<jobfold_processor::store::BulkReplay> {
+        let Self::Replay {
+            job_id: None,
+            owner,
+            kind,
+            reason,
+            since,
+            until,
+            dry_run,
+            batch_size,
+            limit,
+            by,
+            ..
+        } = self
+        else {
+            return None;
+        };
+        Some(jobfold_processor::store::BulkReplay {
+            filter: jobfold_processor::store::BulkFilter { owner, kind, reason, since, until },
+            dry_run,
+            batch_size: Some(batch_size),
+            limit: Some(limit),
+            requested_by: Some(by),
+        })
+    }
+}
+
 #[derive(Debug, Subcommand)]
 enum QuarantineCommand {
     /// List quarantined jobs, newest first.
@@ -626,32 +690,10 @@ async fn run(config: Config, command: Command) -> anyhow::Result<()> {
             report::submitted(accepted.job_id, accepted.created);
         }
         Command::Status { job_id, json } => status(config, job_id, json).await?,
-        Command::Cancel {
-            job_id: None,
-            kind,
-            document,
-            state,
-            since,
-            until,
-            dry_run,
-            limit,
-            reason,
-            by,
-        } => {
+        command @ Command::Cancel { job_id: None, .. } => {
             let pool = db::connect_and_migrate(&config, 1).await?;
             let events = cli_events(&config).await?;
-            let request = jobfold_processor::store::BulkCancel {
-                kind,
-                document_id: document,
-                state,
-                since,
-                until,
-                dry_run,
-                batch_size: None,
-                limit: Some(limit),
-                requested_by: Some(by),
-                reason,
-            };
+            let request = command.into_bulk_cancel().expect("a cancel by filter");
             let filter = serde_json::json!({
                 "kind": request.kind, "document_id": request.document_id, "state": request.state,
                 "since": request.since, "until": request.until, "limit": request.limit,
@@ -1232,27 +1274,9 @@ async fn quarantine(config: Config, command: QuarantineCommand) -> anyhow::Resul
             }
             println!("{} quarantined job(s) shown", rows.len());
         }
-        QuarantineCommand::Replay {
-            job_id: None,
-            owner,
-            kind,
-            reason,
-            since,
-            until,
-            dry_run,
-            batch_size,
-            limit,
-            by,
-            ..
-        } => {
+        command @ QuarantineCommand::Replay { job_id: None, .. } => {
             let events = cli_events(&config).await?;
-            let request = jobfold_processor::store::BulkReplay {
-                filter: jobfold_processor::store::BulkFilter { owner, kind, reason, since, until },
-                dry_run,
-                batch_size: Some(batch_size),
-                limit: Some(limit),
-                requested_by: Some(by),
-            };
+            let request = command.into_bulk_replay().expect("a replay by filter");
             let said = serde_json::json!({ "filter": request.filter, "limit": request.limit });
             let done = jobfold_processor::store::replay_matching(
                 &pool,
