@@ -97,9 +97,23 @@ use crate::callback::{Complete, Heartbeat};
 use crate::status;
 use crate::store::audit;
 
-/// What every handler shares.
+/// What every handler shares: a handle, cloned for each request (axum's `State`, each
+/// middleware's), so a clone is one reference count, not a copy of the codecs, settings and
+/// strings below.
 #[derive(Debug, Clone)]
-pub struct ApiState {
+pub struct ApiState(std::sync::Arc<Shared>);
+
+impl std::ops::Deref for ApiState {
+    type Target = Shared;
+
+    fn deref(&self) -> &Shared {
+        &self.0
+    }
+}
+
+/// What [`ApiState`] points to.
+#[derive(Debug)]
+pub struct Shared {
     pub pool: PgPool,
     pub acceptor: Acceptor,
     /// Appends events (replays).
@@ -132,10 +146,23 @@ enum Grouped {
 
 /// Most jobs `POST /v1/jobs/batch` takes.
 pub const MAX_BATCH_JOBS: usize = 1000;
-/// Accept transactions `POST /v1/jobs`'s group commit runs at once: while one commits, the
-/// requests arriving meanwhile gather for the next (fewer, larger transactions cost less
-/// than many small ones; two keep one lock wait, at most a second, from stopping the rest).
+/// Accept transactions `POST /v1/jobs`'s group commit runs at once at most: while one
+/// commits, the requests arriving meanwhile gather for the next (fewer, larger transactions
+/// cost less than many small ones); the second runs beside the first only when the first
+/// is slow ([`ACCEPT_GATHER`]), so that one lock wait, at most a second, does not stop the
+/// rest.
 const ACCEPT_TRANSACTIONS: usize = 2;
+/// How `POST /v1/jobs`'s group commit gathers a transaction's jobs
+/// ([`crate::batch::Gather`]): one transaction at a time, the next waiting up to 2 ms for as
+/// many jobs as the larger of the two before (keep-alive clients send again within a few
+/// hundred microseconds to a couple of milliseconds of their answers), and a second beside
+/// it only once the first has run 20 ms (a lock wait). 24 clients accepting alone (2 cores):
+/// 24 jobs a transaction instead of 6.4 (half of them 1 or 2), the machine's CPU a job
+/// 217–236 µs instead of 387–419, Postgres's 71–74 instead of 156–169.
+const ACCEPT_GATHER: crate::batch::Gather = crate::batch::Gather {
+    linger: std::time::Duration::from_millis(2),
+    overtake: std::time::Duration::from_millis(20),
+};
 
 /// Accepts `jobs` in one transaction (the group commit); a failure of the whole batch is
 /// each job's, or, if it failed for one job's sake, each is sent back to be accepted alone.
@@ -168,10 +195,11 @@ impl ApiState {
         let work = crate::supervise::Work::default();
         let accepts = {
             let (acceptor, pool) = (acceptor.clone(), pool.clone());
-            crate::batch::Batcher::start(
+            crate::batch::Batcher::gathering(
                 "http",
                 MAX_BATCH_JOBS,
                 ACCEPT_TRANSACTIONS,
+                Some(ACCEPT_GATHER),
                 &work,
                 move |jobs: Vec<NewJob>| {
                     let (acceptor, pool) = (acceptor.clone(), pool.clone());
@@ -181,7 +209,7 @@ impl ApiState {
                 },
             )
         };
-        Self {
+        Self(std::sync::Arc::new(Shared {
             accepts,
             slots: std::sync::Arc::new(tokio::sync::Semaphore::new(
                 config.http.max_concurrent_requests,
@@ -194,7 +222,7 @@ impl ApiState {
             lag: crate::lag::LagReader::new(std::sync::Arc::clone(&config)),
             config,
             work,
-        }
+        }))
     }
 
     /// The API's own tasks (the group commit's, the accepts still committing): once the
