@@ -503,6 +503,11 @@ pub struct Relay {
     /// application.
     #[serde(with = "humantime_serde")]
     pub horizon_warn_after: Duration,
+    /// How often the active relay reads the events topic's `max.message.bytes` again, so a
+    /// limit changed while it runs is followed: events over a lowered one are parked before
+    /// they are sent, and parked events that fit a raised one are sent again.
+    #[serde(with = "humantime_serde")]
+    pub limit_check_interval: Duration,
 }
 
 /// Running jobs.
@@ -1307,6 +1312,9 @@ impl Config {
         }
         if self.relay.poll_interval.is_zero() {
             return invalid("relay.poll_interval", "must be above zero");
+        }
+        if self.relay.limit_check_interval < Duration::from_secs(1) {
+            return invalid("relay.limit_check_interval", "must be at least 1s");
         }
         if self.intake.group.trim().is_empty() {
             return invalid("intake.group", "must not be empty");

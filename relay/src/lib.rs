@@ -154,6 +154,12 @@ async fn relay(
     // outage, fewer replicas in sync than min.insync.replicas) must still show the backlog
     // and its age growing, for the alert to fire.
     let _gauges = AbortOnDropHandle::new(tokio::spawn(publish_gauges(pool.clone())));
+    // The events topic's limit, read again on a task of its own (a broker slow to describe
+    // the topic must not hold a pass up) and followed between passes.
+    let (limit_read, mut limit) = tokio::sync::watch::channel(max_bytes);
+    limit.mark_unchanged();
+    let _limits =
+        AbortOnDropHandle::new(tokio::spawn(read_limit_every(config.clone(), limit_read)));
     let mut horizon_at = Instant::now() - GAUGE_INTERVAL;
     let mut prune_at = Instant::now();
     let mut horizon = horizon::Watch::default();
@@ -166,6 +172,9 @@ async fn relay(
         recheck_limit: false,
         refused_once: std::collections::HashSet::new(),
     };
+    // Events parked under a lower limit than this relay's (by a relay that read it before
+    // the topic's limit was raised) go out now.
+    active.retry_fitting().await?;
     // Whether this connection holds SLEEP_LOCK (writers notify), the busy poll interval, and
     // where the cursor stood after the last pass.
     let mut asleep = false;
@@ -177,8 +186,12 @@ async fn relay(
         // behind it; one whose event could not be enqueued holds back its later events for
         // the rest of the pass.
         let mut blocked = publish::Blocked::default();
+        if limit.has_changed().unwrap_or(false) {
+            let now = *limit.borrow_and_update();
+            active.follow_limit(now).await?;
+        }
         if active.recheck_limit {
-            active.refresh_limit().await;
+            active.refresh_limit().await?;
         }
         let stop = active.release(&mut blocked).await?
             || active.drain_log(&mut blocked).await?
@@ -265,6 +278,23 @@ async fn publish_gauges(pool: PgPool) {
     }
 }
 
+/// Reads the events topic's limit every `relay.limit_check_interval` while this relay is
+/// active, the first time at once, and hands each reading to the pass loop (which follows
+/// it only if it differs from the limit it holds); a failed reading is skipped.
+async fn read_limit_every(config: Config, limit: tokio::sync::watch::Sender<usize>) {
+    loop {
+        match tokio::time::timeout(LIMIT_CHECK, kafka::current_event_limit(&config)).await {
+            Ok(Ok(now)) => {
+                limit.send_replace(now);
+            }
+            Ok(Err(e)) => tracing::debug!(error = %format!("{e:#}"),
+                "Cannot read the events topic's limit; looking again later."),
+            Err(_) => tracing::debug!("The brokers did not describe the events topic in time."),
+        }
+        tokio::time::sleep(config.relay.limit_check_interval).await;
+    }
+}
+
 /// Takes [`SLEEP_LOCK`] if no writer holds it: true if the relay may now sleep until notified.
 async fn try_sleep(conn: &mut PgConnection) -> Result<bool, sqlx::Error> {
     sqlx::query_scalar!(
@@ -331,29 +361,13 @@ impl Active<'_> {
         Some(outcome)
     }
 
-    /// Reads the events topic's `max.message.bytes` again; if the largest event the relay
-    /// may send changed, holds events to the new limit with a producer built for it. Called
-    /// between passes, with nothing in flight.
-    async fn refresh_limit(&mut self) {
+    /// Reads the events topic's `max.message.bytes` again and follows it
+    /// ([`Active::follow_limit`]); if the brokers do not answer, keeps the limit it has.
+    /// Called between passes, with nothing in flight.
+    async fn refresh_limit(&mut self) -> anyhow::Result<()> {
         self.recheck_limit = false;
         match tokio::time::timeout(LIMIT_CHECK, kafka::current_event_limit(self.config)).await {
-            Ok(Ok(limit)) if limit != self.max_bytes => {
-                tracing::info!(
-                    before = self.max_bytes,
-                    now = limit,
-                    "The events topic's limit changed; events are held to the new one."
-                );
-                match publish::producer_for(self.config, limit) {
-                    Ok(producer) => {
-                        *self.producer = producer;
-                        self.max_bytes = limit;
-                    }
-                    Err(e) => {
-                        tracing::warn!(error = %e, "Cannot build a producer for the new limit.")
-                    }
-                }
-            }
-            Ok(Ok(_)) => {}
+            Ok(Ok(limit)) => self.follow_limit(limit).await?,
             Ok(Err(e)) => tracing::warn!(error = %format!("{e:#}"), max_bytes = self.max_bytes,
                 "Cannot read the events topic's limit; keeping the one the relay has."),
             Err(_) => tracing::warn!(
@@ -361,6 +375,49 @@ impl Active<'_> {
                 "The brokers did not describe the events topic in time; keeping the limit the relay has."
             ),
         }
+        Ok(())
+    }
+
+    /// Holds events to `limit`, the largest event the topic and the producer take as just
+    /// read, if it differs from the one the relay has: with a producer built for it, and, if
+    /// it was raised, with the parked events that fit it now sent again
+    /// ([`Active::retry_fitting`]) — a limit lowered for a while and raised again needs no
+    /// operator for what was parked meanwhile. Called between passes, with nothing in flight.
+    async fn follow_limit(&mut self, limit: usize) -> anyhow::Result<()> {
+        if limit == self.max_bytes {
+            return Ok(());
+        }
+        tracing::info!(
+            before = self.max_bytes,
+            now = limit,
+            "The events topic's limit changed; events are held to the new one."
+        );
+        match publish::producer_for(self.config, limit) {
+            Ok(producer) => {
+                *self.producer = producer;
+                let raised = limit > self.max_bytes;
+                self.max_bytes = limit;
+                if raised {
+                    self.retry_fitting().await?;
+                }
+            }
+            Err(e) => tracing::warn!(error = %e, "Cannot build a producer for the new limit."),
+        }
+        Ok(())
+    }
+
+    /// Releases the parked events that fit the relay's limit ([`parked::retry_fitting`]).
+    async fn retry_fitting(&mut self) -> anyhow::Result<()> {
+        let released = parked::retry_fitting(&mut self.conn, self.max_bytes).await?;
+        if released > 0 {
+            tracing::info!(
+                released,
+                max_event_bytes = self.max_bytes,
+                "Parked events that fit the events topic's limit now are sent again, their \
+                 documents' waiting events behind them."
+            );
+        }
+        Ok(())
     }
 
     /// Sends the parked events an operator released (a retry asked for, or the refused
@@ -382,7 +439,7 @@ impl Active<'_> {
             }
             // An operator asked for a retry, likely after raising the topic's limit.
             if !limit_read {
-                self.refresh_limit().await;
+                self.refresh_limit().await?;
                 limit_read = true;
             }
             let full = rows.len() == self.config.relay.batch_size as usize;

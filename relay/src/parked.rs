@@ -221,9 +221,9 @@ macro_rules! on_selected {
 }
 
 /// Asks the active relay to send the selected refused events again, with their documents'
-/// waiting events behind them, in order (after the cause was fixed, e.g. the topic's
-/// `max.message.bytes` raised and the relays restarted to read it). Returns how many refused
-/// events were selected. The relay is woken at once.
+/// waiting events behind them, in order, after the cause was fixed (events that fit a raised
+/// `max.message.bytes` the relay sends again by itself: [`retry_fitting`]). Returns how
+/// many refused events were selected. The relay is woken at once.
 ///
 /// # Errors
 /// The connection failed.
@@ -232,6 +232,38 @@ pub async fn request_retry<'c, E: sqlx::PgExecutor<'c>>(
     selection: &Selection,
 ) -> Result<u64, sqlx::Error> {
     on_selected!(executor, selection, "UPDATE relay_parked SET retry_requested_at = now()")
+}
+
+/// Asks for a retry of every refused event that takes at most `max_bytes` in a record batch
+/// (as [`crate::publish::record_size`] counts it) and waits for an operator: refused under a
+/// lower limit than the one the relay holds now (read at start, or a raised limit it read
+/// since), it would be sent as it is. Their documents' waiting events go out behind them,
+/// in order ([`releasable`]). Returns how many refused events it released.
+///
+/// An event the broker refused for another reason than its size, and that fits, is sent
+/// once more and parked again if refused again: this runs once a relay becomes active and
+/// once each time it learns of a higher limit, never in a loop.
+///
+/// # Errors
+/// The connection failed.
+pub async fn retry_fitting(conn: &mut PgConnection, max_bytes: usize) -> Result<u64, sqlx::Error> {
+    let max_bytes = i64::try_from(max_bytes).unwrap_or(i64::MAX);
+    let overhead = crate::publish::RECORD_OVERHEAD_BYTES as i64;
+    let done = sqlx::query!(
+        r#"
+        UPDATE relay_parked p SET retry_requested_at = now()
+        FROM job_events e
+        WHERE e.seq = p.seq AND p.refused AND p.retry_requested_at IS NULL
+          AND $2::bigint + octet_length(p.key) + octet_length(e.body) + octet_length(e.kind)
+              + coalesce(octet_length(e.traceparent), 0) + coalesce(octet_length(e.tracestate), 0)
+              <= $1::bigint
+        "#,
+        max_bytes,
+        overhead,
+    )
+    .execute(conn)
+    .await?;
+    Ok(done.rows_affected())
 }
 
 /// Drops the selected refused events: they stay in `job_events` (the log of record) but

@@ -917,13 +917,15 @@ async fn after_cursor(it: &Installation) -> i64 {
 /// An event Kafka will not take (larger than its topic allows, written under an older,
 /// larger input limit) is parked and the cursor moves on: every other document's events
 /// reach the topic once, with no re-sends; the refused document's later events wait behind
-/// it; a retry after the limit is raised sends them all, in order; a dropped event lets the
-/// events behind it go.
+/// it; a retry without a fix is refused again; the limit raised (no retry, no restart), the
+/// relay follows it and sends them all, in order; a dropped event lets the events behind it
+/// go.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_event_kafka_refuses_is_parked_and_every_other_document_flows() {
     use jobfold_relay::parked::{self, Selection};
 
     let mut it = Installation::new("parked").await;
+    it.config.relay.limit_check_interval = Duration::from_secs(1);
     it.config.accept.max_input_bytes = 16 * 1024;
     it.config.processor.max_output_bytes = 16 * 1024;
     let topics = jobfold_common::kafka::jobfold_topics(&it.config);
@@ -986,18 +988,10 @@ async fn an_event_kafka_refuses_is_parked_and_every_other_document_flows() {
     .await;
     assert_eq!(events_on_topic(&it), 52);
 
-    // Raise the topic's limit, restart the relay (it reads the limit at start), retry: the
-    // document's three events go out, in order.
-    shutdown.cancel();
-    relay.await.unwrap().unwrap();
+    // Raise the topic's limit, and nothing else (no restart, no retry): the relay reads it
+    // within relay.limit_check_interval and the document's three events go out, in order.
     set_topic_limit(&it, 1024 * 1024).await;
-    let shutdown = CancellationToken::new();
-    let relay = tokio::spawn(jobfold_relay::run(it.config.clone(), shutdown.clone()));
-    assert_eq!(
-        parked::request_retry(&it.pool, &Selection::Document("doc-big".into())).await.unwrap(),
-        1
-    );
-    eventually(Duration::from_secs(30), "the parked events released", || async {
+    eventually(Duration::from_secs(60), "the parked events released", || async {
         parked_rows(&it).await.is_empty() && events_on_topic(&it) == 55
     })
     .await;
