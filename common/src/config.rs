@@ -597,6 +597,11 @@ pub struct Processor {
     /// How long a revoked partition's running jobs may take to finish before it is released.
     #[serde(with = "humantime_serde")]
     pub revoke_timeout: Duration,
+    /// How often a processor looks at its group for partitions of the events topic that no
+    /// member holds although the group is stable (a static member that died while handing
+    /// them on); one left so past `revoke_timeout` and a look makes it leave and rejoin.
+    #[serde(with = "humantime_serde")]
+    pub assignment_check: Duration,
     /// On the first SIGTERM (or SIGINT): how long running handlers may go on to finish, their
     /// tokens untouched, before they are cancelled and their jobs' leases given back.
     #[serde(with = "humantime_serde")]
@@ -1323,6 +1328,9 @@ impl Config {
             return invalid("intake.max_batch", "must be between 1 and 10000");
         }
         let p = &self.processor;
+        if p.assignment_check < Duration::from_secs(1) {
+            return invalid("processor.assignment_check", "must be at least 1s");
+        }
         if p.group.trim().is_empty() {
             return invalid("processor.group", "must not be empty");
         }

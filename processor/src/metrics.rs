@@ -28,6 +28,12 @@ pub const WAITING_FOR_HANDLER: &str = "jobfold_waiting_for_handler";
 pub const ASSIGNED_PARTITIONS: &str = "jobfold_assigned_partitions";
 /// Rebalances of the processors' group this processor took part in.
 pub const GROUP_REBALANCES_TOTAL: &str = "jobfold_group_rebalances_total";
+/// Gauge: partitions of the events topic the stable group gave to no member, at this
+/// processor's last look (`processor.assignment_check`).
+pub const UNOWNED_PARTITIONS: &str = "jobfold_group_unowned_partitions";
+/// Counter: times this processor left and joined its group again because partitions stayed
+/// unowned (a static member died handing them on).
+pub const GROUP_REJOINS: &str = "jobfold_group_rejoins_total";
 /// Attempts completed, by outcome: succeeded, retry_scheduled, throttled, snoozed, released,
 /// quarantined, superseded.
 pub const COMPLETED_TOTAL: &str = "jobfold_completed_total";
@@ -195,6 +201,20 @@ const DESCRIPTIONS: &[Description] = &[
         Shape::Gauge,
         Unit::Count,
         "Partitions of the events topic this processor holds in its consumer group.",
+    ),
+    Description::new(
+        UNOWNED_PARTITIONS,
+        Shape::Gauge,
+        Unit::Count,
+        "Partitions of the events topic the stable group gave to no member, at this \
+         processor's last look.",
+    ),
+    Description::new(
+        GROUP_REJOINS,
+        Shape::Counter,
+        Unit::Count,
+        "Times this processor left and joined its group again so that partitions no member \
+         held were given out.",
     ),
     Description::new(
         GROUP_REBALANCES_TOTAL,

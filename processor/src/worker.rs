@@ -78,6 +78,7 @@ use crate::store::{Events, JobRow};
 mod attempt;
 mod consumer;
 mod dispatch;
+mod orphans;
 
 #[allow(clippy::wildcard_imports)]
 use self::{attempt::*, consumer::*, dispatch::*};
@@ -296,6 +297,7 @@ fn spawn_background(
         "history",
         crate::history::run(pool.clone(), shared.owner.clone(), shutdown.clone()),
     );
+    tasks.spawn("assignment check", orphans::watch(Arc::clone(shared)));
     let dispatcher_stopped = shutdown.child_token();
     let (stop_dispatcher, dispatching) = (dispatcher_stopped.clone(), Arc::clone(shared));
     tasks.spawn("dispatcher", async move {

@@ -628,6 +628,85 @@ async fn a_processor_started_again_under_its_name_takes_its_partitions_back_with
     it.cleanup().await;
 }
 
+/// A named processor killed while it hands partitions on — its revoke waiting for running
+/// jobs — and started again under its name at once: Kafka hands the new process the old
+/// one's assignment with no rebalance, and the partitions that were on their way to the
+/// other member belong to no one, for good. The processors see it past
+/// `processor.revoke_timeout` and a look (`processor.assignment_check`), one leaves and
+/// rejoins, and every partition is held again: new jobs on each run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn partitions_a_named_processor_died_handing_on_are_given_out_again() {
+    let (it, acceptor) = fast_installation("proc-orphans").await;
+    let mut env = fast_env(&it);
+    // Longer than the test: the dead member is replaced under its name, never timed out.
+    env.insert("JOBFOLD_KAFKA__SESSION_TIMEOUT_MS".into(), "120000".into());
+    env.insert("JOBFOLD_PROCESSOR__REVOKE_TIMEOUT".into(), "10s".into());
+    env.insert("JOBFOLD_PROCESSOR__ASSIGNMENT_CHECK".into(), "1s".into());
+    let named = |name: &str| {
+        let mut env = env.clone();
+        env.insert("JOBFOLD_PROCESSOR__GROUP_INSTANCE_ID".into(), name.into());
+        env
+    };
+    let _relay = Service::start("jobfold-relay", &env);
+    let mut a = Service::start("jobfold-test-processor", &named("proc-a"));
+    let total = f64::from(it.config.topics.partitions);
+    let assigned = "jobfold_assigned_partitions";
+    eventually(Duration::from_secs(60), "a to hold every partition", || async {
+        a.metric(assigned).await == Some(total)
+    })
+    .await;
+    // Jobs running for minutes on every partition: a revoke waits for them.
+    let long: Vec<NewJob> = (0..48)
+        .map(|i| {
+            job(
+                &format!("long-{i}"),
+                1,
+                json!({ "text": "x", "simulate": { "sleep_ms": 600_000 } }),
+            )
+        })
+        .collect();
+    accept_all(&acceptor, &it, &long).await;
+    eventually(Duration::from_secs(60), "the long jobs to run in a", || async {
+        count_where(&it, "SELECT count(*) FROM jobs WHERE state = 'leased'").await == 48
+    })
+    .await;
+    // b joins: a keeps half, and revokes the other half for b, waiting on its jobs; b is
+    // given nothing until a has revoked them and the group rebalances again.
+    let b = Service::start("jobfold-test-processor", &named("proc-b"));
+    eventually(Duration::from_secs(60), "b's first assignment", || async {
+        b.metric("jobfold_group_rebalances_total").await.unwrap_or(0.0) >= 1.0
+    })
+    .await;
+    a.kill9();
+    let again = Service::start("jobfold-test-processor", &named("proc-a"));
+    eventually(Duration::from_secs(180), "every partition held again", || async {
+        let held = (again.metric(assigned).await, b.metric(assigned).await);
+        matches!(held, (Some(x), Some(y)) if x > 0.0 && y > 0.0 && x + y == total)
+    })
+    .await;
+    let rejoins = again.metric("jobfold_group_rejoins_total").await.unwrap_or(0.0)
+        + b.metric("jobfold_group_rejoins_total").await.unwrap_or(0.0);
+    assert!(
+        rejoins >= 1.0,
+        "a processor rejoined to give the unowned partitions out:\n{}\n{}",
+        again.log_text(),
+        b.log_text()
+    );
+    let quick: Vec<NewJob> =
+        (0..40).map(|i| job(&format!("quick-{i}"), 1, json!({ "text": "x" }))).collect();
+    accept_all(&acceptor, &it, &quick).await;
+    eventually(Duration::from_secs(60), "a job on every partition to run", || async {
+        count_where(
+            &it,
+            "SELECT count(*) FROM jobs WHERE document_id LIKE 'quick-%' AND state = 'succeeded'",
+        )
+        .await
+            == 40
+    })
+    .await;
+    it.cleanup().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn poison_messages_among_a_thousand_each_become_one_dead_letter() {
     use rdkafka::message::{Header, OwnedHeaders};
