@@ -36,7 +36,7 @@ fn every_revert_patch_still_applies() {
         .filter(|path| path.extension().is_some_and(|e| e == "patch"))
         .collect();
     patches.sort();
-    assert_eq!(patches.len(), 20, "{patches:?}");
+    assert_eq!(patches.len(), 22, "{patches:?}");
     for patch in patches {
         let status = std::process::Command::new("git")
             .args(["apply", "--check"])
