@@ -599,7 +599,8 @@ pub struct Processor {
     pub revoke_timeout: Duration,
     /// How often a processor looks at its group for partitions of the events topic that no
     /// member holds although the group is stable (a static member that died while handing
-    /// them on); one left so past `revoke_timeout` and a look makes it leave and rejoin.
+    /// them on); one left so past `revoke_timeout`, the session time-out and a look makes
+    /// it leave and rejoin.
     #[serde(with = "humantime_serde")]
     pub assignment_check: Duration,
     /// On the first SIGTERM (or SIGINT): how long running handlers may go on to finish, their

@@ -686,6 +686,9 @@ pub async fn run(plan: &Plan) -> anyhow::Result<Outcome> {
         ("JOBFOLD_RELAY__STANDBY_RETRY", "200ms".into()),
         ("JOBFOLD_RELAY__POLL_INTERVAL", "200ms".into()),
         ("JOBFOLD_KAFKA__SESSION_TIMEOUT_MS", "6000".into()),
+        // Partitions a named processor left to no one as it died (aborted by a bad job
+        // while handing them on) are given out again within 13 s, inside the fault's window.
+        ("JOBFOLD_PROCESSOR__ASSIGNMENT_CHECK", "2s".into()),
         // CAMPAIGN_RUST_LOG sets the processes' log filter for a closer look at a run.
         ("RUST_LOG", std::env::var("CAMPAIGN_RUST_LOG").unwrap_or_else(|_| "info".into())),
     ]

@@ -632,14 +632,15 @@ async fn a_processor_started_again_under_its_name_takes_its_partitions_back_with
 /// jobs — and started again under its name at once: Kafka hands the new process the old
 /// one's assignment with no rebalance, and the partitions that were on their way to the
 /// other member belong to no one, for good. The processors see it past
-/// `processor.revoke_timeout` and a look (`processor.assignment_check`), one leaves and
-/// rejoins, and every partition is held again: new jobs on each run.
+/// `processor.revoke_timeout`, the session time-out and a look
+/// (`processor.assignment_check`), one leaves and rejoins, and every partition is held
+/// again: new jobs on each run.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn partitions_a_named_processor_died_handing_on_are_given_out_again() {
     let (it, acceptor) = fast_installation("proc-orphans").await;
     let mut env = fast_env(&it);
-    // Longer than the test: the dead member is replaced under its name, never timed out.
-    env.insert("JOBFOLD_KAFKA__SESSION_TIMEOUT_MS".into(), "120000".into());
+    // Longer than a restart: the dead member is replaced under its name, not timed out.
+    env.insert("JOBFOLD_KAFKA__SESSION_TIMEOUT_MS".into(), "20000".into());
     env.insert("JOBFOLD_PROCESSOR__REVOKE_TIMEOUT".into(), "10s".into());
     env.insert("JOBFOLD_PROCESSOR__ASSIGNMENT_CHECK".into(), "1s".into());
     let named = |name: &str| {

@@ -13,8 +13,8 @@
 //! So each processor looks at its group every `processor.assignment_check`: the members'
 //! assignments as the coordinator holds them ([`assigned`]), against the partitions of the
 //! events topic. A partition the stable group leaves to no one for longer than a revocation
-//! may take (`processor.revoke_timeout`, plus a look) is an orphan: the processor that sees
-//! it leaves the group and joins again, so the group rebalances and the leader gives every
+//! and a dead member's session may take ([`grace`]) is an orphan: the processor that sees it
+//! leaves the group and joins again, so the group rebalances and the leader gives every
 //! partition out (`jobfold_group_rejoins_total`, and a WARN naming the partitions).
 
 use std::collections::BTreeSet;
@@ -36,10 +36,10 @@ pub(super) enum Look {
 }
 
 /// Looks at the group every `processor.assignment_check` until `shutdown`, and makes it
-/// rebalance when a partition stays unowned past `processor.revoke_timeout` plus a look.
+/// rebalance when a partition stays unowned past [`grace`].
 pub(super) async fn watch(shared: Arc<Shared>) {
     let every = shared.config.processor.assignment_check;
-    let grace = shared.config.processor.revoke_timeout + every;
+    let grace = grace(&shared.config);
     // Since when (and which) partitions have been unowned at every look.
     let mut unowned: Option<(BTreeSet<i32>, Instant)> = None;
     loop {
@@ -93,6 +93,23 @@ pub(super) async fn watch(shared: Arc<Shared>) {
         metrics::counter!(pm::GROUP_REJOINS).increment(1);
         rejoin(&shared).await;
     }
+}
+
+/// librdkafka's `session.timeout.ms` when `[kafka]` does not set it.
+const SESSION_TIMEOUT_DEFAULT: Duration = Duration::from_secs(45);
+
+/// How long a partition may stay unowned in a stable group before it counts as orphaned: a
+/// revocation's wait (`processor.revoke_timeout`); a dead member's session, which the group
+/// waits out before it rebalances by itself (an unnamed member's death heals so, and the
+/// check keeps out of its way); and a look.
+fn grace(config: &Config) -> Duration {
+    let session = config
+        .kafka
+        .0
+        .get("session.timeout.ms")
+        .and_then(|ms| ms.parse().ok())
+        .map_or(SESSION_TIMEOUT_DEFAULT, Duration::from_millis);
+    config.processor.revoke_timeout + session + config.processor.assignment_check
 }
 
 /// One look: the group's state and its members' assignments, against the topic's
