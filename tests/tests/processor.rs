@@ -553,6 +553,16 @@ async fn partitions_of(it: &Installation, processor: &Service) -> Vec<i32> {
     .await
 }
 
+/// `env` for a processor named `name` in its group (`processor.group_instance_id`).
+fn named(
+    env: &std::collections::HashMap<String, String>,
+    name: &str,
+) -> std::collections::HashMap<String, String> {
+    let mut env = env.clone();
+    env.insert("JOBFOLD_PROCESSOR__GROUP_INSTANCE_ID".into(), name.into());
+    env
+}
+
 /// Static membership (`processor.group_instance_id`): a processor killed and started again
 /// under its name gets its partitions back at once — the group does not wait out the dead
 /// one's session (two minutes here, longer than the test waits), and the other member takes
@@ -563,11 +573,7 @@ async fn a_processor_started_again_under_its_name_takes_its_partitions_back_with
     let (it, acceptor) = fast_installation("proc-static").await;
     let mut env = fast_env(&it);
     env.insert("JOBFOLD_KAFKA__SESSION_TIMEOUT_MS".into(), "120000".into());
-    let named = |name: &str| {
-        let mut env = env.clone();
-        env.insert("JOBFOLD_PROCESSOR__GROUP_INSTANCE_ID".into(), name.into());
-        env
-    };
+    let named = |name: &str| named(&env, name);
     let _relay = Service::start("jobfold-relay", &env);
     let mut a = Service::start("jobfold-test-processor", &named("proc-a"));
     let mut b = Service::start("jobfold-test-processor", &named("proc-b"));
@@ -643,11 +649,7 @@ async fn partitions_a_named_processor_died_handing_on_are_given_out_again() {
     env.insert("JOBFOLD_KAFKA__SESSION_TIMEOUT_MS".into(), "20000".into());
     env.insert("JOBFOLD_PROCESSOR__REVOKE_TIMEOUT".into(), "10s".into());
     env.insert("JOBFOLD_PROCESSOR__ASSIGNMENT_CHECK".into(), "1s".into());
-    let named = |name: &str| {
-        let mut env = env.clone();
-        env.insert("JOBFOLD_PROCESSOR__GROUP_INSTANCE_ID".into(), name.into());
-        env
-    };
+    let named = |name: &str| named(&env, name);
     let _relay = Service::start("jobfold-relay", &env);
     let mut a = Service::start("jobfold-test-processor", &named("proc-a"));
     let total = f64::from(it.config.topics.partitions);

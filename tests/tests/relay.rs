@@ -919,7 +919,7 @@ async fn after_cursor(it: &Installation) -> i64 {
 /// reach the topic once, with no re-sends; the refused document's later events wait behind
 /// it; a retry without a fix is refused again; the limit raised (no retry, no restart), the
 /// relay follows it and sends them all, in order; a dropped event lets the events behind it
-/// go.
+/// go; one parked under a lower limit goes out when the next relay becomes active.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_event_kafka_refuses_is_parked_and_every_other_document_flows() {
     use jobfold_relay::parked::{self, Selection};
@@ -1036,6 +1036,33 @@ async fn an_event_kafka_refuses_is_parked_and_every_other_document_flows() {
     .await;
     shutdown.cancel();
     relay.await.unwrap().unwrap();
+
+    // Parked by a relay that read a lower limit, then the limit raised while no relay runs:
+    // the next relay to become active sends the event at once (its own reading finds the
+    // limit it started with, so only its activation can release it; it looks again in an
+    // hour).
+    set_topic_limit(&it, 64 * 1024).await;
+    let (stop_low, stop_high) = (CancellationToken::new(), CancellationToken::new());
+    let low = tokio::spawn(jobfold_relay::run(it.config.clone(), stop_low.clone()));
+    generous.accept(&it.pool, &large("doc-restart", 1, 100_000)).await.unwrap();
+    eventually(Duration::from_secs(30), "doc-restart parked", || async {
+        parked_rows(&it).await.len() == 1
+    })
+    .await;
+    stop_low.cancel();
+    low.await.unwrap().unwrap();
+    set_topic_limit(&it, 1024 * 1024).await;
+    let mut slow_to_look = it.config.clone();
+    slow_to_look.relay.limit_check_interval = Duration::from_secs(3600);
+    let high = tokio::spawn(jobfold_relay::run(slow_to_look, stop_high.clone()));
+    eventually(
+        Duration::from_secs(30),
+        "doc-restart released by the next active relay",
+        || async { parked_rows(&it).await.is_empty() && events_on_topic(&it) == 57 },
+    )
+    .await;
+    stop_high.cancel();
+    high.await.unwrap().unwrap();
     it.cleanup().await;
 }
 
