@@ -64,6 +64,8 @@ const ROLLING_RESTART: &str = "rolling restart of the processors (SIGTERM each, 
 
 /// The fault an operator's pause is: the test kind paused in every processor for a few
 /// seconds, then resumed.
+/// How long a stopped process is given to exit before kill -9 (a deploy's grace period).
+const STOP_GRACE: Duration = Duration::from_secs(20);
 const PAUSE_RESUME: &str = "the kind paused for seconds, then resumed (operator)";
 
 /// What to run.
@@ -378,6 +380,34 @@ impl Fleet {
                 self.deaths.insert(s.pid());
             }
             s.kill9();
+        }
+    }
+
+    /// Stops slot `i`'s process as a deploy does: SIGTERM, then, as a deploy's grace period
+    /// ends, kill -9 if it has not exited within [`STOP_GRACE`]. A stop can outlast it when
+    /// the faults hold Postgres's commits (a primary waiting for its standby), and the jobs
+    /// it ran are then charged a crash: a death the campaign caused, counted and explained
+    /// from the process's log.
+    fn terminate(&mut self, i: usize) {
+        self.bank(i);
+        let binary = self.slots[i].binary;
+        if let Some(mut s) = self.slots[i].service.take() {
+            s.signal("TERM");
+            if s.wait_exit(STOP_GRACE).is_none() {
+                let pid = s.pid();
+                if binary == "jobfold-test-processor" {
+                    self.deaths.insert(pid);
+                }
+                s.kill9();
+                eprintln!(
+                    "campaign: {binary} (pid {pid}) was still stopping {STOP_GRACE:?} after \
+                     SIGTERM and was killed; its log ends:\n  {}",
+                    exit_reason(&s.log_text()).join("\n  ")
+                );
+                self.count(format!(
+                    "{binary} still stopping {STOP_GRACE:?} after SIGTERM: kill -9"
+                ));
+            }
         }
     }
 
@@ -1313,13 +1343,7 @@ async fn inject(
             // A deploy: each processor in turn stops gracefully (SIGTERM: its running jobs
             // finish or are given back) and a new one takes its place.
             for i in processors {
-                fleet.bank(i);
-                if let Some(mut s) = fleet.slots[i].service.take() {
-                    s.signal("TERM");
-                    if s.wait_exit(Duration::from_secs(20)).is_none() {
-                        s.kill9();
-                    }
-                }
+                fleet.terminate(i);
                 fleet.replace(i, None);
             }
             fleet.count(ROLLING_RESTART);
@@ -1331,13 +1355,7 @@ async fn inject(
                 fleet.count("add processor (rebalance)");
             } else {
                 let i = processors[rng.random_range(0..processors.len())];
-                fleet.bank(i);
-                if let Some(mut s) = fleet.slots[i].service.take() {
-                    s.signal("TERM");
-                    if s.wait_exit(Duration::from_secs(20)).is_none() {
-                        s.kill9();
-                    }
-                }
+                fleet.terminate(i);
                 fleet.slots.remove(i);
                 fleet.publish_ports();
                 fleet.count("remove processor (rebalance)");
