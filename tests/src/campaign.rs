@@ -62,10 +62,10 @@ use crate::history::{self, Acknowledged, History};
 /// The fault a deploy is: every processor stopped gracefully in turn and replaced.
 const ROLLING_RESTART: &str = "rolling restart of the processors (SIGTERM each, replaced)";
 
-/// The fault an operator's pause is: the test kind paused in every processor for a few
-/// seconds, then resumed.
 /// How long a stopped process is given to exit before kill -9 (a deploy's grace period).
 const STOP_GRACE: Duration = Duration::from_secs(20);
+/// The fault an operator's pause is: the test kind paused in every processor for a few
+/// seconds, then resumed.
 const PAUSE_RESUME: &str = "the kind paused for seconds, then resumed (operator)";
 
 /// What to run.
@@ -404,9 +404,13 @@ impl Fleet {
                      SIGTERM and was killed; its log ends:\n  {}",
                     exit_reason(&s.log_text()).join("\n  ")
                 );
+                // Counted at its own time; the start of the fault it happens in (a deploy,
+                // a removal) stays that fault's.
+                let landing = self.landing.take();
                 self.count(format!(
                     "{binary} still stopping {STOP_GRACE:?} after SIGTERM: kill -9"
                 ));
+                self.landing = landing;
             }
         }
     }
