@@ -170,8 +170,10 @@ impl Batch<'_> {
             .get(kind)
             .ok_or_else(|| anyhow::anyhow!("no handler for kind {kind:?} in this processor"))?;
         use futures::FutureExt;
-        let write =
-            std::panic::AssertUnwindSafe(handler.commit_boxed(tx, &attempt.context, output));
+        let write = std::panic::AssertUnwindSafe(crate::panics::User::new(
+            crate::panics::Call::new(kind, "commit"),
+            handler.commit_boxed(tx, &attempt.context, output),
+        ));
         match write.catch_unwind().await {
             Ok(committed) => Ok(committed?),
             Err(panic) => Err(CommitPanicked(crate::handler::panic_message(panic.as_ref())).into()),

@@ -49,6 +49,7 @@ pub mod lag;
 pub mod lease;
 pub mod metrics;
 pub mod offsets;
+pub mod panics;
 pub mod pauses;
 pub mod periodic;
 pub mod presence;
@@ -231,6 +232,8 @@ impl Processor {
             }
             .into());
         }
+        // A handler's panics are its jobs' failures, reported without a backtrace.
+        panics::install();
         serve(self.config, handlers, self.parts, shutdown).await
     }
 }

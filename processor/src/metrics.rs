@@ -69,6 +69,9 @@ pub const CRASHED_RUNS_TOTAL: &str = "jobfold_crashed_runs_total";
 /// transaction because another such job of this process was running inside one
 /// ([`crate::lease::Wary`]).
 pub const CRASHED_KEPT_APART_TOTAL: &str = "jobfold_crashed_kept_apart_total";
+/// Counter, by kind and call (`run`, `commit`, `cost`): panics raised in handlers' code, each
+/// its job's failure, reported without a backtrace ([`crate::panics`]).
+pub const HANDLER_PANICS_TOTAL: &str = "jobfold_handler_panics_total";
 /// Gauge, by kind this processor runs: 1 while an operator has it paused (as last read from
 /// `kind_pauses`), else 0.
 pub const KIND_PAUSED: &str = "jobfold_kind_paused";
@@ -336,6 +339,12 @@ const DESCRIPTIONS: &[Description] = &[
         Shape::Counter,
         Unit::Count,
         "Dispatches of jobs a death found running before, held for a later lease transaction: one such job at a time runs inside one.",
+    ),
+    Description::new(
+        HANDLER_PANICS_TOTAL,
+        Shape::Counter,
+        Unit::Count,
+        "Panics raised in handlers' run, commit or cost, by kind and call: each fails its job's attempt, and is logged (one a second at most) without a backtrace.",
     ),
     Description::new(
         TASK_FAILURES_TOTAL,

@@ -8,6 +8,7 @@
 //!   answers ends at the kind's `request_timeout`; other kinds' jobs run meanwhile;
 //! - Rust handlers: a panic in `commit` or in `cost` is that job's failure, naming it; a
 //!   `retry_after` of 3,000 years waits `max_retry_after`; snoozes stop at `max_snoozes`;
+//! - a handler's panics are counted and logged without a backtrace, jobfold's own keep it;
 //! - a background task that dies stops the processor (exit non-zero), not just itself;
 //! - a job that aborts its process is counted as an attempt and a crash each time, and is
 //!   quarantined at `max_crashes`, saying so, while the other documents' jobs flow.
@@ -403,12 +404,62 @@ async fn a_background_task_that_dies_stops_the_processor() {
         "JOBFOLD_FAILPOINT".into(),
         format!("{}@3:panic", jobfold_common::failpoint::PROCESSOR_HEARTBEAT),
     );
+    // jobfold's own panics keep the report Rust's hook gives them, backtrace and all: only a
+    // handler's go without one (a_handlers_panics_are_reported_without_a_backtrace).
+    env.insert("RUST_BACKTRACE".into(), "1".into());
     let mut processor = Service::start("jobfold-test-processor", &env);
     let status =
         processor.wait_exit(Duration::from_secs(60)).expect("the processor stops on its own");
     let log = processor.log_text();
     assert!(!status.success(), "{log}");
     assert!(log.contains("the heartbeat task panicked"), "{log}");
+    assert!(log.contains("stack backtrace:"), "{log}");
+    it.cleanup().await;
+}
+
+/// A handler's panics — in `run`, `commit` and `cost` — are counted by kind and call and
+/// logged as a warning, with no backtrace even under `RUST_BACKTRACE=1`: symbolising one
+/// holds a lock every panicking thread of the process waits for, so a kind panicking on
+/// every job would slow every job beside it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handlers_panics_are_reported_without_a_backtrace() {
+    let it = Installation::new("boundary-panic-report").await;
+    it.create_topics().await;
+    let mut env = it.fast_env(&jobfold_tests::kafka::unique_name("boundary-panic-report"));
+    env.insert("RUST_BACKTRACE".into(), "1".into());
+    env.insert("JOBFOLD_ACCEPT__DEFAULT_MAX_ATTEMPTS".into(), "2".into());
+    // A limit no load reaches, so that `cost` is asked.
+    env.insert("JOBFOLD_KINDS__INDEX-DOCUMENT__COST_PER_MINUTE".into(), "1000000000".into());
+    let _relay = Service::start("jobfold-relay", &env);
+    let processor = Service::start("jobfold-test-processor", &env);
+    let acceptor = it.acceptor().await;
+    let simulate = |doc: &str, simulate: Value| {
+        index_job(doc, 1, json!({ "text": doc, "simulate": simulate }))
+    };
+    let jobs = [
+        simulate("doc-commit", json!({ "commit_panic": true })),
+        simulate("doc-cost", json!({ "cost_panic": true })),
+        simulate("doc-plain", json!({})),
+        simulate("doc-run", json!({ "panic": true })),
+    ];
+    accept_all(&acceptor, &it, &jobs).await;
+    let kind = jobfold_tests::handlers::KIND;
+    eventually(Duration::from_secs(90), "every job to end", || ended(&it, kind)).await;
+    let states: Vec<String> = state_of(&it, kind).await.into_iter().map(|(s, _, _)| s).collect();
+    assert_eq!(states, ["quarantined", "quarantined", "succeeded", "quarantined"]);
+    for call in ["commit", "cost", "run"] {
+        eventually(Duration::from_secs(30), &format!("{call}'s panics to be counted"), || async {
+            let text = processor.scrape().await.unwrap_or_default();
+            let labels = [("kind", kind), ("call", call)];
+            metric_value(&text, "jobfold_handler_panics_total", &labels).unwrap_or(0.0) >= 1.0
+        })
+        .await;
+    }
+    let log = processor.log_text();
+    assert!(log.contains("A handler panicked"), "{log}");
+    assert!(log.contains("simulated panic"), "the panic's message is logged: {log}");
+    assert!(!log.contains("stack backtrace"), "a handler's panic took a backtrace: {log}");
+    assert!(!log.contains("panicked at"), "Rust's own report was printed too: {log}");
     it.cleanup().await;
 }
 

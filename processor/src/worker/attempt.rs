@@ -176,7 +176,7 @@ pub(super) async fn try_handle(
     // shutdown while waiting leaves the message for redelivery.
     let revoked = shared.tracker.lock().expect("tracker").revoked(ticket);
     let (cost, handler) = if shared.quotas.costs(&event.job_kind) {
-        match Box::pin(cost_of(shared, event.job_id, handler.as_ref())).await? {
+        match Box::pin(cost_of(shared, event.job_id, &event.job_kind, handler.as_ref())).await? {
             Ok(cost) => (cost, handler),
             // The handler's `cost` panicked on this input: the job's failure, not the
             // document's or the partition's. It is leased and its attempt fails, naming the
@@ -235,12 +235,16 @@ pub(super) async fn set_aside(shared: &Shared, message: &Held, reason: &str) -> 
 pub(super) async fn cost_of(
     shared: &Shared,
     job_id: uuid::Uuid,
+    kind: &str,
     handler: &dyn crate::handler::ErasedHandler,
 ) -> anyhow::Result<Result<u64, String>> {
     let input = crate::status::input(&shared.pool, job_id).await?;
     let Some(input) = input else { return Ok(Ok(1)) };
-    Ok(std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| handler.cost_of(&input)))
-        .map_err(|panic| panic_message(panic.as_ref())))
+    let call = crate::panics::Call::new(kind, "cost");
+    Ok(std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        crate::panics::user(&call, || handler.cost_of(&input))
+    }))
+    .map_err(|panic| panic_message(panic.as_ref())))
 }
 
 /// Stands in for a handler that cannot be run on this job: every attempt fails retryably
@@ -573,7 +577,11 @@ pub(super) async fn run_contained(
 ) -> Result<serde_json::Value, HandlerError> {
     let run = crate::callback::SCOPE.scope(
         Arc::clone(&shared.callbacks),
-        std::panic::AssertUnwindSafe(handler.run_boxed(context, cancel.clone())).catch_unwind(),
+        std::panic::AssertUnwindSafe(crate::panics::User::new(
+            crate::panics::Call::new(&context.kind, "run"),
+            handler.run_boxed(context, cancel.clone()),
+        ))
+        .catch_unwind(),
     );
     // Past the kind's run time-out the token fires and the run is dropped: a handler that
     // hangs, or ignores its token, costs its own attempt, not a slot for ever. Without one,
