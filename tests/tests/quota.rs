@@ -7,7 +7,8 @@
 //! - a 429 holds the whole kind back for its `Retry-After`, in both processors, and the
 //!   throttled jobs succeed later on their first attempt's budget (`max_attempts = 1`);
 //! - a job waiting for its kind's quota holds none of the processor's slots: other kinds run
-//!   meanwhile, even with one slot in all.
+//!   meanwhile, even with one slot in all;
+//! - a redelivered dispatch takes no quota.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -256,6 +257,53 @@ async fn a_job_waiting_for_quota_holds_no_process_slot() {
     let text = group.processor().scrape().await.unwrap_or_default();
     assert_eq!(metric_value(&text, "jobfold_quota_waiting", &[("kind", "limited")]), Some(1.0));
     assert_eq!(metered.lock().unwrap().len(), 6, "one limited call and five free ones");
+    drop(group);
+    it.cleanup().await;
+}
+
+/// A redelivered dispatch takes no quota: a rebalance re-reading a partition's finished work
+/// (its offsets trail its slowest document) would otherwise spend the provider's requests on
+/// jobs already done, taken from the work still to do. Every event of five finished jobs
+/// goes out again; the processor skips their five dispatches as duplicates, and the quota
+/// its kind has taken stays where it was.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_redelivered_dispatch_takes_no_quota() {
+    let it = Installation::new("quota_dup").await;
+    it.create_topics().await;
+    let (url, metered, _) = provider().await;
+    let kinds = format!("[kinds.limited]\nurl = \"{url}/metered\"\nrate_per_second = 1000\n");
+    let group = it.start_group("quota", &kinds, 1).await;
+    let acceptor = it.acceptor().await;
+    let jobs: Vec<NewJob> = (0..5).map(|n| job("limited", n, json!({}))).collect();
+    acceptor.accept_batch(&it.pool, &jobs).await.unwrap();
+    eventually(Duration::from_secs(60), "the jobs to succeed", || async {
+        succeeded(&it, "limited").await == 5
+    })
+    .await;
+    eventually(Duration::from_secs(30), "their events to go out", || async {
+        it.unpublished().await == 0
+    })
+    .await;
+    let processor = group.processor();
+    let counters = || async {
+        let text = processor.scrape().await.unwrap_or_default();
+        let requests = [("kind", "limited"), ("unit", "requests")];
+        (
+            metric_value(&text, "jobfold_quota_taken_total", &requests).unwrap_or(0.0),
+            metric_value(&text, "jobfold_duplicates_skipped_total", &[]).unwrap_or(0.0),
+        )
+    };
+    let (taken, skipped) = counters().await;
+    assert!(taken >= 5.0, "each job took a request: {taken}");
+    it.republish_last(it.count("job_events").await).await;
+    eventually(
+        Duration::from_secs(60),
+        "the five redelivered dispatches to be skipped",
+        || async { counters().await.1 >= skipped + 5.0 },
+    )
+    .await;
+    assert_eq!(counters().await.0, taken, "a redelivered dispatch took quota");
+    assert_eq!(metered.lock().unwrap().len(), 5, "no job was called again");
     drop(group);
     it.cleanup().await;
 }

@@ -175,8 +175,12 @@ pub(super) async fn try_handle(
     // A slot (the kind's, then the process's) from here to the completion; a revoke or the
     // shutdown while waiting leaves the message for redelivery.
     let revoked = shared.tracker.lock().expect("tracker").revoked(ticket);
+    // A redelivered dispatch the lease transaction is sure to skip takes no quota.
+    let Seen::Open(input) = Box::pin(seen(shared, &event)).await? else {
+        return Ok(Step::Done);
+    };
     let (cost, handler) = if shared.quotas.costs(&event.job_kind) {
-        match Box::pin(cost_of(shared, event.job_id, &event.job_kind, handler.as_ref())).await? {
+        match cost_of(&event.job_kind, handler.as_ref(), input.as_ref()) {
             Ok(cost) => (cost, handler),
             // The handler's `cost` panicked on this input: the job's failure, not the
             // document's or the partition's. It is leased and its attempt fails, naming the
@@ -230,21 +234,60 @@ pub(super) async fn set_aside(shared: &Shared, message: &Held, reason: &str) -> 
     .await?)
 }
 
-/// A job's cost against its kind's `cost_per_minute`, from its input; `Err` with the panic's
-/// message if the handler's `cost` panicked.
-pub(super) async fn cost_of(
-    shared: &Shared,
-    job_id: uuid::Uuid,
+/// What a dispatch of a kind whose admission takes quota meets in its job's row.
+pub(super) enum Seen {
+    /// The lease transaction is sure to skip it as a duplicate.
+    Over,
+    /// It goes on to its quota and the lease transaction; the job's input, if there is a job.
+    Open(Option<serde_json::Value>),
+}
+
+/// Reads `event`'s job (no lock) and asks [`crate::lease::decide`] about it: a dispatch
+/// older than the one that leased the job's newest attempt, or that one with its attempt
+/// over, is a duplicate — a verdict later writes can only confirm (`dispatch_version` only
+/// rises; an attempt over stays over, a replay dispatching anew). Only then is it
+/// [`Seen::Over`]: a rebalance re-reading a partition's finished work (its offsets trail
+/// its slowest document) would otherwise spend a provider's requests and cost on it, taken
+/// from the work still to do.
+///
+/// A kind whose admission takes no quota is not looked at ([`Seen::Open`] with no input):
+/// the lease transaction decides alone, as for any kind.
+pub(super) async fn seen(shared: &Shared, event: &JobEvent) -> anyhow::Result<Seen> {
+    if !shared.quotas.may_wait(&event.job_kind) {
+        return Ok(Seen::Open(None));
+    }
+    let row = crate::store::select_job_rows!("FROM jobs WHERE job_id = $1", event.job_id)
+        .fetch_optional(&shared.pool)
+        .await?;
+    let Some(job) = row else { return Ok(Seen::Open(None)) };
+    let decision = crate::lease::decide(
+        &job,
+        event.input_version,
+        event.stream_version,
+        None,
+        chrono::Utc::now(),
+    );
+    if decision != crate::lease::LeaseDecision::Duplicate {
+        return Ok(Seen::Open(Some(job.payload)));
+    }
+    metrics::counter!(pm::DUPLICATES_SKIPPED_TOTAL).increment(1);
+    tracing::debug!(event_id = %event.event_id, "Duplicate event skipped before its quota.");
+    Ok(Seen::Over)
+}
+
+/// A job's cost against its kind's `cost_per_minute`, from its input (1 without one);
+/// `Err` with the panic's message if the handler's `cost` panicked.
+pub(super) fn cost_of(
     kind: &str,
     handler: &dyn crate::handler::ErasedHandler,
-) -> anyhow::Result<Result<u64, String>> {
-    let input = crate::status::input(&shared.pool, job_id).await?;
-    let Some(input) = input else { return Ok(Ok(1)) };
+    input: Option<&serde_json::Value>,
+) -> Result<u64, String> {
+    let Some(input) = input else { return Ok(1) };
     let call = crate::panics::Call::new(kind, "cost");
-    Ok(std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        crate::panics::user(&call, || handler.cost_of(&input))
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        crate::panics::user(&call, || handler.cost_of(input))
     }))
-    .map_err(|panic| panic_message(panic.as_ref())))
+    .map_err(|panic| panic_message(panic.as_ref()))
 }
 
 /// Stands in for a handler that cannot be run on this job: every attempt fails retryably
