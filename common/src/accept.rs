@@ -306,7 +306,7 @@ impl Acceptor {
                                   idempotency_key, accepted_at, stream_version,
                                   max_attempts, deadline, run_at)
                 VALUES ($1, $2, $3, $4, $5, $6, $7, 1, $10, $11, $14)
-                ON CONFLICT (idempotency_key) DO NOTHING
+                ON CONFLICT (idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
                 RETURNING job_id
             ), event AS (
                 INSERT INTO job_events (event_id, job_id, stream_version, kind, body, occurred_at,
@@ -517,7 +517,7 @@ impl Acceptor {
                 SELECT job_id, document_id, kind, payload, input_version, idempotency_key, $9, 1,
                        max_attempts, deadline, run_at
                 FROM input ORDER BY n
-                ON CONFLICT (idempotency_key) DO NOTHING
+                ON CONFLICT (idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
                 RETURNING job_id
             ), event AS (
                 INSERT INTO job_events (event_id, job_id, stream_version, kind, body, occurred_at,
