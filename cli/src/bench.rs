@@ -15,6 +15,8 @@ use jobfold_common::config::{Config, Sensitive};
 use jobfold_processor::metrics as pm;
 
 use crate::demo::{peak_rss_mib, rss_mib, wait_finished};
+
+mod rows;
 use jobfold_schemas::{Codec, JobEvent};
 use serde_json::json;
 use sqlx::PgPool;
@@ -279,6 +281,13 @@ pub(crate) async fn run(config: Config, sizes: Sizes) -> anyhow::Result<String> 
         Ok((rows, limits))
     })
     .await?;
+    // A job's statements alone, in a database of their own: nothing else in the tables.
+    let alone = in_scratch(config.clone(), |config| async move {
+        rows::job_rows_alone(&config, sizes.batched_accepts / 3, sizes.batch).await
+    })
+    .await?;
+    let at = rows.iter().position(|r| !r.what.starts_with("limit:")).unwrap_or(rows.len());
+    rows.insert(at, alone);
     // Processing in a database and topics of its own: only its jobs are counted.
     let more = in_scratch(config, |config| async move {
         let mut more = Vec::new();

@@ -36,6 +36,7 @@ fn the_bench_runs_every_measurement() {
         "| limit: Postgres multi-row insert | ",
         "| limit: raw rdkafka producer | ",
         "| limit: raw rdkafka consumer | ",
+        "| limit: a job's Postgres work alone | ",
         "| accept, 1 client | ",
         "| accept, 16 clients | ",
         "| accept, half that rate ",
@@ -72,6 +73,9 @@ fn the_bench_runs_every_measurement() {
     // Where the relay's CPU went, next to the raw producer's (read from /proc).
     let drain = written.lines().find(|l| l.starts_with("| relay, draining")).unwrap();
     assert!(drain.contains("CPU per event") && drain.contains("the raw producer: "), "{drain}");
+    // A job's own statements: the WAL and its backend's CPU a job, from Postgres and /proc.
+    let alone = written.lines().find(|l| l.starts_with("| limit: a job's Postgres")).unwrap();
+    assert!(alone.contains("B of WAL a job") && alone.contains("backend's CPU a job"), "{alone}");
     // Where each end-to-end job's CPU went, by component (read from /proc).
     for burst in written.lines().filter(|l| l.starts_with("| end to end, trivial")) {
         for part in ["CPU per job: ", "µs on the machine (", "Postgres ", "processor ", "relay "] {
