@@ -6,7 +6,7 @@
 //! The full-size run of the same (a 5-minute job through a proxy with a 30 s idle time-out),
 //! past nextest's time-out, with the services running (`docker/services.sh start`, and its
 //! `services.env` sourced): `TEST_LONG_JOB_SECONDS=300 TEST_PROXY_IDLE_SECONDS=30 cargo test
-//! -p jobfold-tests --test clients the_python_library`.
+//! -p jobfold-tests --test suite clients::the_python_library`.
 
 use std::io::BufRead;
 use std::path::PathBuf;
