@@ -11,8 +11,8 @@
 # 3. runs cargo fmt --check, cargo clippy -D warnings with every query checked against a
 #    database migrated from nothing (docker/sqlx.sh lint), the worker libraries' own tests
 #    (clients/), and every test with cargo nextest;
-# 4. with no arguments, the shortened soak (`jobfold soak --duration 120s`), then the shipped
-#    binaries built and checked for fault points (nm, strings);
+# 4. with no arguments, the shipped binaries built and checked for fault points (nm, strings),
+#    then the shortened soak on them (`jobfold soak --duration 120s`);
 # 5. removes the scratch databases and topics the tests left, and stops the services it
 #    started (and only those).
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
@@ -71,6 +71,12 @@ if ! cargo nextest --version >/dev/null 2>&1; then
     fi
 fi
 
+# A fresh clone (CI) has nothing for incremental compilation to reuse: its bookkeeping only
+# slows the builds down there. A developer's repeated runs keep it.
+if [ -n "${CI:-}" ]; then
+    export CARGO_INCREMENTAL="${CARGO_INCREMENTAL:-0}"
+fi
+
 started=()
 swept=0
 # Removes the scratch databases and topics tests and benchmarks leave (a failing test cannot
@@ -121,26 +127,21 @@ step "clients/typescript"
 step "cargo nextest run"
 cargo nextest run --workspace --locked --no-fail-fast "$@"
 
-# The shortened soak: the pipeline under steady load with retention on; it fails unless
-# nothing was lost or done twice and every figure levelled off. Only on a whole run.
+# With no arguments (a whole run): the binaries as they ship, then the shortened soak on them.
 if [ $# -eq 0 ]; then
-    step "soak (120 s)"
-    # The workspace's binaries, as the tests built them: one package set resolves the
-    # dependencies' features once, so nothing is compiled again (a subset, or `cargo run -p`,
-    # would resolve them anew and rebuild them).
-    cargo build --locked --workspace --bins
+    # The package set the Dockerfile ships, and the examples' processor the soak runs, built
+    # once without the tests' fault points (jobfold-common's `failpoints`; a package set
+    # resolves its dependencies' features anew, so this replaces the tests' binaries). No
+    # symbol of a fault point, and no name that arms one, may be in them, even unoptimized.
+    # (Their debug line tables, which a release build does not have, name every source file:
+    # stripped first.) With the examples in the set its features are a superset of the
+    # Dockerfile's: what holds here holds there.
+    step "the shipped binaries have no fault points"
+    cargo build --locked -p jobfold-relay -p jobfold-processor -p jobfold-cli -p jobfold-examples --bins
     target="$(cargo metadata --format-version 1 --no-deps \
         | sed -n 's/.*"target_directory":"\([^"]*\)".*/\1/p')"
-    "$target/debug/jobfold" soak --duration 120s --interval 10s
-
-    # Last, as it replaces the tests' binaries: the package set the Dockerfile ships, built
-    # without the tests' fault points (jobfold-common's `failpoints`). No symbol of them, and
-    # no name that arms one, may be in its binaries, even unoptimized. (Their debug line
-    # tables, which a release build does not have, name every source file: stripped first.)
-    step "the shipped binaries have no fault points"
-    cargo build --locked -p jobfold-relay -p jobfold-processor -p jobfold-cli --bins
     stripped="$(mktemp)"
-    for binary in jobfold-relay jobfold-processor jobfold; do
+    for binary in jobfold-relay jobfold-processor jobfold jobfold-examples; do
         objcopy --strip-debug "$target/debug/$binary" "$stripped"
         found="$( (nm -C "$stripped"; strings "$stripped") \
             | grep -i -e failpoint -e relay-after-produce -e processor-after- -e processor-in-handler \
@@ -151,4 +152,9 @@ if [ $# -eq 0 ]; then
         fi
     done
     rm -f "$stripped"
+
+    # The shortened soak, on those binaries: the pipeline under steady load with retention
+    # on; it fails unless nothing was lost or done twice and every figure levelled off.
+    step "soak (120 s)"
+    "$target/debug/jobfold" soak --duration 120s --interval 10s
 fi
