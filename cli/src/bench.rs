@@ -13,13 +13,13 @@ use hdrhistogram::Histogram;
 use jobfold_common::accept::{Acceptor, NewJob};
 use jobfold_common::config::{Config, Sensitive};
 use jobfold_processor::metrics as pm;
+use jobfold_schemas::{Codec, JobEvent};
+use serde_json::json;
+use sqlx::PgPool;
 
 use crate::demo::{peak_rss_mib, rss_mib, wait_finished};
 
 mod rows;
-use jobfold_schemas::{Codec, JobEvent};
-use serde_json::json;
-use sqlx::PgPool;
 
 /// How long to measure.
 #[derive(Debug, Clone, Copy)]
