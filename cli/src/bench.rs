@@ -1781,7 +1781,8 @@ impl CpuByComponent {
 /// from `/proc`; empty if the database runs elsewhere.
 async fn local_backends(pool: &PgPool, application: &str) -> anyhow::Result<Vec<u32>> {
     let pids = sqlx::query_scalar!(
-        "SELECT pid FROM pg_stat_activity WHERE application_name = $1",
+        "SELECT pid FROM pg_stat_activity \
+         WHERE application_name = $1 AND datname = current_database()",
         application
     )
     .fetch_all(pool)

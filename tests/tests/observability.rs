@@ -47,9 +47,14 @@ async fn post_job(http: u16, body: Value, headers: &[(&str, &str)]) -> reqwest::
     request.send().await.expect("the HTTP API answers")
 }
 
+/// Waits for this test's processor to answer ready on `http`: a 200 carrying the request id
+/// every jobfold answer has, not any answer. (The port was free when it was drawn; another
+/// test's server that took it since would otherwise pass for the processor.)
 async fn wait_http(http: u16) {
     eventually(Duration::from_secs(60), "the HTTP API to answer", || async move {
-        reqwest::get(format!("http://127.0.0.1:{http}/readyz")).await.is_ok()
+        reqwest::get(format!("http://127.0.0.1:{http}/readyz")).await.is_ok_and(|r| {
+            r.status() == reqwest::StatusCode::OK && r.headers().contains_key("x-request-id")
+        })
     })
     .await;
 }
