@@ -4,7 +4,7 @@
 //! dependencies, the handler crate free of the server's, the fault points only in the
 //! tests' builds, no tokio worker put to sleep or left to poll the consumer, every task the
 //! processor starts owned and joined, and no function of the processor longer than a reader
-//! takes in at once.
+//! takes in at once; and every end-to-end test file compiled into the suite.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -353,4 +353,24 @@ fn the_consumer_is_polled_only_on_a_thread_of_its_own() {
     assert!(!calls.is_empty(), "`consume` is called nowhere");
     let on_workers: Vec<usize> = calls.iter().filter(|c| !c.1).map(|c| c.0).collect();
     assert!(on_workers.is_empty(), "`consume` runs outside spawn_blocking: lines {on_workers:?}");
+}
+
+#[test]
+fn every_end_to_end_test_file_is_a_module_of_the_suite() {
+    // With `autotests = false` (tests/Cargo.toml) Cargo no longer finds the files under
+    // tests/tests by itself: one missing from main.rs would compile into nothing and run never.
+    let dir = root().join("tests/tests");
+    let main = std::fs::read_to_string(dir.join("main.rs")).unwrap();
+    let declared: BTreeSet<&str> =
+        code(&main).filter_map(|l| l.trim().strip_prefix("mod ")?.strip_suffix(';')).collect();
+    let files: BTreeSet<String> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "rs"))
+        .map(|p| p.file_stem().unwrap().to_string_lossy().into_owned())
+        .filter(|stem| stem != "main")
+        .collect();
+    assert!(files.len() > 1, "tests/tests holds no test files: {files:?}");
+    let missing: Vec<&String> = files.iter().filter(|f| !declared.contains(f.as_str())).collect();
+    assert!(missing.is_empty(), "test files tests/tests/main.rs leaves out: {missing:?}");
 }
