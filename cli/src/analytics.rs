@@ -1223,6 +1223,7 @@ mod tests {
                 generation: 1,
                 attempt: 1,
                 result: "{}".into(),
+                lease: None,
             }),
         };
         JobEvent {

@@ -3,9 +3,10 @@
 //!
 //! - **arrivals**: `JobRequested` events (a scheduled job arrives at its `run_at`), per second;
 //! - **service time**: how long an attempt held its worker slot, from the lease's own start
-//!   (`JobLeased.leased_at`: a run inside its lease transaction starts before its event is
-//!   stamped at the transaction's end; for events without it, `lease_until` less the kind's
-//!   `lease_ttl` as configured here) to its `JobSucceeded` or
+//!   (`JobLeased.leased_at`, or `JobSucceeded.lease.leased_at` for a run that ended inside its
+//!   lease transaction: such a run starts before its event is stamped at the transaction's
+//!   end; for events without it, `lease_until` less the kind's `lease_ttl` as configured
+//!   here) to its `JobSucceeded` or
 //!   `JobFailed` (or the `JobSuperseded` that ended it);
 //! - **retry share**: attempts that failed, of all attempts that ended;
 //! - **in service**: on average by Little's law (attempts a second × mean service time), and
@@ -328,6 +329,17 @@ pub async fn measure(
                     job.lease = Some((leased.generation, ready, started));
                 }
                 Payload::JobSucceeded(s) => {
+                    // A success that took its own lease (its run ended inside its lease
+                    // transaction) starts its attempt too, at the lease's own start.
+                    // Past the window, only for a dispatch that became ready within it.
+                    if let Some(lease) = &s.lease {
+                        let ready = job.ready.take().map(|ready| ready.min(at));
+                        if !after || ready.zip(until).is_some_and(|(ready, until)| ready <= until) {
+                            let started = lease_start(seconds(lease.leased_at, origin), ready, at);
+                            kind.owners.insert(lease.lease_owner.clone());
+                            job.lease = Some((s.generation, ready, started));
+                        }
+                    }
                     end_attempt(job, s.generation, false);
                     finished = true;
                 }

@@ -144,6 +144,7 @@ fn synthetic(job_id: Uuid, document: &str, step: i32) -> JobEvent {
             generation: 1,
             attempt: 1,
             result: r#"{"words":6}"#.into(),
+            lease: None,
         }),
     };
     JobEvent {

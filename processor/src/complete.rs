@@ -207,13 +207,14 @@ impl Batch<'_> {
     /// Writes `attempts` in `tx`, where `current` holds their jobs as they stand, locked by
     /// it; what became of each, in their order, once `tx` commits. An attempt whose lease
     /// `tx` took and has not written yet has its `JobLeased` in `unwritten`: a success
-    /// writes it with its own event, any other outcome before its own.
+    /// says it in its own event ([`JobSucceeded::lease`](jobfold_schemas::event::JobSucceeded::lease)),
+    /// any other outcome writes it before its own.
     pub(crate) async fn complete_locked(
         &self,
         tx: &mut sqlx::PgConnection,
         mut current: HashMap<Uuid, JobRow>,
         attempts: &[Arc<Attempt>],
-        mut unwritten: HashMap<Uuid, jobfold_schemas::Payload>,
+        mut unwritten: HashMap<Uuid, jobfold_schemas::event::JobLeased>,
     ) -> anyhow::Result<Vec<Completed>> {
         let mut answers: Vec<Option<Completed>> = attempts.iter().map(|_| None).collect();
         let mut successes = Vec::new();

@@ -33,7 +33,7 @@ use crate::batch::{self, Batcher};
 use crate::complete::{Attempt, Completed};
 use crate::handler::{HandlerError, JobContext};
 use crate::store::{self, Events, JobRow};
-use jobfold_schemas::Payload;
+use jobfold_schemas::event::JobLeased;
 use tokio::sync::oneshot;
 
 pub mod decide;
@@ -447,12 +447,12 @@ async fn decide_all(
     Ok((decided, to_lease, ended))
 }
 
-/// An attempt that ended in a lease transaction: its dispatch's index, and the `JobLeased`
-/// to write before it if its lease is not written yet.
-type Finished = (usize, Arc<Attempt>, Option<Payload>);
+/// An attempt that ended in a lease transaction: its dispatch's index, and its lease if not
+/// written yet (a success says it itself, any other outcome writes a `JobLeased` first).
+type Finished = (usize, Arc<Attempt>, Option<JobLeased>);
 
 /// The attempts of the jobs in `died` (their runs died with their process), failed as
-/// [`crashed_attempt`]s, each with the `JobLeased` to write before it if its run had no
+/// [`crashed_attempt`]s, each with the lease to write before it if its run had no
 /// committed lease (it ran in a lease transaction that died).
 fn attempts_that_died(
     settings: &Settings,
@@ -577,7 +577,7 @@ struct Run {
     /// The job, leased in memory.
     job: JobRow,
     /// Its `JobLeased`, not written yet.
-    lease: Payload,
+    lease: JobLeased,
     /// Where its attempt comes back.
     attempt: oneshot::Receiver<Arc<Attempt>>,
     /// Until when it is waited for.
@@ -616,7 +616,9 @@ impl Running {
     /// Waits for each run until its window closes: the attempts finished in time (index,
     /// attempt, unwritten `JobLeased`), and the jobs still running (index, job, `JobLeased`),
     /// whose leases are written to commit alone. A run given up by its task is neither.
-    async fn wait(self) -> (Vec<(usize, Arc<Attempt>, Payload)>, Vec<(usize, JobRow, Payload)>) {
+    async fn wait(
+        self,
+    ) -> (Vec<(usize, Arc<Attempt>, JobLeased)>, Vec<(usize, JobRow, JobLeased)>) {
         let (mut finished, mut pending) = (Vec::new(), Vec::new());
         for Run { index, job, lease, attempt, until } in self.runs {
             match tokio::time::timeout_at(until, attempt).await {

@@ -28,7 +28,7 @@ use chrono::{DateTime, Duration as ChronoDuration, Utc};
 use jobfold_schemas::Payload;
 use jobfold_schemas::event::{
     DispatchReason, ErrorClass, JobFailed, JobLeased, JobQuarantined, JobRetryScheduled,
-    JobSucceeded, JobSuperseded, RetryDue, TraceContext,
+    JobSucceeded, JobSuperseded, LeaseTaken, RetryDue, TraceContext,
 };
 use jobfold_schemas::fold::Status;
 use sqlx::PgConnection;
@@ -230,8 +230,8 @@ pub async fn take_leases(
     let leased = leases
         .into_iter()
         .map(|(job, dispatch_event_id, trace)| {
-            let payload = lease(job, dispatch_event_id, owner, ttl(&job.kind), now)?;
-            Ok((job, payload, trace))
+            let leased = lease(job, dispatch_event_id, owner, ttl(&job.kind), now)?;
+            Ok((job, leased, trace))
         })
         .collect::<anyhow::Result<Vec<_>>>()?;
     write_leases(tx, events, leased).await
@@ -248,20 +248,20 @@ pub fn lease(
     owner: &str,
     ttl: std::time::Duration,
     now: DateTime<Utc>,
-) -> anyhow::Result<Payload> {
+) -> anyhow::Result<JobLeased> {
     let until = now + ChronoDuration::from_std(ttl)?;
     job.generation += 1;
     job.attempt += 1;
     job.lease_until = Some(until);
     job.lease_owner = Some(owner.to_owned());
-    Ok(Payload::JobLeased(JobLeased {
+    Ok(JobLeased {
         generation: job.generation,
         attempt: job.attempt,
         lease_owner: owner.to_owned(),
         lease_until: until,
         leased_at: Some(now),
         dispatch_event_id,
-    }))
+    })
 }
 
 /// Writes leases taken by [`lease`]: their `JobLeased` events and job rows, two statements
@@ -272,7 +272,7 @@ pub fn lease(
 pub async fn write_leases(
     tx: &mut PgConnection,
     events: &Events,
-    leases: Vec<(&mut JobRow, Payload, Option<TraceContext>)>,
+    leases: Vec<(&mut JobRow, JobLeased, Option<TraceContext>)>,
 ) -> anyhow::Result<()> {
     if leases.is_empty() {
         return Ok(());
@@ -287,7 +287,7 @@ pub async fn write_leases(
     );
     let (mut untils, mut owners) = (Vec::with_capacity(n), Vec::with_capacity(n));
     let mut appends = Vec::with_capacity(n);
-    for (job, payload, trace) in leases {
+    for (job, leased, trace) in leases {
         job_ids.push(job.job_id);
         generations.push(job.generation);
         attempts.push(job.attempt);
@@ -295,7 +295,7 @@ pub async fn write_leases(
         dispatched.push(job.dispatch_version);
         untils.push(job.lease_until);
         owners.push(job.lease_owner.clone());
-        appends.push((job, vec![payload], trace));
+        appends.push((job, vec![Payload::JobLeased(leased)], trace));
     }
     let states = states_of(&appends)?;
     events.append_each_then_update_jobs(tx, appends).await?;
@@ -498,9 +498,9 @@ pub struct Success<'a> {
     pub job: &'a mut JobRow,
     pub result: &'a serde_json::Value,
     pub trace: Option<TraceContext>,
-    /// The attempt's `JobLeased` when its lease is not written yet (see [`lease`]): it is
-    /// written with the success, both events in one statement and the job row once.
-    pub lease: Option<Payload>,
+    /// The attempt's `JobLeased` when its lease is not written yet (see [`lease`]): the
+    /// success says it itself ([`JobSucceeded::lease`]), one event instead of two.
+    pub lease: Option<JobLeased>,
 }
 
 /// Commits the success of each attempt (its fence checked by the caller in this
@@ -536,17 +536,21 @@ pub async fn succeed_all(
         // Serialized once, for the event and the result row.
         let result = result.to_string();
         results.push(result.clone());
+        // A lease taken in this transaction is said by the success itself: one event, not a
+        // JobLeased before it.
+        let lease = lease.map(|leased| LeaseTaken {
+            lease_owner: leased.lease_owner,
+            leased_at: leased.leased_at.unwrap_or_else(Utc::now),
+            dispatch_event_id: leased.dispatch_event_id,
+        });
         let succeeded = Payload::JobSucceeded(JobSucceeded {
             generation: job.generation,
             attempt: job.attempt,
             result,
+            lease,
         });
-        let payloads = match lease {
-            Some(lease) => vec![lease, succeeded],
-            None => vec![succeeded],
-        };
-        versions.push(job.stream_version + payloads.len() as i32);
-        appends.push((job, payloads, trace));
+        versions.push(job.stream_version + 1);
+        appends.push((job, vec![succeeded], trace));
     }
     sqlx::query!(
         "INSERT INTO job_results (job_id, input_version, generation, result) \

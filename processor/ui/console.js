@@ -702,6 +702,11 @@ function renderTimeline(events) {
       // How long it waited for a worker (or for its retry or due time).
       if (previousAt !== null) took = `waited ${millis(at - previousAt)}`;
       leasedAt = at;
+    } else if (payload.type === 'JobSucceeded' && payload.lease) {
+      // Its run ended inside its lease transaction: the success says its own lease.
+      const leased = new Date(payload.lease.leased_at).getTime();
+      took = `${previousAt !== null ? `waited ${millis(leased - previousAt)} · ` : ''}${millis(at - leased)}`;
+      leasedAt = null;
     } else if (leasedAt !== null && ['JobSucceeded', 'JobFailed', 'JobQuarantined', 'JobCancelled'].includes(payload.type)) {
       took = millis(at - leasedAt);
       leasedAt = null;
@@ -710,6 +715,7 @@ function renderTimeline(events) {
     const details = Object.entries(payload)
       .filter(([key, value]) => !['type', 'attempt', 'generation'].includes(key) && value !== null)
       .map(([key, value]) => {
+        if (key === 'lease') return `leased by ${value.lease_owner} at ${time(value.leased_at)}, in the same transaction`;
         let text = typeof value === 'object' ? JSON.stringify(value) : String(value);
         // A quarantine's reason repeats the failure before it: said once.
         if (key === 'reason' && lastError && text.includes(lastError)) text = text.replace(lastError, '(the failure above)');

@@ -98,6 +98,22 @@ pub struct JobSucceeded {
     pub attempt: i32,
     /// The result as JSON text.
     pub result: String,
+    /// The lease this success took itself, when its run ended inside its lease transaction
+    /// and no `JobLeased` was written: `generation` and `attempt` are then one above the
+    /// job's before it. `None` when a `JobLeased` of this generation came before, and in
+    /// events written before the field was added.
+    pub lease: Option<LeaseTaken>,
+}
+
+/// A lease taken and ended by the same `JobSucceeded` ([`JobSucceeded::lease`]): what a
+/// `JobLeased` would have said of it, less the expiry a finished attempt no longer has.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LeaseTaken {
+    pub lease_owner: String,
+    /// When the lease was taken and the attempt began; the event's `occurred_at` is when its
+    /// transaction committed.
+    pub leased_at: DateTime<Utc>,
+    pub dispatch_event_id: Uuid,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -311,6 +327,16 @@ impl From<&Payload> for Value {
                     ("generation", Value::Long(p.generation)),
                     ("attempt", Value::Int(p.attempt)),
                     ("result", Value::String(p.result.clone())),
+                    (
+                        "lease",
+                        nullable(p.lease.as_ref().map(|l| {
+                            record(vec![
+                                ("lease_owner", Value::String(l.lease_owner.clone())),
+                                ("leased_at", millis(l.leased_at)),
+                                ("dispatch_event_id", Value::Uuid(l.dispatch_event_id)),
+                            ])
+                        })),
+                    ),
                 ]),
             ),
             Payload::JobFailed(p) => (
@@ -625,6 +651,14 @@ impl Payload {
                 generation: f.long("generation")?,
                 attempt: f.int("attempt")?,
                 result: f.string("result")?,
+                lease: f.nullable("lease", |path, value| {
+                    let mut f = Fields::of(path, value)?;
+                    Ok(LeaseTaken {
+                        lease_owner: f.string("lease_owner")?,
+                        leased_at: f.timestamp("leased_at")?,
+                        dispatch_event_id: f.uuid("dispatch_event_id")?,
+                    })
+                })?,
             }),
             3 => Self::JobFailed(JobFailed {
                 generation: f.long("generation")?,

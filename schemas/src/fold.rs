@@ -9,6 +9,7 @@
 //!
 //! ```text
 //! queued ──JobLeased──▶ leased ──JobSucceeded──▶ succeeded
+//! queued | retry_wait | leased ──JobSucceeded with its own lease (run in the lease tx)──▶ succeeded
 //!   ▲                     │ ├─JobFailed + JobRetryScheduled──▶ retry_wait ──JobLeased──▶ leased
 //!   │                     │ ├─JobFailed + JobQuarantined────▶ quarantined
 //!   │                     │ └─JobLeased (lease expired: generation + 1)──▶ leased
@@ -88,6 +89,9 @@ impl Status {
         let (allowed, next): (&'static [Status], Option<Status>) = match payload {
             Payload::JobRequested(_) => (&[], None),
             Payload::JobLeased(_) => (DISPATCHABLE, Some(Leased)),
+            // A success that took its own lease (its run ended in its lease transaction)
+            // follows what a JobLeased may follow.
+            Payload::JobSucceeded(s) if s.lease.is_some() => (DISPATCHABLE, Some(Succeeded)),
             Payload::JobSucceeded(_) => (LEASED, Some(Succeeded)),
             // The lease stays until the decision (retry or quarantine) that follows.
             Payload::JobFailed(_) => (LEASED, None),
@@ -371,6 +375,38 @@ impl JobState {
         }
     }
 
+    /// Takes the next lease: `generation` and `attempt` one above the current ones, the
+    /// attempt within the budget. The status is the caller's to set.
+    fn take_lease(
+        &mut self,
+        event: &JobEvent,
+        generation: i64,
+        attempt: i32,
+    ) -> Result<(), FoldError> {
+        if generation != self.generation + 1 {
+            return Err(self.illegal(
+                event,
+                format!("generation {generation} does not follow generation {}", self.generation),
+            ));
+        }
+        if attempt != self.attempt + 1 {
+            return Err(self.illegal(
+                event,
+                format!("attempt {attempt} does not follow attempt {}", self.attempt),
+            ));
+        }
+        if attempt > self.max_attempts {
+            return Err(self.illegal(
+                event,
+                format!("attempt {attempt} exceeds the budget of {} attempts", self.max_attempts),
+            ));
+        }
+        self.generation = generation;
+        self.attempt = attempt;
+        self.next_attempt_at = None;
+        Ok(())
+    }
+
     fn finish(&mut self, status: Status, at: DateTime<Utc>) {
         self.status = status;
         self.lease = None;
@@ -385,37 +421,8 @@ impl JobState {
         match &event.payload {
             Payload::JobRequested(_) => unreachable!("refused by next_status"),
             Payload::JobLeased(leased) => {
-                if leased.generation != self.generation + 1 {
-                    return Err(self.illegal(
-                        event,
-                        format!(
-                            "generation {} does not follow generation {}",
-                            leased.generation, self.generation
-                        ),
-                    ));
-                }
-                if leased.attempt != self.attempt + 1 {
-                    return Err(self.illegal(
-                        event,
-                        format!(
-                            "attempt {} does not follow attempt {}",
-                            leased.attempt, self.attempt
-                        ),
-                    ));
-                }
-                if leased.attempt > self.max_attempts {
-                    return Err(self.illegal(
-                        event,
-                        format!(
-                            "attempt {} exceeds the budget of {} attempts",
-                            leased.attempt, self.max_attempts
-                        ),
-                    ));
-                }
+                self.take_lease(event, leased.generation, leased.attempt)?;
                 self.status = Leased;
-                self.generation = leased.generation;
-                self.attempt = leased.attempt;
-                self.next_attempt_at = None;
                 self.lease = Some(Lease {
                     owner: leased.lease_owner.clone(),
                     until: leased.lease_until,
@@ -423,6 +430,9 @@ impl JobState {
                 });
             }
             Payload::JobSucceeded(succeeded) => {
+                if succeeded.lease.is_some() {
+                    self.take_lease(event, succeeded.generation, succeeded.attempt)?;
+                }
                 self.require_generation(event, succeeded.generation)?;
                 self.result = Some(succeeded.result.clone());
                 self.previous_ambiguous = None;

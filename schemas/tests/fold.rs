@@ -42,7 +42,73 @@ fn leased(generation: i64, attempt: i32) -> Payload {
 }
 
 fn succeeded(generation: i64, attempt: i32) -> Payload {
-    Payload::JobSucceeded(JobSucceeded { generation, attempt, result: "{}".into() })
+    Payload::JobSucceeded(JobSucceeded { generation, attempt, result: "{}".into(), lease: None })
+}
+
+/// A success that takes its own lease: its run ended inside its lease transaction.
+fn succeeded_leasing(generation: i64, attempt: i32) -> Payload {
+    Payload::JobSucceeded(JobSucceeded {
+        generation,
+        attempt,
+        result: "{}".into(),
+        lease: Some(LeaseTaken {
+            lease_owner: "w".into(),
+            leased_at: chrono::Utc::now(),
+            dispatch_event_id: Uuid::new_v4(),
+        }),
+    })
+}
+
+#[test]
+fn a_run_inside_its_lease_transaction_succeeds_in_one_event() {
+    let mut b = builder();
+    let before = b.state.clone();
+    // Without a lease of its own, a success cannot follow a queued job.
+    let err = b.state.apply(&next(&b.state, succeeded(1, 1))).unwrap_err();
+    assert!(
+        matches!(
+            &err,
+            FoldError::IllegalTransition { state: Status::Queued, event: "JobSucceeded", .. }
+        ),
+        "{err}"
+    );
+    // With one, it must be the next lease: generation and attempt each one up.
+    for (generation, attempt) in [(0, 1), (2, 1), (1, 0), (1, 2)] {
+        let err = b.state.apply(&next(&b.state, succeeded_leasing(generation, attempt)));
+        assert!(err.is_err(), "generation {generation}, attempt {attempt} was taken");
+        assert_eq!(b.state, before, "a refused event leaves the state unchanged");
+    }
+    b.state.apply(&next(&b.state, succeeded_leasing(1, 1))).unwrap();
+    assert_eq!((b.state.status, b.state.generation, b.state.attempt), (Status::Succeeded, 1, 1));
+    assert!(b.state.lease.is_none() && b.state.finished_at.is_some());
+    assert_eq!(b.state.stream_version, 2);
+    assert_eq!(b.state.result.as_deref(), Some("{}"));
+}
+
+#[test]
+fn a_success_taking_its_own_lease_fences_the_lease_it_replaced() {
+    // Leased, the lease expired, and a run inside the next lease transaction succeeded: the
+    // first lease's own success comes too late.
+    let mut b = builder();
+    b.step(0); // lease: generation 1
+    b.state.apply(&next(&b.state, succeeded_leasing(2, 2))).unwrap();
+    assert_eq!((b.state.status, b.state.generation), (Status::Succeeded, 2));
+    let zombie = b.state.clone().apply(&next(&b.state, succeeded(1, 1))).unwrap_err();
+    assert!(matches!(zombie, FoldError::IllegalTransition { state: Status::Succeeded, .. }));
+    // And one past the budget is refused, as a JobLeased past it is.
+    let mut spent = builder();
+    for _ in 0..MAX_ATTEMPTS - 1 {
+        spent.step(0); // lease
+        spent.step(2); // retryable failure, retry scheduled
+    }
+    spent.step(0); // the last attempt, its lease expiring
+    assert_eq!((spent.state.status, spent.state.attempt), (Status::Leased, MAX_ATTEMPTS));
+    let g = spent.state.generation;
+    let err = spent.state.apply(&next(&spent.state, succeeded_leasing(g + 1, MAX_ATTEMPTS + 1)));
+    assert!(
+        matches!(&err, Err(FoldError::IllegalTransition { why, .. }) if why.contains("budget")),
+        "{err:?}"
+    );
 }
 
 #[test]

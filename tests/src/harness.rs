@@ -684,10 +684,57 @@ pub async fn read_events(
     seen
 }
 
+/// A `job_events.body` decoded: the framed Avro its writer appended.
+pub fn logged_event(body: &[u8]) -> JobEvent {
+    use jobfold_schemas::codec::{decode_body, split_frame};
+    let (_, avro) = split_frame(body).unwrap();
+    decode_body(0, &jobfold_schemas::event::JOB_EVENT_SCHEMA, avro).unwrap()
+}
+
+/// A lease as the log records it: a `JobLeased`, or a `JobSucceeded` that took its own lease
+/// (its run ended inside its lease transaction, which wrote one event for both).
+#[derive(Debug, Clone, PartialEq)]
+pub struct LoggedLease {
+    pub job_id: Uuid,
+    pub generation: i64,
+    /// The id of the transaction that wrote it, as text.
+    pub xid: String,
+    /// Said by the success itself, not by a `JobLeased` of its own.
+    pub with_success: bool,
+    /// When it was taken (the event's own time for one written before `leased_at` was).
+    pub leased_at: chrono::DateTime<chrono::Utc>,
+}
+
+/// Every lease the log records, of `job` or of every job, in each job's stream order.
+pub async fn logged_leases(pool: &PgPool, job: Option<Uuid>) -> Vec<LoggedLease> {
+    use jobfold_schemas::Payload;
+    let rows: Vec<(Uuid, String, Vec<u8>)> = sqlx::query_as(
+        "SELECT job_id, xid::text, body FROM job_events \
+         WHERE kind IN ('JobLeased', 'JobSucceeded') AND ($1::uuid IS NULL OR job_id = $1) \
+         ORDER BY job_id, stream_version",
+    )
+    .bind(job)
+    .fetch_all(pool)
+    .await
+    .unwrap();
+    rows.into_iter()
+        .filter_map(|(job_id, xid, body)| {
+            let event = logged_event(&body);
+            let (generation, with_success, leased_at) = match event.payload {
+                Payload::JobLeased(l) => {
+                    (l.generation, false, l.leased_at.unwrap_or(event.occurred_at))
+                }
+                Payload::JobSucceeded(s) => (s.generation, true, s.lease?.leased_at),
+                _ => return None,
+            };
+            Some(LoggedLease { job_id, generation, xid, with_success, leased_at })
+        })
+        .collect()
+}
+
 /// Folds every job's event log with the schemas crate's fold and compares the result with
 /// the `jobs` projection; returns the differences (empty when they agree).
 pub async fn fold_mismatches(installation: &Installation) -> Vec<String> {
-    use jobfold_schemas::codec::{decode_body, split_frame};
     let rows: Vec<(Uuid, Vec<u8>)> =
         sqlx::query_as("SELECT job_id, body FROM job_events ORDER BY job_id, stream_version")
             .fetch_all(&installation.pool)
@@ -709,10 +756,7 @@ pub async fn fold_mismatches(installation: &Installation) -> Vec<String> {
         .collect();
     let mut streams: HashMap<Uuid, Vec<JobEvent>> = HashMap::new();
     for (job_id, body) in rows {
-        let (_, avro) = split_frame(&body).unwrap();
-        let event: JobEvent =
-            decode_body(0, &jobfold_schemas::event::JOB_EVENT_SCHEMA, avro).unwrap();
-        streams.entry(job_id).or_default().push(event);
+        streams.entry(job_id).or_default().push(logged_event(&body));
     }
     let mut problems = Vec::new();
     for (job_id, projected) in &projection {

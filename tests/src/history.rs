@@ -633,13 +633,10 @@ async fn check_bad(
                     }
                 }
                 Expect::RanAt(run_at) => {
-                    // language=PostgreSQL
-                    let first_lease: Option<chrono::DateTime<chrono::Utc>> = sqlx::query_scalar(
-                    "SELECT min(occurred_at) FROM job_events WHERE job_id = $1 AND kind = 'JobLeased'",
-                )
-                .bind(bad.job_id)
-                .fetch_one(pool)
-                .await?;
+                    let first_lease = crate::harness::logged_leases(pool, bad.job_id)
+                        .await
+                        .first()
+                        .map(|lease| lease.leased_at);
                     matches!(jobs.as_slice(), [(state, 1, None)] if state == "succeeded")
                         && first_lease.is_some_and(|t| t >= *run_at)
                 }

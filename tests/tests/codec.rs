@@ -6,7 +6,7 @@ use std::path::Path;
 
 use chrono::{TimeZone, Utc};
 use jobfold_schemas::codec::{frame, is_compatible, registry_settings};
-use jobfold_schemas::event::{JobRequested, JobSucceeded};
+use jobfold_schemas::event::{JobRequested, JobSucceeded, LeaseTaken};
 use jobfold_schemas::{Codec, DecodeError, Decoder, JobEvent, JobRequest, Payload};
 use jobfold_tests::kafka::unique_name;
 use jobfold_tests::services;
@@ -71,12 +71,23 @@ async fn events_round_trip_through_the_registry() {
     // A fresh decoder, knowing nothing, fetches the writer schema by id.
     let decoder = Decoder::<JobEvent>::new(settings());
     assert_eq!(decoder.decode(&framed).await.unwrap(), original);
-    let succeeded = event(Payload::JobSucceeded(JobSucceeded {
-        generation: 2,
-        attempt: 2,
-        result: "{}".into(),
-    }));
-    assert_eq!(decoder.decode(&codec.encode(&succeeded).unwrap()).await.unwrap(), succeeded);
+    for lease in [
+        None,
+        // A run that ended inside its lease transaction: the success says its lease.
+        Some(LeaseTaken {
+            lease_owner: "host-1/42".into(),
+            leased_at: Utc.timestamp_millis_opt(1_700_000_000_123).unwrap(),
+            dispatch_event_id: Uuid::now_v7(),
+        }),
+    ] {
+        let succeeded = event(Payload::JobSucceeded(JobSucceeded {
+            generation: 2,
+            attempt: 2,
+            result: "{}".into(),
+            lease,
+        }));
+        assert_eq!(decoder.decode(&codec.encode(&succeeded).unwrap()).await.unwrap(), succeeded);
+    }
 }
 
 #[tokio::test]

@@ -12,7 +12,7 @@ use chrono::{DateTime, DurationRound, Utc};
 use jobfold_common::accept::{Acceptor, NewJob};
 use jobfold_processor::store;
 use jobfold_schemas::event::ErrorClass;
-use jobfold_tests::harness::{Installation, Running, eventually, metric_value};
+use jobfold_tests::harness::{Installation, Running, eventually, logged_leases, metric_value};
 use serde_json::{Value, json};
 use uuid::Uuid;
 
@@ -343,18 +343,19 @@ async fn a_scheduled_job_is_not_leased_before_its_time_across_a_restart() {
             state(&it, job_id).await == "succeeded"
         })
         .await;
-        let leased: Vec<DateTime<Utc>> = sqlx::query_scalar(
-            "SELECT occurred_at FROM job_events WHERE job_id = $1 AND kind = 'JobLeased'",
-        )
-        .bind(job_id)
-        .fetch_all(&it.pool)
-        .await
-        .unwrap();
+        let leased: Vec<DateTime<Utc>> =
+            logged_leases(&it.pool, Some(job_id)).await.into_iter().map(|l| l.leased_at).collect();
         assert_eq!(leased.len(), 1, "leased once");
         assert!(leased[0] >= run_at, "leased at {} before its time {run_at}", leased[0]);
         println!("leased {} ms after its run_at", (leased[0] - run_at).num_milliseconds());
-        // No stalled re-dispatch came before its time.
-        assert_eq!(event_kinds(&it, job_id).await, ["JobRequested", "JobLeased", "JobSucceeded"]);
+        // No stalled re-dispatch came before its time; the lease is an event of its own, or
+        // said by the success of a run that ended inside its lease transaction.
+        let kinds = event_kinds(&it, job_id).await;
+        assert!(
+            kinds == ["JobRequested", "JobLeased", "JobSucceeded"]
+                || kinds == ["JobRequested", "JobSucceeded"],
+            "{kinds:?}"
+        );
     }
     assert_eq!(jobfold_common::gauges::read(&it.pool).await.unwrap().scheduled, 0);
     it.cleanup().await;
@@ -597,10 +598,11 @@ async fn a_bulk_replay_of_a_thousand_quarantined_jobs_runs_each_once() {
             == 1000
     })
     .await;
+    // Leased twice: the generation counts every lease, whether its own event or its success's.
     let per_job: Vec<(i64, i64, i64)> = sqlx::query_as(
         r#"
         SELECT count(*) FILTER (WHERE e.kind = 'ReplayRequested'),
-               count(*) FILTER (WHERE e.kind = 'JobLeased'),
+               min(j.generation),
                (SELECT count(*) FROM index_writes w WHERE w.job_id = j.job_id)
         FROM jobs j JOIN job_events e USING (job_id)
         WHERE j.document_id LIKE 'doc-%'

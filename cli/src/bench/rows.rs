@@ -1,8 +1,7 @@
 //! `limit: a job's Postgres work alone`: what a job's own statements cost Postgres with
 //! nothing else running — accepted in batches as the burst's are, then leased and completed
 //! in one transaction a batch as the lease transaction commits a short run (lock, the
-//! supersede check, `JobLeased` and `JobSucceeded` in one append, the result, the job row
-//! once). No relay, broker or processor: the floor under the end-to-end rows' Postgres
+//! supersede check, one `JobSucceeded` that says its lease, the result, the job row once). No relay, broker or processor: the floor under the end-to-end rows' Postgres
 //! share, read as the CPU of the one backend doing it and the WAL it wrote, so a change to
 //! the schema or to those statements shows without the pipeline's noise.
 
@@ -57,7 +56,7 @@ pub(super) async fn job_rows_alone(
     Ok(Row::new("limit: a job's Postgres work alone").rate(total as f64 / elapsed).note(format!(
         "{total} jobs on one connection, nothing else running: accepted {batch} a transaction, \
          then leased and completed {batch} a transaction as a short run commits (lock, supersede \
-         check, JobLeased and JobSucceeded, result, job row); {wal:.0} B of WAL a job{cpu}"
+         check, one JobSucceeded saying its lease, result, job row); {wal:.0} B of WAL a job{cpu}"
     )))
 }
 

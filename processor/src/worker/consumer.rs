@@ -308,8 +308,8 @@ pub(super) fn pause_or_resume(shared: &Shared, buffer: &Buffer, partition: i32, 
 }
 
 /// Whether `message` is an event of a kind processors do not act on, as its `jobfold-event`
-/// header names it (`JobLeased`, `JobSucceeded`, …): two of a job's three events, passed
-/// over without being copied or decoded. An event without the header is decoded and decided
+/// header names it (`JobLeased`, `JobSucceeded`, …): the second of a job's two events when
+/// it ran inside its lease transaction, passed over without being copied or decoded. An event without the header is decoded and decided
 /// as before.
 pub(super) fn passed_over(message: &impl Message) -> bool {
     use rdkafka::message::Headers;

@@ -74,9 +74,21 @@ pub fn payload() -> impl Strategy<Value = Payload> {
                     })
                 }
             ),
-        (any::<i64>(), any::<i32>(), text()).prop_map(|(generation, attempt, result)| {
-            Payload::JobSucceeded(JobSucceeded { generation, attempt, result })
-        }),
+        (
+            any::<i64>(),
+            any::<i32>(),
+            text(),
+            proptest::option::of((text(), timestamp(), uuid()).prop_map(
+                |(lease_owner, leased_at, dispatch_event_id)| LeaseTaken {
+                    lease_owner,
+                    leased_at,
+                    dispatch_event_id,
+                }
+            ))
+        )
+            .prop_map(|(generation, attempt, result, lease)| {
+                Payload::JobSucceeded(JobSucceeded { generation, attempt, result, lease })
+            }),
         (any::<i64>(), any::<i32>(), error_class(), text(), proptest::option::of(any::<bool>()))
             .prop_map(|(generation, attempt, error_class, message, outcome_unknown)| {
                 Payload::JobFailed(JobFailed {
@@ -239,6 +251,21 @@ impl StreamBuilder {
         self.push(payload, self.state.input_version);
     }
 
+    /// A run that ended inside its lease transaction: one success that takes its own lease.
+    fn succeed_leasing(&mut self) {
+        let payload = Payload::JobSucceeded(JobSucceeded {
+            generation: self.state.generation + 1,
+            attempt: self.state.attempt + 1,
+            result: "{}".into(),
+            lease: Some(LeaseTaken {
+                lease_owner: "worker".into(),
+                leased_at: self.clock,
+                dispatch_event_id: Uuid::new_v4(),
+            }),
+        });
+        self.push(payload, self.state.input_version);
+    }
+
     fn fail(&mut self, error_class: ErrorClass) {
         let payload = Payload::JobFailed(JobFailed {
             generation: self.state.generation,
@@ -274,6 +301,7 @@ impl StreamBuilder {
         let can_lease = self.state.attempt < MAX_ATTEMPTS;
         match self.state.status {
             Status::Queued | Status::RetryWait => match choice % 6 {
+                0 if can_lease && choice % 12 >= 6 => self.succeed_leasing(),
                 0 | 1 if can_lease => self.lease(),
                 0..=2 => self.quarantine(ErrorClass::Retryable),
                 3 => self.push(
@@ -294,6 +322,7 @@ impl StreamBuilder {
                         generation: self.state.generation,
                         attempt: self.state.attempt,
                         result: "{}".into(),
+                        lease: None,
                     }),
                     v,
                 ),
@@ -330,7 +359,7 @@ impl StreamBuilder {
                         }),
                         v,
                     );
-                    self.lease();
+                    if choice % 16 < 8 { self.lease() } else { self.succeed_leasing() }
                 }
                 6 => {
                     self.push(Payload::JobSuperseded(JobSuperseded { by_input_version: v + 2 }), v)
