@@ -268,10 +268,6 @@ fn number(figures: &Value, key: &str) -> f64 {
 /// run at its own concurrency predicts the measured p99 within 0.1 s plus 25%.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn capacity_recovers_a_known_workload_and_its_concurrency_meets_the_objective() {
-    // The processor as it ships: the debug build's pauses of a few hundred milliseconds on a
-    // slow machine (seen in a run: a 24 ms job held 0.72 s, a 750 ms one 1.06 s) are service
-    // time the planner rightly measures, but no workload's own. The campaigns build these.
-    jobfold_tests::harness::use_release_builds();
     let it = Installation::new("capacity").await;
     it.create_topics().await;
     let url = sleeper().await;
