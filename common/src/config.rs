@@ -634,7 +634,7 @@ pub struct Retention {
     /// Kafka: the events topic keeps the log (`topics.events_retention_ms`).
     #[serde(default, with = "humantime_serde")]
     pub job_events_after: Option<Duration>,
-    /// Results (`job_results`) of jobs ended this long ago.
+    /// Results (`jobs.result`, emptied) of jobs ended this long ago.
     #[serde(default, with = "humantime_serde")]
     pub job_results_after: Option<Duration>,
     /// The jobs themselves, ended this long ago, with every row of theirs — except each

@@ -265,7 +265,7 @@ pub trait Handler: Send + Sync + 'static {
     }
 
     /// Writes the business result in the completion transaction (already fenced by the
-    /// generation check). The default writes nothing: the result is stored in `job_results`.
+    /// generation check). The default writes nothing: the result is stored in the job row (`jobs.result`).
     #[cfg(feature = "postgres")]
     fn commit(
         &self,

@@ -6,7 +6,7 @@
 //! once take turns) to the jobs ended longer ago than its setting:
 //! - `job_events`: their events already on Kafka (behind the relay's cursor, and no outbox
 //!   row waiting), with their published outbox rows. An event not yet on Kafka stays.
-//! - `job_results`: their results.
+//! - `job_results`: their results (the job row's `result`, emptied).
 //! - `jobs`: the jobs, with all their rows, but each document and kind's newest succeeded
 //!   version (which supersedes a late older one); sweeping a succeeded version also deletes
 //!   the older ended versions of its document and kind, so only that newest one is kept. A
@@ -117,9 +117,20 @@ fn deleted(table: &'static str, rows: u64) {
     metrics::counter!(pm::RETENTION_DELETED_TOTAL, "table" => table).increment(rows);
 }
 
+/// The jobs' results, emptied in their rows (which the `jobs` sweep deletes later, or keeps
+/// as the newest version of their document).
 async fn delete_results(tx: &mut PgConnection, jobs: &[Uuid]) -> sqlx::Result<()> {
-    let done =
-        sqlx::query!("DELETE FROM job_results WHERE job_id = ANY($1)", jobs).execute(tx).await?;
+    // Locked in job_id order, as the `jobs` sweep and the lease transactions lock them.
+    let done = sqlx::query!(
+        r#"
+        UPDATE jobs SET result = NULL
+        WHERE job_id IN (SELECT job_id FROM jobs WHERE job_id = ANY($1) AND result IS NOT NULL
+                         ORDER BY job_id FOR UPDATE)
+        "#,
+        jobs
+    )
+    .execute(tx)
+    .await?;
     deleted("job_results", done.rows_affected());
     Ok(())
 }
@@ -149,8 +160,8 @@ async fn delete_events(tx: &mut PgConnection, jobs: &[Uuid]) -> sqlx::Result<()>
 }
 
 /// The jobs (but each document and kind's newest succeeded version) and the older ended
-/// versions of the succeeded ones, with every row of theirs; a job with an event not yet on
-/// Kafka stays.
+/// versions of the succeeded ones, with every row of theirs (the result is in the job's
+/// own); a job with an event not yet on Kafka stays.
 async fn delete_jobs(
     tx: &mut PgConnection,
     jobs: &[Uuid],
@@ -192,7 +203,6 @@ async fn delete_jobs(
         return Ok(());
     }
     delete_events(tx, &doomed).await?;
-    delete_results(tx, &doomed).await?;
     sqlx::query!("DELETE FROM job_counters WHERE job_id = ANY($1)", &doomed)
         .execute(&mut *tx)
         .await?;

@@ -553,9 +553,7 @@ pub async fn result(
 ) -> Result<Option<Option<serde_json::Value>>, sqlx::Error> {
     sqlx::query_scalar!(
         r#"
-        SELECT r.result AS "result?"
-        FROM jobs j LEFT JOIN job_results r ON r.job_id = j.job_id AND r.input_version = j.input_version
-        WHERE j.job_id = $1
+        SELECT result FROM jobs WHERE job_id = $1
         "#,
         job_id,
     )

@@ -504,8 +504,8 @@ pub struct Success<'a> {
 }
 
 /// Commits the success of each attempt (its fence checked by the caller in this
-/// transaction, or its lease taken in it and written here): result rows, events, job rows —
-/// three statements for them all.
+/// transaction, or its lease taken in it and written here): the events, then the job rows
+/// with their results — two statements for them all.
 ///
 /// # Errors
 /// The database failed, an event did not encode, or a job appears twice.
@@ -518,8 +518,7 @@ pub async fn succeed_all(
         return Ok(());
     }
     let n = successes.len();
-    let (mut job_ids, mut input_versions, mut generations, mut results, mut versions) = (
-        Vec::with_capacity(n),
+    let (mut job_ids, mut generations, mut results, mut versions) = (
         Vec::with_capacity(n),
         Vec::with_capacity(n),
         Vec::with_capacity(n),
@@ -529,11 +528,10 @@ pub async fn succeed_all(
     let mut appends = Vec::with_capacity(n);
     for Success { job, result, trace, lease } in successes {
         job_ids.push(job.job_id);
-        input_versions.push(job.input_version);
         generations.push(job.generation);
         attempts.push(job.attempt);
         dispatched.push(job.dispatch_version);
-        // Serialized once, for the event and the result row.
+        // Serialized once, for the event and the job row.
         let result = result.to_string();
         results.push(result.clone());
         // A lease taken in this transaction is said by the success itself: one event, not a
@@ -552,16 +550,6 @@ pub async fn succeed_all(
         versions.push(job.stream_version + 1);
         appends.push((job, vec![succeeded], trace));
     }
-    sqlx::query!(
-        "INSERT INTO job_results (job_id, input_version, generation, result) \
-         SELECT * FROM unnest($1::uuid[], $2::bigint[], $3::bigint[], $4::text[]::jsonb[])",
-        &job_ids,
-        &input_versions,
-        &generations,
-        &results,
-    )
-    .execute(&mut *tx)
-    .await?;
     let states = states_of(&appends)?;
     events.append_each_then_update_jobs(tx, appends).await?;
     sqlx::query!(
@@ -569,9 +557,11 @@ pub async fn succeed_all(
         UPDATE jobs j SET state = s.state::job_state, finished_at = now(), lease_until = NULL,
                           lease_owner = NULL, last_error = NULL, next_attempt_at = NULL,
                           previous_outcome = NULL, stream_version = s.stream_version, generation = s.generation,
-                          attempt = s.attempt, dispatch_version = s.dispatch_version
-        FROM unnest($1::uuid[], $2::int[], $3::text[], $4::bigint[], $5::int[], $6::int[])
-            AS s(job_id, stream_version, state, generation, attempt, dispatch_version)
+                          attempt = s.attempt, dispatch_version = s.dispatch_version,
+                          result = s.result
+        FROM unnest($1::uuid[], $2::int[], $3::text[], $4::bigint[], $5::int[], $6::int[],
+                    $7::text[]::jsonb[])
+            AS s(job_id, stream_version, state, generation, attempt, dispatch_version, result)
         WHERE j.job_id = s.job_id
         "#,
         &job_ids,
@@ -580,6 +570,7 @@ pub async fn succeed_all(
         &generations,
         &attempts,
         &dispatched,
+        &results,
     )
     .execute(&mut *tx)
     .await?;

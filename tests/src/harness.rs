@@ -733,27 +733,28 @@ pub async fn logged_leases(pool: &PgPool, job: Option<Uuid>) -> Vec<LoggedLease>
 }
 
 /// Folds every job's event log with the schemas crate's fold and compares the result with
-/// the `jobs` projection; returns the differences (empty when they agree).
+/// the `jobs` projection, and each row's `result` with its logged `JobSucceeded`'s; returns
+/// the differences (empty when they agree).
 pub async fn fold_mismatches(installation: &Installation) -> Vec<String> {
     let rows: Vec<(Uuid, Vec<u8>)> =
         sqlx::query_as("SELECT job_id, body FROM job_events ORDER BY job_id, stream_version")
             .fetch_all(&installation.pool)
             .await
             .unwrap();
-    type Projected = (String, i64, i32, i32, Option<String>);
-    let projection: HashMap<Uuid, Projected> =
-        sqlx::query_as::<_, (Uuid, String, i64, i32, i32, Option<String>)>(
-            "SELECT job_id, state::text, generation, attempt, stream_version, previous_outcome \
-             FROM jobs",
-        )
-        .fetch_all(&installation.pool)
-        .await
-        .unwrap()
-        .into_iter()
-        .map(|(id, state, generation, attempt, stream, previous)| {
-            (id, (state, generation, attempt, stream, previous))
-        })
-        .collect();
+    type Projected = (String, i64, i32, i32, Option<String>, Option<serde_json::Value>);
+    type Row = (Uuid, String, i64, i32, i32, Option<String>, Option<serde_json::Value>);
+    let projection: HashMap<Uuid, Projected> = sqlx::query_as::<_, Row>(
+        "SELECT job_id, state::text, generation, attempt, stream_version, previous_outcome, result \
+         FROM jobs",
+    )
+    .fetch_all(&installation.pool)
+    .await
+    .unwrap()
+    .into_iter()
+    .map(|(id, state, generation, attempt, stream, previous, result)| {
+        (id, (state, generation, attempt, stream, previous, result))
+    })
+    .collect();
     let mut streams: HashMap<Uuid, Vec<JobEvent>> = HashMap::new();
     for (job_id, body) in rows {
         streams.entry(job_id).or_default().push(logged_event(&body));
@@ -770,12 +771,20 @@ pub async fn fold_mismatches(installation: &Installation) -> Vec<String> {
                 let previous = folded
                     .previous_ambiguous
                     .map(|ambiguous| if ambiguous { "ambiguous" } else { "failed" }.to_owned());
+                // The row's result is the one the log's success says.
+                let result = events.iter().rev().find_map(|e| match &e.payload {
+                    jobfold_schemas::Payload::JobSucceeded(s) => {
+                        Some(serde_json::from_str(&s.result).expect("a logged result is JSON"))
+                    }
+                    _ => None,
+                });
                 let got = (
                     folded.status.as_str().to_owned(),
                     folded.generation,
                     folded.attempt,
                     folded.stream_version,
                     previous,
+                    result,
                 );
                 if &got != projected {
                     problems.push(format!(

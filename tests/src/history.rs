@@ -348,8 +348,7 @@ pub async fn check(
     let no_result = ids(
         pool,
         "SELECT j.job_id::text FROM jobs j WHERE j.state = 'succeeded' AND j.kind <> 'index-document' \
-         AND NOT EXISTS (SELECT 1 FROM job_results r \
-         WHERE r.job_id = j.job_id AND r.input_version = j.input_version)",
+         AND j.result IS NULL",
     )
     .await;
     finding(
@@ -620,7 +619,7 @@ async fn check_bad(
                     // Nothing committed for a cancelled job: no result, no business write.
                     // language=PostgreSQL
                     let committed: i64 = sqlx::query_scalar(
-                        "SELECT (SELECT count(*) FROM job_results WHERE job_id = $1) \
+                        "SELECT (SELECT count(*) FROM jobs WHERE job_id = $1 AND result IS NOT NULL) \
                           + (SELECT count(*) FROM index_writes WHERE job_id = $1)",
                     )
                     .bind(bad.job_id)

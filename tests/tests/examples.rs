@@ -250,7 +250,7 @@ async fn examples_survive_a_crash_at(name: &str, window: &str) {
     assert_eq!(count(&it, "SELECT count(*) FROM business_writes").await, succeeded);
     // The Python handler's results, one per job.
     let words: Vec<i64> = sqlx::query_scalar(
-        "SELECT (r.result->>'words')::bigint FROM job_results r JOIN jobs j USING (job_id) \
+        "SELECT (j.result->>'words')::bigint FROM jobs j \
          WHERE j.kind = 'count-words' ORDER BY j.document_id",
     )
     .fetch_all(&it.pool)
@@ -446,7 +446,7 @@ async fn the_shipped_processor_runs_handlers_in_any_language_over_http() {
     .await;
     let state = |id: Uuid| it.state_and_attempt(id);
     assert_eq!(state(ids[0]).await, ("succeeded".into(), 1), "{}", processor.log_text());
-    let result: Value = sqlx::query_scalar("SELECT result FROM job_results WHERE job_id = $1")
+    let result: Value = sqlx::query_scalar("SELECT result FROM jobs WHERE job_id = $1")
         .bind(ids[0])
         .fetch_one(&it.pool)
         .await

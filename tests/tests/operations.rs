@@ -170,10 +170,10 @@ async fn cancelling_ends_each_open_state_and_a_running_handler_commits_nothing()
         metric_value(&text, "jobfold_fenced_completions_total", &[]).unwrap_or(0.0) >= 1.0
     })
     .await;
-    for table in ["job_results", "index_writes"] {
-        let sql = format!("SELECT count(*) FROM {table} WHERE job_id = $1");
-        assert_eq!(count(&it, &sql, runs).await, 0, "the cancelled job committed to {table}");
-    }
+    let sql = "SELECT count(*) FROM jobs WHERE job_id = $1 AND result IS NOT NULL";
+    assert_eq!(count(&it, sql, runs).await, 0, "the cancelled job committed a result");
+    let sql = "SELECT count(*) FROM index_writes WHERE job_id = $1";
+    assert_eq!(count(&it, sql, runs).await, 0, "the cancelled job committed to index_writes");
     assert_eq!(event_kinds(&it, runs).await, ["JobRequested", "JobLeased", "JobCancelled"]);
     let text = running.processor.scrape().await.unwrap_or_default();
     assert_eq!(metric_value(&text, "jobfold_cancelled_total", &[("was", "leased")]), Some(1.0));

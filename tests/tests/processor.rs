@@ -125,7 +125,10 @@ async fn jobs_run_once_and_the_index_holds_the_newest_version() {
             .unwrap();
     assert_eq!(words["terms"]["words"], 2);
     assert_exactly_one_write_per_success(&it).await;
-    assert_eq!(count_where(&it, "SELECT count(*) FROM job_results").await, total - 1);
+    assert_eq!(
+        count_where(&it, "SELECT count(*) FROM jobs WHERE result IS NOT NULL").await,
+        total - 1
+    );
     assert_eq!(fold_mismatches(&it).await, Vec::<String>::new());
     it.cleanup().await;
 }
@@ -247,7 +250,8 @@ async fn a_redelivered_event_is_skipped_without_running_the_handler() {
     .await;
     pipeline.stop().await;
 
-    let results = count_where(&it, "SELECT count(*) FROM job_results").await;
+    let results =
+        count_where(&it, "SELECT count(*) FROM job_events WHERE kind = 'JobSucceeded'").await;
     let writes = count_where(&it, "SELECT count(*) FROM index_writes").await;
     let leases = logged_leases(&it.pool, None).await.len();
     assert_eq!((results, writes, leases), (1, 1, 1), "the duplicate ran nothing");
@@ -323,6 +327,59 @@ async fn the_upgrade_keeps_what_the_dedupe_rows_knew() {
     it.cleanup().await;
 }
 
+/// Upgrading a database whose results are in `job_results` (before migration 24) moves each
+/// into its job's row, where `GET /v1/jobs/{id}` reads it, and drops the table. A job
+/// without a result keeps none.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_upgrade_moves_each_result_into_its_job_row() {
+    let it = Installation::new("proc-upgrade-results").await;
+    // language=PostgreSQL
+    sqlx::raw_sql("DROP SCHEMA public CASCADE; CREATE SCHEMA public")
+        .execute(&it.pool)
+        .await
+        .unwrap();
+    let all = &jobfold_common::db::MIGRATOR;
+    let before = sqlx::migrate::Migrator {
+        migrations: all.migrations.iter().filter(|m| m.version < 24).cloned().collect(),
+        ..*all
+    };
+    before.run(&it.pool).await.unwrap();
+    // language=PostgreSQL
+    sqlx::raw_sql(
+        r#"
+        INSERT INTO jobs (job_id, document_id, kind, payload, input_version, max_attempts,
+                          stream_version, state, finished_at)
+        VALUES ('00000000-0000-0000-0000-000000000001', 'd1', 'k', '{}', 1, 3, 3,
+                'succeeded', now()),
+               ('00000000-0000-0000-0000-000000000002', 'd2', 'k', '{}', 1, 3, 1,
+                'queued', NULL),
+               ('00000000-0000-0000-0000-000000000003', 'd3', 'k', '{}', 2, 3, 3,
+                'succeeded', now());
+        INSERT INTO job_results (job_id, input_version, generation, result) VALUES
+            ('00000000-0000-0000-0000-000000000001', 1, 1, '{"words": 2}'),
+            ('00000000-0000-0000-0000-000000000003', 2, 1, 'null');
+        "#,
+    )
+    .execute(&it.pool)
+    .await
+    .unwrap();
+    all.run(&it.pool).await.unwrap();
+    let results: Vec<(Option<Value>,)> =
+        sqlx::query_as("SELECT result FROM jobs ORDER BY job_id").fetch_all(&it.pool).await.unwrap();
+    assert_eq!(results, [(Some(json!({ "words": 2 })),), (None,), (Some(Value::Null),)]);
+    for (job, expected) in [(1, Some(json!({ "words": 2 }))), (2, None), (3, Some(Value::Null))] {
+        let id = Uuid::from_u128(job);
+        let read = jobfold_processor::status::result(&it.pool, id).await.unwrap();
+        assert_eq!(read, Some(expected), "job {job} as the API reads it");
+    }
+    let gone: Option<String> = sqlx::query_scalar("SELECT to_regclass('job_results')::text")
+        .fetch_one(&it.pool)
+        .await
+        .unwrap();
+    assert_eq!(gone, None, "the results table is dropped");
+    it.cleanup().await;
+}
+
 /// Kill -9 a processor process at `failpoint`, start another, and check the outcome; returns
 /// the surviving processor, still running. `inline_window` is the processors'
 /// (`processor.inline_window`): `0s` commits every lease before its handler runs.
@@ -360,7 +417,10 @@ async fn crash_at(
     .await;
     assert_eq!(states(&it).await, [("succeeded".into(), jobs as i64)]);
     assert_exactly_one_write_per_success(&it).await;
-    assert_eq!(count_where(&it, "SELECT count(*) FROM job_results").await, jobs as i64);
+    assert_eq!(
+        count_where(&it, "SELECT count(*) FROM jobs WHERE result IS NOT NULL").await,
+        jobs as i64
+    );
     assert_eq!(fold_mismatches(&it).await, Vec::<String>::new());
     (it, survivor)
 }
@@ -487,7 +547,7 @@ async fn a_paused_worker_past_its_lease_is_fenced_when_it_resumes() {
         zombie.metric("jobfold_fenced_completions_total").await == Some(1.0)
     })
     .await;
-    assert_eq!(count_where(&it, "SELECT count(*) FROM job_results").await, 1);
+    assert_eq!(count_where(&it, "SELECT count(*) FROM jobs WHERE result IS NOT NULL").await, 1);
     assert_exactly_one_write_per_success(&it).await;
     assert_eq!(count_where(&it, "SELECT count(*) FROM index_writes").await, 1);
     assert_eq!(fold_mismatches(&it).await, Vec::<String>::new());
@@ -753,7 +813,10 @@ async fn poison_messages_among_a_thousand_each_become_one_dead_letter() {
     let succeeded = count_where(&it, "SELECT count(*) FROM jobs WHERE state = 'succeeded'").await;
     let superseded = count_where(&it, "SELECT count(*) FROM jobs WHERE state = 'superseded'").await;
     assert_eq!(succeeded + superseded, 1000);
-    assert_eq!(count_where(&it, "SELECT count(*) FROM job_results").await, succeeded);
+    assert_eq!(
+        count_where(&it, "SELECT count(*) FROM jobs WHERE result IS NOT NULL").await,
+        succeeded
+    );
     assert_exactly_one_write_per_success(&it).await;
     it.cleanup().await;
 }
@@ -2176,6 +2239,9 @@ async fn retention_deletes_what_ended_jobs_leave_and_keeps_the_newest_version() 
     .await;
     pipeline.stop().await;
     let events_before = it.count("job_events").await;
+    let succeeded = it.count("jobs WHERE state = 'succeeded'").await;
+    assert!(succeeded >= 2, "doc-a's newest and doc-c succeed: {succeeded}");
+    assert_eq!(it.count("jobs WHERE result IS NOT NULL").await, succeeded, "each success's result");
 
     for name in ["job_events", "job_results", "jobs"] {
         while sweep(&it.pool, name, Duration::ZERO, 2).await.unwrap() > 0 {}
@@ -2204,20 +2270,20 @@ async fn retention_deletes_what_ended_jobs_leave_and_keeps_the_newest_version() 
             (others, all)
         }
     };
-    assert_eq!(left("job_results").await.0, 0, "results of final jobs are gone");
+    assert_eq!(
+        it.count("jobs WHERE result IS NOT NULL").await,
+        0,
+        "results of final jobs are gone, from the versions kept too"
+    );
     assert_eq!(left("job_events").await.0, 0, "events of final jobs are gone");
     assert!(left("job_events").await.1 >= 4, "the quarantined job keeps its events");
     assert_eq!(it.count("quarantine").await, 1);
-    // No foreign key holds events and results to their job: retention itself leaves none
-    // behind a deleted job.
-    for table in ["job_events", "job_results"] {
-        let orphans = it
-            .count(&format!(
-                "{table} t WHERE NOT EXISTS (SELECT 1 FROM jobs j WHERE j.job_id = t.job_id)"
-            ))
-            .await;
-        assert_eq!(orphans, 0, "{table} rows of deleted jobs");
-    }
+    // No foreign key holds events to their job: retention itself leaves none behind a
+    // deleted job.
+    let orphans = it
+        .count("job_events t WHERE NOT EXISTS (SELECT 1 FROM jobs j WHERE j.job_id = t.job_id)")
+        .await;
+    assert_eq!(orphans, 0, "job_events rows of deleted jobs");
     assert_eq!(
         jobfold_tests::harness::events_on_topic(&it),
         events_before,

@@ -259,7 +259,6 @@ async fn migrations_apply_and_constraints_hold() {
             "job_counters",
             "job_events",
             "job_kinds",
-            "job_results",
             "jobs",
             "kind_minutes",
             "kind_pause_log",
@@ -295,10 +294,10 @@ async fn migrations_apply_and_constraints_hold() {
         sqlx::query(keyless).bind(uuid::Uuid::new_v4()).execute(&pool).await.unwrap();
     }
 
-    // Every job writes its row twice (the completion is not heap-only) and three events, and
-    // each write pays an entry in every index it qualifies for: the indexes of the two hot
-    // tables are these, each read by something named in docs/processor.md ("What a job's rows
-    // cost"). One more is a cost on every job.
+    // Every job writes its row twice (the completion is not heap-only; its result goes in it)
+    // and two or three events, and each write pays an entry in every index it qualifies for:
+    // the indexes of the two hot tables are these, each read by something named in
+    // docs/processor.md ("What a job's rows cost"). One more is a cost on every job.
     let indexes: Vec<(String, String)> = sqlx::query_as(
         "SELECT indexname::text, indexdef FROM pg_indexes \
          WHERE schemaname = 'public' AND tablename IN ('jobs', 'job_events') ORDER BY 1",

@@ -1,7 +1,8 @@
 //! `limit: a job's Postgres work alone`: what a job's own statements cost Postgres with
 //! nothing else running — accepted in batches as the burst's are, then leased and completed
 //! in one transaction a batch as the lease transaction commits a short run (lock, the
-//! supersede check, one `JobSucceeded` that says its lease, the result, the job row once). No relay, broker or processor: the floor under the end-to-end rows' Postgres
+//! supersede check, one `JobSucceeded` that says its lease, the job row once with its
+//! result). No relay, broker or processor: the floor under the end-to-end rows' Postgres
 //! share, read as the CPU of the one backend doing it and the WAL it wrote, so a change to
 //! the schema or to those statements shows without the pipeline's noise.
 
