@@ -364,8 +364,10 @@ async fn the_upgrade_moves_each_result_into_its_job_row() {
     .await
     .unwrap();
     all.run(&it.pool).await.unwrap();
-    let results: Vec<(Option<Value>,)> =
-        sqlx::query_as("SELECT result FROM jobs ORDER BY job_id").fetch_all(&it.pool).await.unwrap();
+    let results: Vec<(Option<Value>,)> = sqlx::query_as("SELECT result FROM jobs ORDER BY job_id")
+        .fetch_all(&it.pool)
+        .await
+        .unwrap();
     assert_eq!(results, [(Some(json!({ "words": 2 })),), (None,), (Some(Value::Null),)]);
     for (job, expected) in [(1, Some(json!({ "words": 2 }))), (2, None), (3, Some(Value::Null))] {
         let id = Uuid::from_u128(job);

@@ -57,7 +57,8 @@ pub(super) async fn job_rows_alone(
     Ok(Row::new("limit: a job's Postgres work alone").rate(total as f64 / elapsed).note(format!(
         "{total} jobs on one connection, nothing else running: accepted {batch} a transaction, \
          then leased and completed {batch} a transaction as a short run commits (lock, supersede \
-         check, one JobSucceeded saying its lease, result, job row); {wal:.0} B of WAL a job{cpu}"
+         check, one JobSucceeded saying its lease, the job row with its result); {wal:.0} B of \
+         WAL a job{cpu}"
     )))
 }
 
