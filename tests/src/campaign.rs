@@ -393,7 +393,23 @@ impl Fleet {
         let binary = self.slots[i].binary;
         if let Some(mut s) = self.slots[i].service.take() {
             s.signal("TERM");
-            if s.wait_exit(STOP_GRACE).is_none() {
+            let stopped = s.wait_exit(STOP_GRACE);
+            if let Some(status) = stopped.filter(|status| !status.success()) {
+                // It had died on its own (a failpoint, a bad job's abort) before it was told
+                // to stop, or while stopping: what it ran was lost with it, as in any death
+                // of the campaign's making, which `tend` would have counted had it looked
+                // first.
+                let pid = s.pid();
+                if binary == "jobfold-test-processor" {
+                    self.deaths.insert(pid);
+                }
+                eprintln!(
+                    "campaign: {binary} (pid {pid}) ended by itself ({status}) as it was \
+                     stopped; its log ends:\n  {}",
+                    exit_reason(&s.log_text()).join("\n  ")
+                );
+            }
+            if stopped.is_none() {
                 let pid = s.pid();
                 if binary == "jobfold-test-processor" {
                     self.deaths.insert(pid);
