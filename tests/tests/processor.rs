@@ -260,12 +260,9 @@ async fn a_redelivered_event_is_skipped_without_running_the_handler() {
     it.cleanup().await;
 }
 
-/// Upgrading a database that has dedupe rows (`consumed_events`, before migration 14) keeps
-/// what they knew: each job's `dispatch_version` is the newest dispatch event it consumed, so
-/// an event redelivered after the upgrade is still a duplicate. A job with none keeps 0.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_upgrade_keeps_what_the_dedupe_rows_knew() {
-    let it = Installation::new("proc-upgrade").await;
+/// Empties the installation's schema and runs the migrations below `version`: the database
+/// an upgrade test fills as an older jobfold would have left it, before it runs them all.
+async fn migrated_below(it: &Installation, version: i64) {
     // language=PostgreSQL
     sqlx::raw_sql("DROP SCHEMA public CASCADE; CREATE SCHEMA public")
         .execute(&it.pool)
@@ -273,10 +270,19 @@ async fn the_upgrade_keeps_what_the_dedupe_rows_knew() {
         .unwrap();
     let all = &jobfold_common::db::MIGRATOR;
     let before = sqlx::migrate::Migrator {
-        migrations: all.migrations.iter().filter(|m| m.version < 14).cloned().collect(),
+        migrations: all.migrations.iter().filter(|m| m.version < version).cloned().collect(),
         ..*all
     };
     before.run(&it.pool).await.unwrap();
+}
+
+/// Upgrading a database that has dedupe rows (`consumed_events`, before migration 14) keeps
+/// what they knew: each job's `dispatch_version` is the newest dispatch event it consumed, so
+/// an event redelivered after the upgrade is still a duplicate. A job with none keeps 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_upgrade_keeps_what_the_dedupe_rows_knew() {
+    let it = Installation::new("proc-upgrade").await;
+    migrated_below(&it, 14).await;
     // Job 1 succeeded on its JobRequested; job 3 on its RetryDue (version 4); job 2 is
     // leased, its dispatch not yet consumed.
     // language=PostgreSQL
@@ -312,7 +318,7 @@ async fn the_upgrade_keeps_what_the_dedupe_rows_knew() {
     .execute(&it.pool)
     .await
     .unwrap();
-    all.run(&it.pool).await.unwrap();
+    jobfold_common::db::MIGRATOR.run(&it.pool).await.unwrap();
     let dispatched: Vec<(i32,)> =
         sqlx::query_as("SELECT dispatch_version FROM jobs ORDER BY job_id")
             .fetch_all(&it.pool)
@@ -333,17 +339,7 @@ async fn the_upgrade_keeps_what_the_dedupe_rows_knew() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_upgrade_moves_each_result_into_its_job_row() {
     let it = Installation::new("proc-upgrade-results").await;
-    // language=PostgreSQL
-    sqlx::raw_sql("DROP SCHEMA public CASCADE; CREATE SCHEMA public")
-        .execute(&it.pool)
-        .await
-        .unwrap();
-    let all = &jobfold_common::db::MIGRATOR;
-    let before = sqlx::migrate::Migrator {
-        migrations: all.migrations.iter().filter(|m| m.version < 24).cloned().collect(),
-        ..*all
-    };
-    before.run(&it.pool).await.unwrap();
+    migrated_below(&it, 24).await;
     // language=PostgreSQL
     sqlx::raw_sql(
         r#"
@@ -363,7 +359,7 @@ async fn the_upgrade_moves_each_result_into_its_job_row() {
     .execute(&it.pool)
     .await
     .unwrap();
-    all.run(&it.pool).await.unwrap();
+    jobfold_common::db::MIGRATOR.run(&it.pool).await.unwrap();
     let results: Vec<(Option<Value>,)> = sqlx::query_as("SELECT result FROM jobs ORDER BY job_id")
         .fetch_all(&it.pool)
         .await
