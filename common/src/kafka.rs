@@ -21,6 +21,40 @@ use crate::config::{Config, ConfigError};
 pub const CONSUMER_DEFAULTS: &[(&str, &str)] =
     &[("auto.commit.interval.ms", "1000"), ("partition.assignment.strategy", "cooperative-sticky")];
 
+/// librdkafka's read-ahead for jobfold's consumers (each may be set in `[kafka]`). A fetch
+/// brings whole record batches, each decompressed into one buffer that lives as long as any
+/// of its messages waits in librdkafka's queue: by default up to 1 MiB of compressed batches
+/// a partition and 50 MiB a fetch, and up to 100,000 messages or 64 MiB queued a partition,
+/// which a backlog fills whatever the consumer's own bounds (an intake behind a slow
+/// Postgres, a processor passing over the events it does not act on). Here a fetch brings
+/// 1 MiB at most (256 KiB a partition), the next one is sent while fewer than a thousand
+/// messages or 2 MiB wait, and 10 ms after the queue was found full (librdkafka waits a
+/// second by default, which so small a read-ahead drains long before).
+pub const READ_AHEAD: &[(&str, &str)] = &[
+    ("fetch.max.bytes", "1048576"),
+    ("max.partition.fetch.bytes", "262144"),
+    ("queued.min.messages", "1000"),
+    ("queued.max.messages.kbytes", "2048"),
+    ("fetch.queue.backoff.ms", "10"),
+];
+
+/// A consumer's settings: the fixed options, [`CONSUMER_DEFAULTS`] and [`READ_AHEAD`], then
+/// `[kafka]`'s. librdkafka wants a fetch to hold the largest message (`fetch.max.bytes` ≥
+/// `message.max.bytes`): raising the latter, as the event limit check advises, raises the
+/// read-ahead's fetch with it unless `[kafka]` sets that too.
+#[must_use]
+pub fn consumer_client(config: &Config) -> rdkafka::ClientConfig {
+    let defaults: Vec<(&str, &str)> = CONSUMER_DEFAULTS.iter().chain(READ_AHEAD).copied().collect();
+    let mut client = config.kafka_client_for(crate::config::KafkaRole::Consumer, &defaults);
+    if !config.kafka.0.contains_key("fetch.max.bytes")
+        && let Some(largest) = config.kafka.0.get("message.max.bytes")
+        && largest.parse::<u64>().is_ok_and(|largest| largest > 1_048_576)
+    {
+        client.set("fetch.max.bytes", largest);
+    }
+    client
+}
+
 /// Commits the stored offsets now; nothing stored since the last commit is not an error.
 ///
 /// # Errors
@@ -501,6 +535,26 @@ mod tests {
 
     fn refused(config: &Config, settings: &TopicSettings) -> String {
         check_durability(config, "events", settings).expect_err("refused").to_string()
+    }
+
+    /// Both consumers (the intake's and the processors') read ahead a bounded amount, which
+    /// `[kafka]` may change; a fetch still holds the largest message `[kafka]` allows.
+    #[test]
+    fn a_consumer_reads_ahead_a_bounded_amount_unless_kafka_says_otherwise() {
+        let config = Config::load(None).expect("the defaults load");
+        let client = consumer_client(&config);
+        for (key, value) in READ_AHEAD {
+            assert_eq!(client.get(key), Some(*value), "{key}");
+        }
+        let mut config = Config::load(None).expect("the defaults load");
+        config.kafka.0.insert("queued.max.messages.kbytes".into(), "16384".into());
+        config.kafka.0.insert("message.max.bytes".into(), "4000000".into());
+        let client = consumer_client(&config);
+        assert_eq!(client.get("queued.max.messages.kbytes"), Some("16384"));
+        assert_eq!(client.get("fetch.max.bytes"), Some("4000000"), "a fetch holds the largest");
+        assert_eq!(client.get("max.partition.fetch.bytes"), Some("262144"));
+        config.kafka.0.insert("fetch.max.bytes".into(), "8000000".into());
+        assert_eq!(consumer_client(&config).get("fetch.max.bytes"), Some("8000000"));
     }
 
     #[test]

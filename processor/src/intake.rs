@@ -97,10 +97,9 @@ impl Intake {
         acceptor: Acceptor,
         pool: PgPool,
     ) -> anyhow::Result<Self> {
-        let mut client = config.kafka_client_for(
-            jobfold_common::config::KafkaRole::Consumer,
-            jobfold_common::kafka::CONSUMER_DEFAULTS,
-        );
+        // Its read-ahead bounded as the processors' is: by librdkafka's defaults a backlog of
+        // requests would be fetched whole while a batch waits for Postgres.
+        let mut client = jobfold_common::kafka::consumer_client(config);
         client.set("group.id", &config.intake.group);
         if let Some(id) = &config.processor.group_instance_id {
             client.set("group.instance.id", id);

@@ -4,21 +4,6 @@
 #[allow(clippy::wildcard_imports)]
 use super::*;
 
-/// librdkafka's read-ahead for the processors (each may be set in `[kafka]`). A fetch
-/// brings whole record batches, each decompressed into one buffer that lives as long as any
-/// of its messages waits in librdkafka's queue: by default up to 1 MiB of compressed batches
-/// a partition and 50 MiB a fetch, several times that once decompressed. Here a fetch brings
-/// 1 MiB at most (256 KiB a partition), the next one is sent while fewer than a thousand
-/// messages or 2 MiB wait, and 10 ms after the queue was found full (librdkafka waits a
-/// second by default, which so small a read-ahead drains long before).
-pub(super) const PREFETCH: &[(&str, &str)] = &[
-    ("fetch.max.bytes", "1048576"),
-    ("max.partition.fetch.bytes", "262144"),
-    ("queued.min.messages", "1000"),
-    ("queued.max.messages.kbytes", "2048"),
-    ("fetch.queue.backoff.ms", "10"),
-];
-
 /// Rebalance callbacks: stop, drain and commit revoked partitions; start assigned ones.
 pub(super) struct WorkerContext {
     pub(super) tracker: Arc<Mutex<Tracker>>,
@@ -150,30 +135,10 @@ pub(super) fn subscribe(
     config: &Config,
     context: WorkerContext,
 ) -> anyhow::Result<BaseConsumer<WorkerContext>> {
-    let mut client = config.kafka_client_for(
-        jobfold_common::config::KafkaRole::Consumer,
-        jobfold_common::kafka::CONSUMER_DEFAULTS,
-    );
+    let mut client = jobfold_common::kafka::consumer_client(config);
     client.set("group.id", &config.processor.group);
     if let Some(id) = &config.processor.group_instance_id {
         client.set("group.instance.id", id);
-    }
-    // What librdkafka fetches ahead is bounded as the buffer is: by default it holds up to
-    // 100,000 messages a partition or 64 MiB, which a burst fills (two in three of them
-    // events passed over) while the buffer holds its own.
-    for (key, value) in PREFETCH {
-        if !config.kafka.0.contains_key(*key) {
-            client.set(*key, *value);
-        }
-    }
-    // librdkafka wants a fetch to hold the largest message (`fetch.max.bytes` ≥
-    // `message.max.bytes`): raising the latter, as the event limit check advises, raises
-    // the read-ahead with it.
-    if !config.kafka.0.contains_key("fetch.max.bytes")
-        && let Some(largest) = config.kafka.0.get("message.max.bytes")
-        && largest.parse::<u64>().is_ok_and(|largest| largest > 1_048_576)
-    {
-        client.set("fetch.max.bytes", largest);
     }
     if !config.kafka.0.contains_key("statistics.interval.ms") {
         let interval = config.processor.gauge_interval.as_millis().to_string();
