@@ -781,6 +781,15 @@ async fn measure_processing(
         &format!("noop: does nothing, accepted in-process in batches of {}", sizes.batch),
         limits,
     ));
+    let rss = peak_rss_mib(a_pid)?;
+    rows.push(
+        Row::new(format!("processor peak RSS, {}-job trivial burst", sizes.e2e_jobs))
+            .versus(rss, 64.0, "64 MiB")
+            .note(format!(
+                "{rss:.1} MiB (VmHWM) at the burst's end; {} slots (processor.max_in_flight)",
+                config.processor.max_in_flight
+            )),
+    );
     // The same burst through the doors upstream services use.
     for (door, name, how) in [
         (Door::Intake, "through the intake topic", "Avro JobRequests produced at once"),
@@ -821,12 +830,13 @@ async fn measure_processing(
     }
     let rss = peak_rss_mib(a_pid)?;
     rows.push(
-        Row::new(format!("processor peak RSS, {}-job trivial burst", sizes.e2e_jobs))
-            .versus(rss, 64.0, "64 MiB")
-            .note(format!(
-                "{rss:.1} MiB (VmHWM) at the burst's end; {} slots (processor.max_in_flight)",
-                config.processor.max_in_flight
-            )),
+        Row::new("processor peak RSS, after the doors' bursts").versus(rss, 64.0, "64 MiB").note(
+            format!(
+                "{rss:.1} MiB (VmHWM) once the same processor also took {} jobs each through \
+                 the intake topic, HTTP and the batch endpoint",
+                sizes.e2e_jobs
+            ),
+        ),
     );
 
     // Latency: a steady load at half the burst rate.
