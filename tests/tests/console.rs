@@ -165,14 +165,19 @@ fn number(text: &str) -> i64 {
 /// History as processors record it: the ten minutes before this one on the overview (the
 /// third-last the busiest: 6,000 accepted, 100 a second), and two minutes of a kind no
 /// processor here runs — 47 succeeded, 2 failed, 1 quarantined; waits all ≤ 50 ms; runs 46
-/// ≤ 250 ms and 4 ≤ 5 s (p50 250 ms, p99 5 s).
+/// ≤ 250 ms and 4 ≤ 5 s (p50 250 ms, p99 5 s). The console's processor, already running,
+/// may have recorded the minute that just ended (it never overwrites a row): the seed's
+/// figures replace the processor's.
 async fn seed_history(it: &Installation) {
     use jobfold_processor::history::{BUCKETS, bucket};
     sqlx::query(
         "INSERT INTO overview_minutes (minute, accepted, unfinished, quarantined, relay_backlog) \
          SELECT date_trunc('minute', now()) - make_interval(mins => i), \
                 CASE WHEN i = 3 THEN 6000 ELSE 60 * i END, 5, 3, 0 \
-         FROM generate_series(1, 10) i",
+         FROM generate_series(1, 10) i \
+         ON CONFLICT (minute) DO UPDATE SET accepted = EXCLUDED.accepted, \
+             unfinished = EXCLUDED.unfinished, quarantined = EXCLUDED.quarantined, \
+             relay_backlog = EXCLUDED.relay_backlog",
     )
     .execute(&it.pool)
     .await
