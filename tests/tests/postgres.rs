@@ -25,6 +25,9 @@ async fn a_primary_without_a_synchronous_standby_is_refused_at_start() {
     let it = Installation::new("sync-standby-required").await;
     let mut env = it.env();
     env.insert("JOBFOLD_DATABASE__REQUIRE_SYNC_STANDBY".into(), "true".into());
+    // Nothing here reads the metrics: a port of the system's choosing, bound at once, where a
+    // port found free earlier may have been taken by another test's process meanwhile.
+    env.insert("JOBFOLD_METRICS_ADDR".into(), "127.0.0.1:0".into());
     for binary in ["jobfold-relay", "jobfold-processor"] {
         let mut service = Service::start(binary, &env);
         let status = service.wait_exit(Duration::from_secs(60)).expect("it exits");
