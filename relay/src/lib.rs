@@ -171,20 +171,23 @@ async fn relay(
         max_bytes,
         recheck_limit: false,
         refused_once: std::collections::HashSet::new(),
+        moved: false,
     };
     // Events parked under a lower limit than this relay's (by a relay that read it before
     // the topic's limit was raised) go out now.
     active.retry_fitting().await?;
     // Whether this connection holds SLEEP_LOCK (writers notify), the busy poll interval, and
-    // where the cursor stood after the last pass.
+    // what the last look after a pass found (nothing yet: the first pass looks everywhere).
     let mut asleep = false;
     let mut busy_poll = BUSY_POLL_MIN;
-    let mut last_position = None;
+    let mut seen = Look::everything();
     loop {
         // Parked events an operator released, then the log, then due delayed rows the log
         // cursor has passed. A document with a parked event has its later events parked
         // behind it; one whose event could not be enqueued holds back its later events for
-        // the rest of the pass.
+        // the rest of the pass. The parked events and the outbox are read only when the look
+        // after the last pass found some (or one of the outbox's came due since): this relay
+        // alone parks events and passes the outbox's, and it looks after every pass.
         let mut blocked = publish::Blocked::default();
         if limit.has_changed().unwrap_or(false) {
             let now = *limit.borrow_and_update();
@@ -193,9 +196,11 @@ async fn relay(
         if active.recheck_limit {
             active.refresh_limit().await?;
         }
-        let stop = active.release(&mut blocked).await?
+        active.moved = false;
+        let drain_outbox = seen.outbox_due();
+        let stop = (seen.parked && active.release(&mut blocked).await?)
             || active.drain_log(&mut blocked).await?
-            || active.drain(&mut blocked).await?;
+            || (drain_outbox && active.drain(&mut blocked).await?);
         if stop {
             return Ok(());
         }
@@ -210,12 +215,17 @@ async fn relay(
             prune_at = Instant::now();
         }
         // Sleep until notified, the next delayed row is due, or the poll interval passes.
+        seen = Look::after_pass(conn, !asleep).await?;
         let mut wait = config.relay.poll_interval;
-        if let Some(due) = outbox::seconds_to_next_due(conn).await? {
-            wait = wait.min(Duration::from_secs_f64(due.max(0.0)));
+        if let Some(due) = seen.next_due {
+            wait = wait.min(due.saturating_duration_since(Instant::now()));
+        }
+        // Due rows the log cursor passed in this pass, the outbox not read after it: at once.
+        if seen.due && !drain_outbox {
+            wait = Duration::ZERO;
         }
         if !asleep {
-            if try_sleep(conn).await? {
+            if seen.slept {
                 // Every writer that saw the relay awake has committed: one more pass reads
                 // what they wrote, and from now on writers notify.
                 asleep = true;
@@ -223,13 +233,8 @@ async fn relay(
             }
             // Writers are in flight and will not notify: look again shortly, sooner while
             // the passes find work.
-            let position = log::cursor(&mut *conn).await?;
-            busy_poll = if last_position == Some(position) {
-                (busy_poll * 2).min(BUSY_POLL_MAX)
-            } else {
-                BUSY_POLL_MIN
-            };
-            last_position = Some(position);
+            busy_poll =
+                if active.moved { BUSY_POLL_MIN } else { (busy_poll * 2).min(BUSY_POLL_MAX) };
             tokio::select! {
                 biased;
                 _ = shutdown.cancelled() => return Ok(()),
@@ -239,7 +244,7 @@ async fn relay(
         }
         // Asleep, but with events an older transaction holds back (see `log::past_cursor`):
         // its end sends no notification, so look again shortly as well.
-        if log::past_cursor(conn).await? {
+        if seen.past_cursor {
             wait = wait.min(busy_poll);
             busy_poll = (busy_poll * 2).min(BUSY_POLL_MAX);
         }
@@ -250,12 +255,86 @@ async fn relay(
                 notification?;
                 // Awake: writers stop notifying. Notifications already here are spent.
                 while listener.next_buffered().is_some() {}
-                wake(conn).await?;
+                wake(&mut active.conn).await?;
                 asleep = false;
                 busy_poll = BUSY_POLL_MIN;
             }
             _ = tokio::time::sleep(wait) => {}
         }
+    }
+}
+
+/// What the relay finds after a pass, in one statement (each pass would otherwise read the
+/// parked events' keys, the outbox's due rows and its next due time, the cursor and the
+/// sleep lock one statement each, though under load there is rarely any of the first three).
+#[derive(Debug, Clone, Copy)]
+struct Look {
+    /// There are parked events: the next pass releases those an operator asked for and
+    /// parks the later events of their documents.
+    parked: bool,
+    /// Delayed events are due and the log cursor has passed them.
+    due: bool,
+    /// When the next delayed event becomes due, if one is waiting.
+    next_due: Option<Instant>,
+    /// This relay took [`SLEEP_LOCK`] (only tried while awake).
+    slept: bool,
+    /// Committed events wait past the cursor (only asked while asleep: see
+    /// [`log::past_cursor`]).
+    past_cursor: bool,
+}
+
+impl Look {
+    /// Before the first pass: every kind of work may be waiting.
+    fn everything() -> Self {
+        Self { parked: true, due: true, next_due: None, slept: false, past_cursor: false }
+    }
+
+    /// Whether the next pass reads the outbox: rows were due after the last pass, or one
+    /// has come due since.
+    fn outbox_due(&self) -> bool {
+        self.due || self.next_due.is_some_and(|at| at <= Instant::now())
+    }
+
+    /// Looks, and with `sleep` tries to take [`SLEEP_LOCK`] in the same statement.
+    async fn after_pass(conn: &mut PgConnection, sleep: bool) -> Result<Self, sqlx::Error> {
+        let row = sqlx::query!(
+            r#"
+            SELECT EXISTS (SELECT 1 FROM relay_parked) AS "parked!",
+                   EXISTS (
+                       SELECT 1 FROM outbox o
+                       JOIN job_events e USING (seq)
+                       CROSS JOIN relay_cursor c
+                       WHERE o.published_at IS NULL AND o.available_at <= now()
+                         AND (e.xid, e.seq) <= (c.published_xid, c.published_seq)
+                   ) AS "due!",
+                   (SELECT EXTRACT(EPOCH FROM min(available_at) - now())::float8
+                    FROM outbox
+                    WHERE published_at IS NULL AND available_at > now()) AS next_due,
+                   CASE WHEN $1 THEN pg_try_advisory_lock($2, $3) ELSE false END AS "slept!",
+                   CASE WHEN $1 THEN false ELSE EXISTS (
+                       SELECT 1 FROM relay_cursor c, LATERAL (
+                           SELECT 1 FROM job_events e
+                           WHERE (e.xid, e.seq) > (c.published_xid, c.published_seq)
+                           ORDER BY e.xid, e.seq LIMIT 1
+                       ) after
+                   ) END AS "past_cursor!"
+            "#,
+            sleep,
+            SLEEP_LOCK.0,
+            SLEEP_LOCK.1,
+        )
+        .fetch_one(conn)
+        .await?;
+        let next_due = row
+            .next_due
+            .map(|secs| Instant::now() + Duration::from_secs_f64(secs.clamp(0.0, 86_400.0)));
+        Ok(Self {
+            parked: row.parked,
+            due: row.due,
+            next_due,
+            slept: row.slept,
+            past_cursor: row.past_cursor,
+        })
     }
 }
 
@@ -295,17 +374,6 @@ async fn read_limit_every(config: Config, limit: tokio::sync::watch::Sender<usiz
     }
 }
 
-/// Takes [`SLEEP_LOCK`] if no writer holds it: true if the relay may now sleep until notified.
-async fn try_sleep(conn: &mut PgConnection) -> Result<bool, sqlx::Error> {
-    sqlx::query_scalar!(
-        r#"SELECT pg_try_advisory_lock($1, $2) AS "locked!""#,
-        SLEEP_LOCK.0,
-        SLEEP_LOCK.1
-    )
-    .fetch_one(conn)
-    .await
-}
-
 /// Releases [`SLEEP_LOCK`]: writers stop notifying.
 async fn wake(conn: &mut PgConnection) -> Result<(), sqlx::Error> {
     sqlx::query_scalar!("SELECT pg_advisory_unlock($1, $2)", SLEEP_LOCK.0, SLEEP_LOCK.1)
@@ -327,6 +395,8 @@ struct Active<'a> {
     recheck_limit: bool,
     /// Events the broker refused once, to be parked if it refuses them again.
     refused_once: std::collections::HashSet<i64>,
+    /// The pass read events from the log or the outbox (the busy poll starts short again).
+    moved: bool,
 }
 
 /// How long reading the events topic's limit while running may take before the relay goes
@@ -490,6 +560,7 @@ impl Active<'_> {
             let sent = if rows.is_empty() {
                 None
             } else {
+                self.moved = true;
                 let events = publish::events(&rows, &self.config.topics.events);
                 cursor = events.last().map_or(cursor, |e| e.seq);
                 Some(publish::send(self.producer, &events, blocked, self.max_bytes).await)
@@ -525,21 +596,21 @@ impl Active<'_> {
     /// delivered, and the pass ends: the next pass sends everything after it again (what was
     /// delivered after it becomes a duplicate).
     async fn drain_log(&mut self, blocked: &mut publish::Blocked) -> anyhow::Result<bool> {
-        let mut read = log::cursor(&mut self.conn).await?;
         let mut in_flight: VecDeque<(Vec<log::Position>, publish::Sent)> = VecDeque::new();
         let size = self.config.relay.batch_size;
         let topic = &self.config.topics.events;
         let mut batch = if self.shutdown.is_cancelled() {
             log::Batch::default()
         } else {
-            log::claim(&mut self.conn, read, size).await?
+            log::claim_after_cursor(&mut self.conn, size).await?
         };
         loop {
             let full = batch.len() == size as usize;
             let mut next = log::Batch::default();
             let positions = batch.positions()?;
             if let Some(last) = positions.last() {
-                read = *last;
+                let read = *last;
+                self.moved = true;
                 // Delayed events are not among them: the outbox sends those.
                 let events = batch.events(topic)?;
                 // Postgres reads the next batch while this one is handed to the producer.
@@ -582,7 +653,9 @@ impl Active<'_> {
                         positions[..prefix].iter().map(|at| at.seq).collect();
                     parking.retain(|p| passed.contains(&p.seq));
                 }
-                if prefix > 0 {
+                if prefix > 0 && parking.is_empty() {
+                    log::advance(&mut self.conn, positions[prefix - 1]).await?;
+                } else if prefix > 0 {
                     let mut tx = self.conn.begin().await?;
                     let keys = parked::park(&mut tx, topic, &parking).await?;
                     log::advance(&mut tx, positions[prefix - 1]).await?;

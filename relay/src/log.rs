@@ -129,7 +129,8 @@ macro_rules! claim_statement {
 
         #[allow(dead_code, clippy::type_complexity)]
         async fn claim_checked(conn: &mut PgConnection) -> Result<(), sqlx::Error> {
-            let rows = sqlx::query!($sql, String::new(), 0_i64, 0_i64).fetch_all(conn).await?;
+            let rows =
+                sqlx::query!($sql, None::<String>, None::<i64>, 0_i64).fetch_all(conn).await?;
             for r in rows {
                 let _columns: (
                     i64,
@@ -159,7 +160,8 @@ macro_rules! claim_statement {
 }
 
 // An xid8 is sent as a 64-bit integer: read as one (a cast to text and back costs Postgres
-// more than the rest of the row).
+// more than the rest of the row). Without a position (`$1` and `$2` null) the read starts at
+// the cursor, read in the same statement: a pass's first read is one statement, not two.
 claim_statement!(
     r#"
     SELECT e.seq,
@@ -169,7 +171,8 @@ claim_statement!(
            e.occurred_at AS available_at, e.traceparent, e.tracestate, e.kind,
            e.xid AS "xid: i64", e.delayed
     FROM job_events e
-    WHERE (e.xid, e.seq) > ($1::text::xid8, $2)
+    WHERE (e.xid, e.seq) > (coalesce($1::text::xid8, (SELECT published_xid FROM relay_cursor)),
+                            coalesce($2, (SELECT published_seq FROM relay_cursor)))
       AND e.xid < pg_snapshot_xmin(pg_current_snapshot())
     ORDER BY e.xid, e.seq
     LIMIT $3
@@ -187,11 +190,20 @@ pub async fn claim(
     after: Position,
     limit: u32,
 ) -> Result<Batch, sqlx::Error> {
-    claim_by(conn, CLAIM, after, limit).await
+    claim_by(conn, CLAIM, Some(after), limit).await
 }
 
-/// [`claim`] with `statement` in place of [`CLAIM`]: what shows that a statement whose
-/// columns moved is refused before its rows are read by position.
+/// [`claim`] after the cursor as it stands, read by the same statement.
+///
+/// # Errors
+/// The connection failed.
+pub async fn claim_after_cursor(conn: &mut PgConnection, limit: u32) -> Result<Batch, sqlx::Error> {
+    claim_by(conn, CLAIM, None, limit).await
+}
+
+/// [`claim`] with `statement` in place of [`CLAIM`] (after the cursor without `after`): what
+/// shows that a statement whose columns moved is refused before its rows are read by
+/// position.
 ///
 /// # Errors
 /// The connection failed, or the columns are not [`COLUMNS`].
@@ -199,12 +211,12 @@ pub async fn claim(
 pub async fn claim_by(
     conn: &mut PgConnection,
     statement: &str,
-    after: Position,
+    after: Option<Position>,
     limit: u32,
 ) -> Result<Batch, sqlx::Error> {
     let rows = sqlx::query(statement)
-        .bind(after.xid.to_string())
-        .bind(after.seq)
+        .bind(after.map(|at| at.xid.to_string()))
+        .bind(after.map(|at| at.seq))
         .bind(i64::from(limit))
         .fetch_all(conn)
         .await?;

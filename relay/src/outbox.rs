@@ -68,22 +68,6 @@ pub async fn mark_published(
     Ok(done.rows_affected())
 }
 
-/// Seconds until the next delayed row becomes due, if there is one.
-///
-/// # Errors
-/// The connection failed.
-pub async fn seconds_to_next_due(conn: &mut PgConnection) -> Result<Option<f64>, sqlx::Error> {
-    sqlx::query_scalar!(
-        r#"
-        SELECT EXTRACT(EPOCH FROM min(available_at) - now())::float8
-        FROM outbox
-        WHERE published_at IS NULL AND available_at > now()
-        "#,
-    )
-    .fetch_one(conn)
-    .await
-}
-
 /// Deletes up to `limit` rows published more than `older_than_secs` ago; returns how many.
 ///
 /// # Errors

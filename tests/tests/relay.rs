@@ -1315,7 +1315,7 @@ async fn a_log_read_with_its_columns_reordered_is_refused() {
     // The relay's read checks what it reads: the statement as it sends it, with its
     // columns moved, is refused rather than read into the wrong fields.
     let mut conn = it.pool.acquire().await.unwrap();
-    let start = log::Position { xid: 0, seq: 0 };
+    let start = Some(log::Position { xid: 0, seq: 0 });
     let read = log::claim_by(&mut conn, &claim, start, 10).await.unwrap();
     assert!(!read.is_empty(), "the event is read");
     let refused = log::claim_by(&mut conn, &swapped, start, 10).await.unwrap_err().to_string();
