@@ -227,12 +227,11 @@ async fn lease_batch_recorded(
 ) -> anyhow::Result<Vec<Leased>> {
     let mut tx = settings.pool.begin().await?;
     let job_ids: Vec<Uuid> = dispatches.iter().map(|d| d.job_id).collect();
-    let locked = store::lock_jobs(&mut tx, &job_ids).await?;
-    let pairs: Vec<(&str, &str)> =
-        locked.iter().map(|j| (j.document_id.as_str(), j.kind.as_str())).collect();
-    let newest = store::newest_succeeded_each(&mut tx, &pairs).await?;
-    let jobs: HashMap<Uuid, (JobRow, Option<i64>)> =
-        locked.into_iter().zip(newest).map(|(job, newest)| (job.job_id, (job, newest))).collect();
+    let jobs: HashMap<Uuid, (JobRow, Option<i64>)> = store::lock_jobs_and_newest(&mut tx, &job_ids)
+        .await?
+        .into_iter()
+        .map(|(job, newest)| (job.job_id, (job, newest)))
+        .collect();
 
     let now = Utc::now();
     let (mut decided, to_lease, ended) =

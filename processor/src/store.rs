@@ -184,33 +184,58 @@ pub async fn lock_jobs(
     Ok(jobs)
 }
 
-/// For each `(document_id, kind)` pair, the newest input version already succeeded, if any
-/// — in one statement, in the pairs' order.
+/// [`lock_jobs`] with, for each job locked, the newest input version of its document and
+/// kind already succeeded, as a lease transaction needs them: the check of each job's latest
+/// event and the newest versions are one statement.
 ///
 /// # Errors
 /// The database failed.
-pub async fn newest_succeeded_each(
+pub async fn lock_jobs_and_newest(
     tx: &mut PgConnection,
-    pairs: &[(&str, &str)],
-) -> Result<Vec<Option<i64>>, sqlx::Error> {
-    let documents: Vec<&str> = pairs.iter().map(|p| p.0).collect();
-    let kinds: Vec<&str> = pairs.iter().map(|p| p.1).collect();
-    sqlx::query_scalar!(
+    job_ids: &[Uuid],
+) -> Result<Vec<(JobRow, Option<i64>)>, sqlx::Error> {
+    let jobs =
+        select_job_rows!("FROM jobs WHERE job_id = ANY($1) ORDER BY job_id FOR UPDATE", job_ids)
+            .fetch_all(&mut *tx)
+            .await?;
+    let locked: Vec<Uuid> = jobs.iter().map(|j| j.job_id).collect();
+    let documents: Vec<&str> = jobs.iter().map(|j| j.document_id.as_str()).collect();
+    let kinds: Vec<&str> = jobs.iter().map(|j| j.kind.as_str()).collect();
+    // One value a job: null if it is late (see `lock_jobs`), else the newest version
+    // succeeded, 0 for none (versions are positive).
+    let checked = sqlx::query_scalar!(
         r#"
-        SELECT (SELECT max(j.input_version) FROM jobs j
-                WHERE j.document_id = p.document_id AND j.kind = p.kind AND j.state = 'succeeded')
-        FROM unnest($1::text[], $2::text[]) WITH ORDINALITY AS p(document_id, kind, n)
+        SELECT CASE
+                   WHEN (SELECT e.xid FROM job_events e WHERE e.job_id = p.job_id
+                         ORDER BY e.stream_version DESC LIMIT 1) > pg_current_xact_id()
+                   THEN NULL
+                   ELSE coalesce((SELECT max(j.input_version) FROM jobs j
+                                  WHERE j.document_id = p.document_id AND j.kind = p.kind
+                                    AND j.state = 'succeeded'), 0)
+               END
+        FROM unnest($1::uuid[], $2::text[], $3::text[]) WITH ORDINALITY
+            AS p(job_id, document_id, kind, n)
         ORDER BY p.n
         "#,
+        &locked,
         &documents as &[&str],
         &kinds as &[&str],
     )
-    // By `jobs_document_kind_idx`, planned for each call with its arguments: a plan that
-    // walks more than one document's jobs per pair (a plan prepared while `jobs` was small,
-    // or one trusting stale statistics about a new kind) cost 23 ms a call at 50,000 jobs.
+    // The newest versions by `jobs_document_kind_idx`, planned for each call with its
+    // arguments: a plan that walks more than one document's jobs per pair (a plan prepared
+    // while `jobs` was small, or one trusting stale statistics about a new kind) cost 23 ms a
+    // call at 50,000 jobs.
     .persistent(false)
-    .fetch_all(tx)
-    .await
+    .fetch_all(&mut *tx)
+    .await?;
+    Ok(jobs
+        .into_iter()
+        .zip(checked)
+        .map(|(mut job, checked)| {
+            job.fresh_xid = checked.is_some();
+            (job, checked.filter(|&newest| newest > 0))
+        })
+        .collect())
 }
 
 /// Takes the lease of each job (with its dispatch event's id and trace) in the caller's

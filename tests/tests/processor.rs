@@ -1497,13 +1497,24 @@ async fn jobs_a_death_found_running_run_inside_lease_transactions_one_at_a_time(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_batch_appends_only_to_jobs_no_later_transaction_wrote() {
-    use jobfold_processor::store;
     let it = Installation::new("proc-late").await;
+    // As operations lock jobs, and as a lease transaction does (with the newest versions
+    // succeeded, in the same statement as the check).
+    for with_newest in [false, true] {
+        appends_only_to_jobs_no_later_transaction_wrote(&it, with_newest).await;
+    }
+    it.cleanup().await;
+}
+
+async fn appends_only_to_jobs_no_later_transaction_wrote(it: &Installation, with_newest: bool) {
+    use jobfold_processor::store;
     let acceptor = it.acceptor().await;
     let events = it.events().await;
-    let jobs: Vec<NewJob> =
-        ["doc-a", "doc-b", "doc-c"].iter().map(|d| job(d, 1, json!({ "text": "x" }))).collect();
-    let ids = accept_all(&acceptor, &it, &jobs).await;
+    let jobs: Vec<NewJob> = ["doc-a", "doc-b", "doc-c"]
+        .iter()
+        .map(|d| job(&format!("{d}-{with_newest}"), 1, json!({ "text": "x" })))
+        .collect();
+    let ids = accept_all(&acceptor, it, &jobs).await;
     let (a, b, c) = (ids[0], ids[1], ids[2]);
     let due = || {
         jobfold_schemas::Payload::RetryDue(jobfold_schemas::event::RetryDue {
@@ -1511,10 +1522,20 @@ async fn a_batch_appends_only_to_jobs_no_later_transaction_wrote() {
             reason: jobfold_schemas::event::DispatchReason::Stalled,
         })
     };
+    let lock = move |mut tx: sqlx::Transaction<'static, sqlx::Postgres>, ids: Vec<uuid::Uuid>| async move {
+        let rows = if with_newest {
+            let rows = store::lock_jobs_and_newest(&mut tx, &ids).await.unwrap();
+            assert!(rows.iter().all(|(_, newest)| newest.is_none()), "none succeeded yet");
+            rows.into_iter().map(|(row, _)| row).collect()
+        } else {
+            store::lock_jobs(&mut tx, &ids).await.unwrap()
+        };
+        (tx, rows)
+    };
 
     // A batch locks `a` first, which gives it its xid.
-    let mut batch = it.pool.begin().await.unwrap();
-    assert!(store::lock_jobs(&mut batch, &[a]).await.unwrap()[0].fresh_xid);
+    let (batch, rows) = lock(it.pool.begin().await.unwrap(), vec![a]).await;
+    assert!(rows[0].fresh_xid);
     // A transaction begun later (a higher xid) locks `b` and appends to it.
     let mut later = it.pool.begin().await.unwrap();
     let mut b_row = store::lock_job(&mut later, b).await.unwrap().unwrap();
@@ -1522,10 +1543,7 @@ async fn a_batch_appends_only_to_jobs_no_later_transaction_wrote() {
     // The batch waits for `b` (and takes `c`) ...
     let later_pid: i32 =
         sqlx::query_scalar("SELECT pg_backend_pid()").fetch_one(&mut *later).await.unwrap();
-    let waiting = tokio::spawn(async move {
-        let rows = store::lock_jobs(&mut batch, &[b, c]).await.unwrap();
-        (batch, rows)
-    });
+    let waiting = tokio::spawn(lock(batch, vec![b, c]));
     eventually(Duration::from_secs(10), "the batch to wait for b's lock", || async {
         let blocked: i64 = sqlx::query_scalar(
             "SELECT count(*) FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))",
@@ -1549,7 +1567,6 @@ async fn a_batch_appends_only_to_jobs_no_later_transaction_wrote() {
     assert!(c_row[0].fresh_xid);
     events.append(&mut batch, &mut c_row[0], due(), None, None).await.unwrap();
     batch.commit().await.unwrap();
-    it.cleanup().await;
 }
 
 /// A job whose result is larger than `processor.max_output_bytes` (its `JobSucceeded` would

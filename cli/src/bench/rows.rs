@@ -75,10 +75,8 @@ async fn accept_then_complete(
     let ids: Vec<uuid::Uuid> = accepted.iter().map(|a| a.job_id).collect();
 
     let mut tx = sqlx::Connection::begin(&mut *conn).await?;
-    let mut rows = store::lock_jobs(&mut tx, &ids).await?;
-    let pairs: Vec<(&str, &str)> =
-        rows.iter().map(|r| (r.document_id.as_str(), r.kind.as_str())).collect();
-    store::newest_succeeded_each(&mut tx, &pairs).await?;
+    let mut rows: Vec<store::JobRow> =
+        store::lock_jobs_and_newest(&mut tx, &ids).await?.into_iter().map(|(row, _)| row).collect();
     let now = chrono::Utc::now();
     let result = serde_json::Value::Null;
     let mut successes = Vec::with_capacity(rows.len());
