@@ -974,8 +974,11 @@ async fn summary(
 /// Kills the active relay (`relay`, its pid) between producing a batch and marking it, once
 /// it has marked one batch of the workload: the demo holds the cursor's table against
 /// writes, the relay's next mark waits on it with its batch already delivered to Kafka, and
-/// the relay is killed -9 there. The mark's transaction dies with its session, so the cursor
-/// stays before that batch, and the relay standing by publishes it again.
+/// the relay is killed -9 there. Its session is ended too before the table is let go: a
+/// statement the relay sent before it died would otherwise still run once the lock is free
+/// (a backend notices its client gone only when it next talks to it). So the mark never
+/// happens, the cursor stays before that batch, and the relay standing by publishes it
+/// again.
 async fn crash_relay_before_its_mark(pool: sqlx::PgPool, relay: u32) -> anyhow::Result<()> {
     let deadline = Instant::now() + Duration::from_secs(120);
     let start =
@@ -1015,6 +1018,15 @@ async fn crash_relay_before_its_mark(pool: sqlx::PgPool, relay: u32) -> anyhow::
         anyhow::ensure!(Instant::now() < deadline, "relay-1 outlived kill -9");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
+    // Its waiting mark ends with its session (waited for, up to 10 s).
+    let ended = sqlx::query_scalar!(
+        r#"SELECT coalesce(bool_and(pg_terminate_backend(pid, 10000)), true) AS "ended!"
+           FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))"#,
+        holder
+    )
+    .fetch_one(&pool)
+    .await?;
+    anyhow::ensure!(ended, "relay-1's session outlived it");
     tx.rollback().await?;
     Ok(())
 }
