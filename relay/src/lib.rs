@@ -395,7 +395,9 @@ struct Active<'a> {
     recheck_limit: bool,
     /// Events the broker refused once, to be parked if it refuses them again.
     refused_once: std::collections::HashSet<i64>,
-    /// The pass read events from the log or the outbox (the busy poll starts short again).
+    /// The pass moved the log cursor (the busy poll starts short again). Not merely read
+    /// events: a pass that reads rows it cannot send (delayed rows of a parked document, a
+    /// batch the broker did not take) must back off like one that found nothing.
     moved: bool,
 }
 
@@ -560,7 +562,6 @@ impl Active<'_> {
             let sent = if rows.is_empty() {
                 None
             } else {
-                self.moved = true;
                 let events = publish::events(&rows, &self.config.topics.events);
                 cursor = events.last().map_or(cursor, |e| e.seq);
                 Some(publish::send(self.producer, &events, blocked, self.max_bytes).await)
@@ -610,7 +611,6 @@ impl Active<'_> {
             let positions = batch.positions()?;
             if let Some(last) = positions.last() {
                 let read = *last;
-                self.moved = true;
                 // Delayed events are not among them: the outbox sends those.
                 let events = batch.events(topic)?;
                 // Postgres reads the next batch while this one is handed to the producer.
@@ -653,6 +653,7 @@ impl Active<'_> {
                         positions[..prefix].iter().map(|at| at.seq).collect();
                     parking.retain(|p| passed.contains(&p.seq));
                 }
+                self.moved |= prefix > 0;
                 if prefix > 0 && parking.is_empty() {
                     log::advance(&mut self.conn, positions[prefix - 1]).await?;
                 } else if prefix > 0 {
